@@ -1,0 +1,19 @@
+"""A small Flax (nnx) GPT whose parameter layout depends on the parallel layout (demo and tests)."""
+
+from .model import GPT as GPT
+from .model import GPTConfig as GPTConfig
+from .model import Layout as Layout
+from .model import abstract_params as abstract_params
+from .model import from_layout as from_layout
+from .model import init_canonical as init_canonical
+from .model import make_mesh as make_mesh
+from .model import model_from_params as model_from_params
+from .model import param_shardings as param_shardings
+from .model import to_layout as to_layout
+from .model import ucp_rules as ucp_rules
+from .train import abstract_opt_state as abstract_opt_state
+from .train import batch as batch
+from .train import init_opt_state as init_opt_state
+from .train import loss_fn as loss_fn
+from .train import make_optimizer as make_optimizer
+from .train import make_train_step as make_train_step

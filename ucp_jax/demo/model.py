@@ -1,0 +1,483 @@
+"""A small Flax (nnx) GPT whose parameter layout depends on the parallel layout.
+
+The layout-dependent parts are exactly what a universal checkpoint has to undo:
+
+* the fused QKV (and SwiGLU ``[gate | up]``) kernels hold, along their last axis, one ``[q_r | k_r | v_r]``
+  group per tensor-parallel shard ``r``;
+* the embedding / unembedding are zero-padded to a multiple of ``64 * tensor`` rows / columns;
+* per-layer parameters are stacked as ``[n_layers, ...]`` or ``[stages, n_layers // stages, ...]``.
+
+Weights are initialised once in the canonical (unsharded, per-layer) layout by :func:`init_canonical`,
+so the same seed gives the same model, and the same losses, in every layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+PyTree = Any
+MESH_AXES = ("stage", "data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+_NEG_INF = -1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Hyper-parameters of the demo GPT (pre-LN, causal attention with GQA, SwiGLU MLP)."""
+
+    vocab_size: int = 250
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    n_layers: int = 4
+    d_ff: int = 128
+    seq_len: int = 32
+    vocab_multiple: int = 64
+    norm_eps: float = 1e-5
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.d_model // self.n_heads
+
+    def padded_vocab(self, tensor: int) -> int:
+        """Vocabulary size rounded up to a multiple of ``vocab_multiple * tensor``."""
+        m = self.vocab_multiple * tensor
+        return -(-self.vocab_size // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A parallel layout: sizes of the mesh axes ('stage', 'data', 'fsdp', 'tensor')."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    stages: int = 1
+
+    @property
+    def size(self) -> int:
+        """Number of devices the layout uses."""
+        return self.stages * self.data * self.fsdp * self.tensor
+
+    @property
+    def name(self) -> str:
+        """Short label, e.g. ``dp2-tp4``."""
+        parts = [f"pp{self.stages}"] if self.stages > 1 else []
+        parts.append(f"dp{self.data}")
+        if self.fsdp > 1:
+            parts.append(f"fsdp{self.fsdp}")
+        parts.append(f"tp{self.tensor}")
+        return "-".join(parts)
+
+    def check(self, config: GPTConfig) -> None:
+        """Raise ValueError if the layout cannot hold the model.
+
+        Args:
+            config: the model configuration.
+        """
+        t, c = self.tensor, config
+        for what, n in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("d_ff", c.d_ff)):
+            if n % t:
+                raise ValueError(f"layout {self.name}: tensor={t} does not divide {what}={n}")
+        if c.n_layers % self.stages:
+            raise ValueError(f"layout {self.name}: stages={self.stages} does not divide n_layers")
+        if c.n_heads % c.n_kv_heads:
+            raise ValueError("n_kv_heads must divide n_heads")
+
+
+def make_mesh(layout: Layout, devices: list[jax.Device] | None = None) -> Mesh:
+    """Build the ('stage', 'data', 'fsdp', 'tensor') mesh of a layout over the first devices.
+
+    Args:
+        layout: the parallel layout.
+        devices: devices to use (default: ``jax.devices()``); the first ``layout.size`` are taken.
+
+    Returns:
+        A mesh with Auto axis types.
+    """
+    devices = list(jax.devices() if devices is None else devices)[: layout.size]
+    shape = (layout.stages, layout.data, layout.fsdp, layout.tensor)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices)
+
+
+# ----------------------------------------------------------------------------- module definition
+
+
+def _param(shape: tuple[int, ...], spec: tuple[str | None, ...]) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=spec, eager_sharding=False)
+
+
+class _Kernel(nnx.Module):
+    def __init__(self, shape: tuple[int, ...], spec: tuple[str | None, ...]) -> None:
+        self.kernel = _param(shape, spec)
+
+
+class _Norm(nnx.Module):
+    def __init__(self, shape: tuple[int, ...], spec: tuple[str | None, ...]) -> None:
+        self.scale = _param(shape, spec)
+
+
+class _Group(nnx.Module):
+    def __init__(self, **children: nnx.Module) -> None:
+        for k, v in children.items():
+            setattr(self, k, v)
+
+
+class GPT(nnx.Module):
+    """The demo GPT with layout-dependent parameter shapes (zeros; use :func:`to_layout` for weights).
+
+    Args:
+        config: the model configuration.
+        layout: the parallel layout whose parameter layout the module holds.
+    """
+
+    def __init__(self, config: GPTConfig, layout: Layout) -> None:
+        layout.check(config)
+        c, t = config, layout.tensor
+        self.config, self.layout = config, layout
+        d, hd, vp = c.d_model, c.head_dim, c.padded_vocab(t)
+        fs = "fsdp" if layout.fsdp > 1 and d % layout.fsdp == 0 else None
+        tp = "tensor" if t > 1 else None
+        if layout.stages > 1:
+            lead, lspec = (layout.stages, c.n_layers // layout.stages), ("stage", None)
+        else:
+            lead, lspec = (c.n_layers,), (None,)
+
+        def stacked(cls: type, shape: tuple[int, ...], spec: tuple[str | None, ...]) -> nnx.Module:
+            return cls(lead + shape, lspec + spec)
+
+        self.embed = _Group(embedding=_param((vp, d), (tp, fs)))
+        self.layers = _Group(
+            ln1=stacked(_Norm, (d,), (None,)),
+            attn=_Group(
+                qkv=stacked(_Kernel, (d, (c.n_heads + 2 * c.n_kv_heads) * hd), (fs, tp)),
+                out=stacked(_Kernel, (c.n_heads * hd, d), (tp, fs)),
+            ),
+            ln2=stacked(_Norm, (d,), (None,)),
+            mlp=_Group(
+                gate_up=stacked(_Kernel, (d, 2 * c.d_ff), (fs, tp)),
+                down=stacked(_Kernel, (c.d_ff, d), (tp, fs)),
+            ),
+        )
+        self.ln_f = _Norm((d,), (None,))
+        self.unembed = _Kernel((d, vp), (fs, tp))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``[batch, seq, padded_vocab]`` of int tokens ``[batch, seq]``; padding is masked.
+
+        Args:
+            tokens: int32 token ids.
+
+        Returns:
+            float32 logits; the padded vocabulary columns hold a large negative number.
+        """
+        c = self.config
+        emb = self.embed.embedding[...]  # one-hot matmul: exact, and vocab-parallel friendly
+        x = _constrain(jax.nn.one_hot(tokens, emb.shape[0], dtype=emb.dtype) @ emb)
+        stacked = nnx.to_pure_dict(nnx.state(self.layers))
+        if self.layout.stages > 1:  # the leading [stages, per_stage] axes merge into [n_layers]
+            stacked = jax.tree.map(lambda a: a.reshape((c.n_layers, *a.shape[2:])), stacked)
+
+        def body(h: jax.Array, p: dict) -> tuple[jax.Array, None]:
+            return _constrain(_block(h, p, c, self.layout.tensor)), None
+
+        x, _ = jax.lax.scan(body, x, stacked)
+        logits = _rms_norm(x, self.ln_f.scale[...], c.norm_eps) @ self.unembed.kernel[...]
+        valid = jnp.arange(logits.shape[-1]) < c.vocab_size
+        return jnp.where(valid, logits, _NEG_INF)
+
+
+def _constrain(x: jax.Array) -> jax.Array:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *(None,) * (x.ndim - 1)))
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _block(x: jax.Array, p: dict, c: GPTConfig, t: int) -> jax.Array:
+    """One pre-LN transformer block on ``x [b, s, d]`` with per-layer params ``p`` (TP-fused)."""
+    b, s, _ = x.shape
+    hq, hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    h = _rms_norm(x, p["ln1"]["scale"], c.norm_eps)
+    qkv = (h @ p["attn"]["qkv"]["kernel"]).reshape(b, s, t, (hq + 2 * hk) // t, hd)
+    q, k, v = jnp.split(qkv, [hq // t, (hq + hk) // t], axis=3)  # one [q_r|k_r|v_r] per shard r
+    q = q.reshape(b, s, hk, hq // hk, hd)
+    k, v = k.reshape(b, s, hk, hd), v.reshape(b, s, hk, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k) / math.sqrt(hd)
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores, _NEG_INF), axis=-1)
+    att = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, hq * hd)
+    x = x + att @ p["attn"]["out"]["kernel"]
+    h = _rms_norm(x, p["ln2"]["scale"], c.norm_eps)
+    gu = (h @ p["mlp"]["gate_up"]["kernel"]).reshape(b, s, t, 2, c.d_ff // t)
+    gate, up = gu[:, :, :, 0].reshape(b, s, c.d_ff), gu[:, :, :, 1].reshape(b, s, c.d_ff)
+    return x + (jax.nn.silu(gate) * up) @ p["mlp"]["down"]["kernel"]
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+_BLOCK_PARAMS = (
+    "ln1.scale",
+    "attn.qkv.kernel",
+    "attn.out.kernel",
+    "ln2.scale",
+    "mlp.gate_up.kernel",
+    "mlp.down.kernel",
+)
+
+
+def _fused_sizes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    c = config
+    qkv = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim)
+    return {"attn.qkv.kernel": qkv, "mlp.gate_up.kernel": (c.d_ff, c.d_ff)}
+
+
+def init_canonical(config: GPTConfig, seed: int | None = None) -> dict[str, np.ndarray]:
+    """Layout-independent initial weights, by canonical atom name (``blocks.{i}.attn.qkv.kernel``...).
+
+    Args:
+        config: the model configuration.
+        seed: random seed (default ``config.seed``).
+
+    Returns:
+        A flat dict of float32 numpy arrays: unpadded vocabulary, one entry per layer,
+        fused kernels in the canonical ``[q | k | v]`` / ``[gate | up]`` column order.
+    """
+    c = config
+    rng = np.random.default_rng([c.seed if seed is None else seed, 0])
+    d, hd = c.d_model, c.head_dim
+
+    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    out: dict[str, np.ndarray] = {"embed.embedding": normal((c.vocab_size, d), 1.0)}
+    resid = 1.0 / math.sqrt(2 * c.n_layers)
+    for i in range(c.n_layers):
+        pre = f"blocks.{i}."
+        out[pre + "ln1.scale"] = np.ones((d,), np.float32)
+        qkv_cols = (c.n_heads + 2 * c.n_kv_heads) * hd
+        out[pre + "attn.qkv.kernel"] = normal((d, qkv_cols), d**-0.5)
+        out[pre + "attn.out.kernel"] = normal((c.n_heads * hd, d), (c.n_heads * hd) ** -0.5 * resid)
+        out[pre + "ln2.scale"] = np.ones((d,), np.float32)
+        out[pre + "mlp.gate_up.kernel"] = normal((d, 2 * c.d_ff), d**-0.5)
+        out[pre + "mlp.down.kernel"] = normal((c.d_ff, d), c.d_ff**-0.5 * resid)
+    out["ln_f.scale"] = np.ones((d,), np.float32)
+    out["unembed.kernel"] = normal((d, c.vocab_size), d**-0.5)
+    return out
+
+
+def _fuse(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
+    """Canonical ``[s_0 | s_1 | ...]`` columns -> ``concat_r [s_0[r] | s_1[r] | ...]`` (last axis)."""
+    subs = np.split(a, np.cumsum(sizes)[:-1], axis=-1)
+    return np.concatenate([np.split(s, t, axis=-1)[r] for r in range(t) for s in subs], axis=-1)
+
+
+def _unfuse(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
+    """Inverse of :func:`_fuse`."""
+    chunk = [n // t for n in sizes]
+    groups = np.split(a, t, axis=-1)
+    parts = [np.split(g, np.cumsum(chunk)[:-1], axis=-1) for g in groups]
+    return np.concatenate(
+        [np.concatenate([p[k] for p in parts], -1) for k in range(len(sizes))], -1
+    )
+
+
+def _unflatten(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for name, v in flat.items():
+        *path, leaf = name.split(".")
+        node = tree
+        for k in path:
+            node = node.setdefault(k, {})
+        node[leaf] = v
+    return tree
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _graph(config: GPTConfig, layout: Layout) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: GPT(config, layout)))
+
+
+def model_from_params(params: PyTree, config: GPTConfig, layout: Layout) -> GPT:
+    """The nnx module holding ``params`` (works inside ``jax.jit``).
+
+    Args:
+        params: nested dict of arrays in ``layout``'s parameter layout.
+        config: the model configuration.
+        layout: the parallel layout of ``params``.
+
+    Returns:
+        A :class:`GPT` whose Params are the given arrays.
+    """
+    return nnx.merge(_graph(config, layout)[0], params)
+
+
+def param_shardings(config: GPTConfig, layout: Layout, mesh: Mesh) -> PyTree:
+    """The NamedSharding of every parameter, as a nested dict mirroring the params.
+
+    Args:
+        config: the model configuration.
+        layout: the parallel layout.
+        mesh: a mesh with the axes ('stage', 'data', 'fsdp', 'tensor') of this layout.
+
+    Returns:
+        A nested dict of ``NamedSharding``.
+    """
+    return nnx.to_pure_dict(nnx.get_named_sharding(_graph(config, layout)[1], mesh))
+
+
+def abstract_params(config: GPTConfig, layout: Layout, mesh: Mesh) -> PyTree:
+    """The params as ``jax.ShapeDtypeStruct`` with shardings (a restore target).
+
+    Args:
+        config: the model configuration.
+        layout: the parallel layout.
+        mesh: the layout's mesh.
+
+    Returns:
+        A nested dict of ``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding)``.
+    """
+    shapes = nnx.to_pure_dict(_graph(config, layout)[1])
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes,
+        param_shardings(config, layout, mesh),
+    )
+
+
+def _put(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+
+def to_layout(
+    canonical: dict[str, np.ndarray], config: GPTConfig, layout: Layout, mesh: Mesh
+) -> PyTree:
+    """Lay canonical weights out for a layout: fuse per TP, pad the vocabulary, stack, shard.
+
+    Args:
+        canonical: flat dict from :func:`init_canonical` (or :func:`from_layout`).
+        config: the model configuration.
+        layout: the parallel layout.
+        mesh: the layout's mesh.
+
+    Returns:
+        The params: a nested dict of sharded ``jax.Array``.
+    """
+    layout.check(config)
+    c, t = config, layout.tensor
+    vp, fused = c.padded_vocab(t), _fused_sizes(config)
+    flat: dict[str, np.ndarray] = {}
+    emb = canonical["embed.embedding"]
+    flat["embed.embedding"] = np.pad(emb, ((0, vp - c.vocab_size), (0, 0)))
+    unemb = canonical["unembed.kernel"]
+    flat["unembed.kernel"] = np.pad(unemb, ((0, 0), (0, vp - c.vocab_size)))
+    flat["ln_f.scale"] = canonical["ln_f.scale"]
+    lead = (layout.stages, c.n_layers // layout.stages) if layout.stages > 1 else (c.n_layers,)
+    for name in _BLOCK_PARAMS:
+        per_layer = [canonical[f"blocks.{i}.{name}"] for i in range(c.n_layers)]
+        if name in fused:
+            per_layer = [_fuse(a, fused[name], t) for a in per_layer]
+        stacked = np.stack(per_layer)
+        flat[f"layers.{name}"] = stacked.reshape(lead + stacked.shape[1:])
+    shardings = param_shardings(config, layout, mesh)
+    return jax.tree.map(_put, _unflatten(flat), shardings)
+
+
+def from_layout(params: PyTree, config: GPTConfig, layout: Layout) -> dict[str, np.ndarray]:
+    """The exact inverse of :func:`to_layout`: params of a layout -> canonical numpy weights.
+
+    Args:
+        params: nested dict of arrays in ``layout``'s parameter layout (fully addressable).
+        config: the model configuration.
+        layout: the layout the params are in.
+
+    Returns:
+        A flat dict of numpy arrays with canonical names and shapes.
+    """
+    c, t = config, layout.tensor
+    flat = {k: np.asarray(v) for k, v in _flatten(params).items()}
+    fused = _fused_sizes(config)
+    out = {
+        "embed.embedding": flat["embed.embedding"][: c.vocab_size],
+        "unembed.kernel": flat["unembed.kernel"][:, : c.vocab_size],
+        "ln_f.scale": flat["ln_f.scale"],
+    }
+    for name in _BLOCK_PARAMS:
+        a = flat[f"layers.{name}"]
+        a = a.reshape((c.n_layers, *a.shape[2 if layout.stages > 1 else 1 :]))
+        for i in range(c.n_layers):
+            out[f"blocks.{i}.{name}"] = _unfuse(a[i], fused[name], t) if name in fused else a[i]
+    return out
+
+
+def ucp_rules(config: GPTConfig, layout: Layout) -> list[tuple[str, Any]]:
+    """The ``ucp`` rules mapping this model's leaves to canonical atoms (``blocks.{i}...``).
+
+    Args:
+        config: the model configuration.
+        layout: the parallel layout the leaves are in (sets the stacking axes).
+
+    Returns:
+        A list of ``(regex, pattern)`` / ``(regex, (pattern, ...))`` for ``ucp.save``/``ucp.restore``.
+    """
+    import ucp_jax as ucp  # lazy: the model imports without the core library
+
+    stacked = ucp.Stacked(r"blocks.{i}.\1", axes=(0, 1) if layout.stages > 1 else 0)
+    rules: list[tuple[str, Any]] = [
+        (r"embed\.embedding", ucp.VocabPadded(config.vocab_size, axis=0)),
+        (r"unembed\.kernel", ucp.VocabPadded(config.vocab_size, axis=1)),
+    ]
+    for name, sizes in _fused_sizes(config).items():
+        fused = ucp.Fused(sizes, axis=1, shard_axis="tensor")  # axis of the per-layer atom
+        rules.append((r"layers\.(" + re.escape(name) + ")", (fused, stacked)))
+    rules.append((r"layers\.(.*)", stacked))
+    return rules
+
+
+_TRAIN_NAMES = frozenset(
+    (
+        "make_optimizer",
+        "abstract_opt_state",
+        "init_opt_state",
+        "batch",
+        "loss_fn",
+        "make_train_step",
+    )
+)
+
+
+def __getattr__(name: str) -> Any:
+    """Lazily re-export the training pieces of :mod:`ucp_jax.demo.train` from this module."""
+    if name in _TRAIN_NAMES:
+        from . import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
