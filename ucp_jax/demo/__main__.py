@@ -12,13 +12,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
+import numpy as np
 
 from .model import (
     GPTConfig,
     Layout,
     abstract_params,
+    from_layout,
     init_canonical,
     make_mesh,
     to_layout,
@@ -37,6 +40,7 @@ def run_layout(
     batch_size: int = 16,
     restore_from: Path | None = None,
     save_at: dict[int, Path] | None = None,
+    snapshots: dict[str, dict[str, np.ndarray]] | None = None,
 ) -> dict[int, float]:
     """Train ``layout`` over ``steps``, from the canonical init or a universal checkpoint.
 
@@ -47,6 +51,8 @@ def run_layout(
         batch_size: global batch size.
         restore_from: a universal checkpoint to resume from (default: the canonical init).
         save_at: ``{step: path}``: save a universal checkpoint after these steps.
+        snapshots: if given, receives the canonical state (:func:`canonical_state`) under
+            ``"saved@<step>"`` for each save and ``"restored"`` after a restore.
 
     Returns:
         ``{step: loss}`` (the loss of the batch of each step, before its update).
@@ -63,6 +69,8 @@ def run_layout(
         p_target = abstract_params(config, layout, mesh)
         o_target = abstract_opt_state(optimizer, p_target)
         params, opt_state = ucp.restore(restore_from, p_target, o_target, rules=rules)
+        if snapshots is not None:
+            snapshots["restored"] = canonical_state(params, opt_state, config, layout)
     train_step = make_train_step(config, layout, mesh, optimizer)
     losses: dict[int, float] = {}
     for step in steps:
@@ -75,7 +83,30 @@ def run_layout(
             if path.exists():  # our own output from an earlier run
                 shutil.rmtree(path)
             ucp.save(path, params, opt_state, step=step, rules=rules)
+            if snapshots is not None:
+                snapshots[f"saved@{step}"] = canonical_state(params, opt_state, config, layout)
     return losses
+
+
+def canonical_state(
+    params: Any, opt_state: Any, config: GPTConfig, layout: Layout
+) -> dict[str, np.ndarray]:
+    """Params and Adam moments in the canonical layout, as numpy (``<slot>/<atom name>``).
+
+    Args:
+        params: the params in ``layout``.
+        opt_state: the state of :func:`make_optimizer` for them.
+        config: the model configuration.
+        layout: the layout of ``params``.
+
+    Returns:
+        A flat dict of numpy arrays, comparable across layouts.
+    """
+    adam = opt_state[1][0]  # chain(clip, adamw) -> adamw's ScaleByAdamState
+    out = {"step": np.asarray(adam.count)}
+    for slot, tree in (("fp32", params), ("exp_avg", adam.mu), ("exp_avg_sq", adam.nu)):
+        out.update({f"{slot}/{k}": v for k, v in from_layout(tree, config, layout).items()})
+    return out
 
 
 def print_table(columns: dict[str, dict[int, float]], reference: str, resumed: str) -> float:
@@ -107,7 +138,7 @@ def print_table(columns: dict[str, dict[int, float]], reference: str, resumed: s
             cells.append(f"{rel:>{widths[-1]}.2e}")
         else:
             cells.append(" " * widths[-1])
-        print(" | ".join([f"{s:>4}", *cells]))
+        print(" | ".join([f"{s:>4}", *cells]).rstrip())
     return worst
 
 
@@ -140,12 +171,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = GPTConfig()
     ckpt = (args.out / f"step_{save_at}").absolute()
     t0 = time.perf_counter()
+    snaps: dict[str, dict[str, np.ndarray]] = {}
     losses_a = run_layout(
         config,
         layout_a,
         range(1, args.steps + 1),
         batch_size=args.batch_size,
         save_at={save_at: ckpt},
+        snapshots=snaps,
     )
     t1 = time.perf_counter()
     losses_b = run_layout(
@@ -154,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         range(save_at + 1, args.steps + 1),
         batch_size=args.batch_size,
         restore_from=ckpt,
+        snapshots=snaps,
     )
     t2 = time.perf_counter()
     a, b = f"loss A ({layout_a.name})", f"loss B ({layout_b.name}, resumed)"
@@ -162,7 +196,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"layout B {layout_b.name} restores it and trains steps {save_at + 1}..{args.steps}\n")
     worst = print_table({a: losses_a, b: losses_b}, reference=a, resumed=b)
-    ok = worst <= TOLERANCE
+    saved, restored = snaps[f"saved@{save_at}"], snaps["restored"]
+    exact = saved.keys() == restored.keys() and all(
+        np.array_equal(saved[k], restored[k]) for k in saved
+    )
+    print(
+        f"\nstate restored in {layout_b.name} vs saved in {layout_a.name} (params, Adam moments, "
+        f"count; canonical layout): {'bit-identical' if exact else 'DIFFERENT'}"
+    )
+    ok = exact and worst <= TOLERANCE
     print(
         f"\nmax rel diff {worst:.2e} (tolerance {TOLERANCE:.0e}): "
         f"{'OK, the loss curve continues' if ok else 'MISMATCH'}  "

@@ -94,8 +94,8 @@ class Layout:
                 raise ValueError(f"layout {self.name}: tensor={t} does not divide {what}={n}")
         if c.n_layers % self.stages:
             raise ValueError(f"layout {self.name}: stages={self.stages} does not divide n_layers")
-        if c.n_heads % c.n_kv_heads:
-            raise ValueError("n_kv_heads must divide n_heads")
+        if c.n_heads % c.n_kv_heads or c.d_model % c.n_heads:
+            raise ValueError("n_kv_heads must divide n_heads, and n_heads must divide d_model")
 
 
 def make_mesh(layout: Layout, devices: list[jax.Device] | None = None) -> Mesh:

@@ -1,0 +1,36 @@
+# Two commands: `make demo` and `make test`. Each creates .venv if it is missing and installs what it needs.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-dev
+XLA     := XLA_FLAGS=--xla_force_host_platform_device_count=8
+
+.PHONY: demo test lint format bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(XLA) $(BIN)/python -m ucp_jax.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check ucp_jax tests benchmarks
+	$(BIN)/ruff format --check ucp_jax tests benchmarks
+
+format: $(STAMP)
+	$(BIN)/ruff format ucp_jax tests benchmarks
+	$(BIN)/ruff check --fix ucp_jax tests benchmarks
+
+test: lint
+	$(XLA) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(XLA) $(BIN)/python benchmarks/save_restore.py
+
+clean:
+	rm -rf $(VENV) demo_out .pytest_cache

@@ -1,0 +1,34 @@
+"""Test set-up: 8 forced CPU devices (set before jax starts), shared helpers."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if jax.device_count() < 8:
+        raise pytest.UsageError(
+            f"tests need 8 devices, found {jax.device_count()}; run through `make test` or set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts"
+        )
+
+
+def assert_tree_bitexact(a: object, b: object) -> None:
+    """Two pytrees have the same structure, shapes, dtypes and bytes."""
+    la, ta = jax.tree_util.tree_flatten_with_path(a)
+    lb, tb = jax.tree_util.tree_flatten_with_path(b)
+    assert ta == tb, f"tree structures differ:\n{ta}\n{tb}"
+    for (path, x), (_, y) in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        where = jax.tree_util.keystr(path)
+        assert x.shape == y.shape, f"{where}: shape {x.shape} != {y.shape}"
+        assert x.dtype == y.dtype, f"{where}: dtype {x.dtype} != {y.dtype}"
+        assert x.tobytes() == y.tobytes(), f"{where}: values differ"

@@ -1,0 +1,27 @@
+"""Exception types of ucp_jax: every error names the leaf, what was expected, what was found, the fix."""
+
+from __future__ import annotations
+
+
+class UcpError(Exception):
+    """Base class of all ucp_jax errors."""
+
+
+class NotACheckpointError(UcpError, FileNotFoundError):
+    """The path holds no committed universal checkpoint (missing, partial or foreign)."""
+
+
+class FormatVersionError(UcpError):
+    """The checkpoint was written by a newer format version than this library reads."""
+
+
+class MismatchError(UcpError, ValueError):
+    """A target leaf does not match the checkpoint (shape, dtype, atom, slot or tree)."""
+
+
+class PatternError(UcpError, ValueError):
+    """A rule or pattern cannot be applied to a leaf (sizes, axes or names do not reconcile)."""
+
+
+class ChecksumError(UcpError):
+    """Stored bytes do not match their checksum: the checkpoint is corrupt."""

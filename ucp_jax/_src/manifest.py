@@ -1,0 +1,169 @@
+"""The versioned manifest of a universal checkpoint: atoms, slots, shapes, dtypes, patterns, source."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import FormatVersionError, NotACheckpointError
+
+FORMAT = "ucp/1"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+COMMIT = "COMMIT"
+
+# optax field name -> slot name (DeepSpeed's names, so a DeepSpeed universal folder maps 1:1).
+SLOT_ALIASES = {"mu": "exp_avg", "nu": "exp_avg_sq"}
+PARAM_SLOT = "fp32"
+VALUE_SLOT = "value"
+
+
+def atom_dir(atom: str) -> str:
+    """Relative directory of an atom: `atoms/<atom>`, with unsafe characters percent-encoded."""
+    return "atoms/" + urllib.parse.quote(atom, safe=".-_")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotInfo:
+    """One stored array: a slot (fp32, exp_avg, ...) of an atom."""
+
+    dtype: str
+    path: str
+    chunks: tuple[int, ...]
+    inner_chunks: tuple[int, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "path": self.path,
+            "chunks": list(self.chunks),
+            "inner_chunks": None if self.inner_chunks is None else list(self.inner_chunks),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SlotInfo:
+        inner = d.get("inner_chunks")
+        return cls(d["dtype"], d["path"], tuple(d["chunks"]), None if inner is None else tuple(inner))
+
+
+@dataclasses.dataclass(frozen=True)
+class AtomInfo:
+    """An atom: a parameter (or optimizer leaf) as the unsharded model holds it.
+
+    Attributes:
+        shape: the atom's shape (padding stripped).
+        dtype: dtype of its main slot (`fp32` for parameters, else the first slot).
+        slots: slot name -> SlotInfo.
+        pattern: the pattern chain (JSON) of the leaf that produced it, atom outward.
+        leaf: name of the leaf that produced it.
+        fused: sub-param fusions recorded for it: [{"sizes": [...], "axis": a}].
+        role: for optimizer leaves that mirror no parameter, e.g. 'ScaleByAdamState.count'.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    slots: dict[str, SlotInfo]
+    pattern: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    leaf: str = ""
+    fused: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    role: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all slots together."""
+        import numpy as np
+
+        from .dtypes import np_dtype
+
+        n = int(np.prod(self.shape, dtype=np.int64))
+        return sum(n * np_dtype(s.dtype).itemsize for s in self.slots.values())
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "slots": {k: v.to_json() for k, v in self.slots.items()},
+            "pattern": self.pattern,
+            "leaf": self.leaf,
+            "fused": self.fused,
+        }
+        if self.role is not None:
+            out["role"] = self.role
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> AtomInfo:
+        return cls(
+            shape=tuple(d["shape"]),
+            dtype=d["dtype"],
+            slots={k: SlotInfo.from_json(v) for k, v in d["slots"].items()},
+            pattern=list(d.get("pattern", [])),
+            leaf=d.get("leaf", ""),
+            fused=list(d.get("fused", [])),
+            role=d.get("role"),
+        )
+
+
+@dataclasses.dataclass
+class Manifest:
+    """The whole manifest: what a reader needs to find, check and map every stored array."""
+
+    step: int | None
+    atoms: dict[str, AtomInfo]
+    leaves: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    rules: list[list[Any]] = dataclasses.field(default_factory=list)
+    source: dict[str, Any] = dataclasses.field(default_factory=dict)
+    extra: Any = None
+    format: str = FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "atoms": {k: v.to_json() for k, v in self.atoms.items()},
+            "leaves": self.leaves,
+            "rules": self.rules,
+            "source": self.source,
+            "extra": self.extra,
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), indent=1, sort_keys=False).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, where: str) -> Manifest:
+        """Parse a manifest, refusing newer format versions and foreign files.
+
+        Raises:
+            NotACheckpointError: the file is not a ucp manifest.
+            FormatVersionError: written by a newer ucp_jax.
+        """
+        try:
+            d = json.loads(data)
+        except ValueError as e:
+            raise NotACheckpointError(f"{where}: manifest.json is not valid JSON ({e})") from e
+        fmt = d.get("format", "") if isinstance(d, dict) else ""
+        if not isinstance(fmt, str) or not fmt.startswith("ucp/"):
+            raise NotACheckpointError(
+                f"{where}: manifest format is {fmt!r}, expected 'ucp/<version>'; "
+                "this is not a universal checkpoint"
+            )
+        version = int(d.get("format_version", fmt.split("/")[1]))
+        if version > FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{where}: checkpoint format version {version} is newer than this ucp_jax reads "
+                f"(<= {FORMAT_VERSION}); upgrade ucp_jax (pip install -U ucp_jax)"
+            )
+        return cls(
+            step=d.get("step"),
+            atoms={k: AtomInfo.from_json(v) for k, v in d["atoms"].items()},
+            leaves=d.get("leaves", {}),
+            rules=d.get("rules", []),
+            source=d.get("source", {}),
+            extra=d.get("extra"),
+            format=fmt,
+        )

@@ -1,0 +1,270 @@
+"""Plans: bind a (params, opt_state) tree to atoms and slots, then decide who writes or reads what."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .dtypes import dtype_name, np_dtype
+from .errors import PatternError
+from .manifest import PARAM_SLOT, VALUE_SLOT
+from .names import named_leaves
+from .optim import OPT_PREFIX, classify_opt_state
+from .patterns import (
+    Box,
+    LeafContext,
+    PatternChain,
+    Piece,
+    atom_shapes,
+    box_size,
+    chain_pieces,
+    full_box,
+    index_to_box,
+)
+from .rules import CompiledRules
+
+SPLIT_MIN_BYTES = 4 << 20  # replicated regions at least this big are split among their replicas
+
+
+@dataclasses.dataclass
+class LeafBinding:
+    """How one leaf of the train state maps to atoms.
+
+    Attributes:
+        name: the leaf's name in messages ('layers.qkv.kernel', 'opt_state.0.mu.layers.qkv.kernel').
+        kind: 'param' or 'opt'.
+        base: the name rules are matched against and the default atom (a mirrored moment uses its
+            parameter's name, so it maps exactly like its parameter).
+        slot: the slot it is stored in ('fp32', 'exp_avg', ..., 'value').
+        role: '<StateClass>.<field>' for optimizer leaves that mirror no parameter.
+        rule: index of the rule that matched, or None.
+        chain: its pattern chain, atom outward.
+        ctx: what the patterns know about the leaf (name, regex match, mesh axis sizes).
+        shape, dtype, sharding: the leaf's global shape, dtype and sharding (None for host values).
+        value: the array, ShapeDtypeStruct or host value itself.
+    """
+
+    name: str
+    kind: str
+    base: str
+    slot: str
+    role: str | None
+    rule: int | None
+    chain: PatternChain
+    ctx: LeafContext
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding | None
+    value: Any
+
+    def pieces(self, box: Box) -> list[Piece]:
+        """Atom pieces filling `box` of this leaf."""
+        return chain_pieces(self.chain, self.ctx, self.shape, box)
+
+    def atoms(self) -> dict[str, Any]:
+        """All atoms this leaf maps to: {name: (shape, fused marks)}."""
+        return atom_shapes(self.chain, self.ctx, self.shape)
+
+
+def mesh_axes(sharding: Any) -> dict[str, int]:
+    """Mesh axis sizes of a NamedSharding, {} for any other sharding."""
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not hasattr(mesh, "shape"):
+        return {}
+    return {str(k): int(v) for k, v in dict(mesh.shape).items()}
+
+
+def _leaf_meta(leaf: Any, where: str) -> tuple[tuple[int, ...], np.dtype, Any]:
+    if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+        return tuple(leaf.shape), np_dtype(leaf.dtype), getattr(leaf, "sharding", None)
+    if isinstance(leaf, np.ndarray | np.generic | int | float | bool):
+        arr = np.asarray(leaf)
+        return tuple(arr.shape), arr.dtype, None
+    raise TypeError(
+        f"leaf {where!r} is a {type(leaf).__name__}; expected a jax.Array, jax.ShapeDtypeStruct, "
+        "numpy array or Python scalar"
+    )
+
+
+def bind_state(
+    params: Any, opt_state: Any, rules: CompiledRules
+) -> tuple[list[LeafBinding], list[LeafBinding]]:
+    """Bind every leaf of params and opt_state to its atom(s), slot and pattern chain.
+
+    Returns:
+        (param bindings, opt bindings), each in jax's leaf order of its tree.
+    """
+    param_leaves = named_leaves(params)
+    pbind: list[LeafBinding] = []
+    by_name: dict[str, LeafBinding] = {}
+    for name, _, leaf in param_leaves:
+        shape, dtype, sharding = _leaf_meta(leaf, name)
+        idx, m, chain = rules.match(name)
+        ctx = LeafContext(name, m, mesh_axes(sharding))
+        b = LeafBinding(name, "param", name, PARAM_SLOT, None, idx, chain, ctx, shape, dtype,
+                        sharding, leaf)  # fmt: skip
+        pbind.append(b)
+        by_name[name] = b
+    obind: list[LeafBinding] = []
+    if opt_state is not None:
+        params_def = jax.tree_util.tree_structure(params)
+        names = [n for n, _, _ in param_leaves]
+        shapes = [b.shape for b in pbind]
+        for o in classify_opt_state(opt_state, params_def, names, shapes):
+            shape, dtype, sharding = _leaf_meta(o.leaf, o.name)
+            if o.param is not None:
+                p = by_name[o.param]
+                ctx = LeafContext(o.name, p.ctx.match, mesh_axes(sharding), base=o.param)
+                b = LeafBinding(o.name, "opt", o.param, o.slot or "", None, p.rule, p.chain, ctx,
+                                shape, dtype, sharding, o.leaf)  # fmt: skip
+            else:
+                idx, m, chain = rules.match(o.name)
+                ctx = LeafContext(o.name, m, mesh_axes(sharding))
+                b = LeafBinding(o.name, "opt", o.name, VALUE_SLOT, o.role, idx, chain, ctx,
+                                shape, dtype, sharding, o.leaf)  # fmt: skip
+            obind.append(b)
+    return pbind, obind
+
+
+# ----------------------------------------------------------------------------------------- save
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteTask:
+    """A region of a leaf that this process writes, and the device shard it comes from."""
+
+    binding: LeafBinding
+    box: Box
+    device: Any | None  # None: a host value, written by process 0
+    shard_box: Box
+
+    @property
+    def nbytes(self) -> int:
+        return box_size(self.box) * self.binding.dtype.itemsize
+
+
+def _split_box(box: Box, parts: int) -> list[Box] | None:
+    """Split a box into `parts` equal slabs along its longest evenly divisible axis."""
+    extents = [b - a for a, b in box]
+    axes = [j for j, e in enumerate(extents) if e % parts == 0 and e >= parts]
+    if not axes:
+        return None
+    ax = max(axes, key=lambda j: extents[j])
+    step = extents[ax] // parts
+    a0 = box[ax][0]
+    return [(*box[:ax], (a0 + i * step, a0 + (i + 1) * step), *box[ax + 1 :]) for i in range(parts)]
+
+
+def write_regions(b: LeafBinding) -> list[tuple[Box, Any, Box]]:
+    """Every region of a leaf with the device that writes it, for the whole job.
+
+    Each distinct shard is written once. A shard held by R replicas is split into R slabs written
+    by different replicas when it is big enough, else written whole by one replica chosen by a hash
+    of the leaf name, so the writes of replicated arrays spread over replicas and processes.
+    Every process computes the same answer without communication.
+
+    Returns:
+        (region, writing device or None for host values, the region's whole shard box).
+    """
+    if not isinstance(b.value, jax.Array):
+        return [(full_box(b.shape), None, full_box(b.shape))]
+    groups: dict[Box, list[Any]] = {}
+    for dev, index in b.value.sharding.devices_indices_map(b.shape).items():
+        groups.setdefault(index_to_box(index, b.shape), []).append(dev)
+    salt = zlib.crc32(b.name.encode())
+    out = []
+    for k, (box, devs) in enumerate(sorted(groups.items())):
+        devs = sorted(devs, key=lambda d: d.id)
+        r = len(devs)
+        parts = None
+        if r > 1 and box_size(box) * b.dtype.itemsize >= SPLIT_MIN_BYTES:
+            parts = _split_box(box, r)
+        if parts is None:
+            out.append((box, devs[(salt + k) % r], box))
+        else:
+            out.extend((p, devs[(salt + k + i) % r], box) for i, p in enumerate(parts))
+    return out
+
+
+def my_write_tasks(b: LeafBinding, regions: Sequence[tuple[Box, Any, Box]]) -> list[WriteTask]:
+    """The regions of `regions` that this process writes."""
+    me = jax.process_index()
+    out = []
+    for box, dev, shard_box in regions:
+        if dev is None:
+            if me == 0:
+                out.append(WriteTask(b, box, None, shard_box))
+        elif dev.process_index == me:
+            out.append(WriteTask(b, box, dev, shard_box))
+    return out
+
+
+def atom_boundaries(
+    b: LeafBinding, regions: Sequence[tuple[Box, Any, Box]]
+) -> dict[str, list[set[int]]]:
+    """Per atom of `b`, per axis, the offsets where one writer's region ends and the next begins."""
+    out: dict[str, list[set[int]]] = {}
+    for box, _, _ in regions:
+        for p in b.pieces(box):
+            if p.atom is None:
+                continue
+            cuts = out.setdefault(p.atom, [set() for _ in p.atom_shape])
+            for j, (lo, hi) in enumerate(p.atom_box):
+                cuts[j].update((lo, hi))
+    return out
+
+
+# -------------------------------------------------------------------------------------- restore
+
+
+@dataclasses.dataclass
+class ReadGroup:
+    """One distinct region of a target leaf that this process needs, and the devices wanting it."""
+
+    box: Box
+    devices: list[Any]
+    pieces: list[Piece]
+
+
+def read_groups(b: LeafBinding) -> list[ReadGroup]:
+    """The distinct regions of a target leaf that this process's devices need (each read once)."""
+    if b.sharding is None:
+        return [ReadGroup(full_box(b.shape), [], b.pieces(full_box(b.shape)))]
+    groups: dict[Box, list[Any]] = {}
+    for dev, index in b.sharding.addressable_devices_indices_map(b.shape).items():
+        groups.setdefault(index_to_box(index, b.shape), []).append(dev)
+    return [ReadGroup(box, devs, b.pieces(box)) for box, devs in sorted(groups.items())]
+
+
+def check_rule_shapes(b: LeafBinding) -> None:
+    """Raise a PatternError early if the chain cannot map this leaf's shape at all."""
+    try:
+        b.atoms()
+    except PatternError:
+        raise
+    except (ValueError, IndexError) as e:  # pragma: no cover - defensive
+        raise PatternError(f"leaf {b.name!r}: its rule cannot be applied ({e})") from e
+
+
+def describe_leaf(b: LeafBinding) -> dict[str, Any]:
+    """A leaf's manifest record."""
+    spec = getattr(b.sharding, "spec", None)
+    return {
+        "kind": b.kind,
+        "base": b.base,
+        "slot": b.slot,
+        "role": b.role,
+        "rule": b.rule,
+        "shape": list(b.shape),
+        "dtype": dtype_name(b.dtype),
+        "mesh": b.ctx.mesh_axes,
+        "spec": None if spec is None else str(spec),
+    }
+
+
+__all__ = ["OPT_PREFIX", "LeafBinding", "ReadGroup", "WriteTask", "bind_state"]

@@ -1,0 +1,374 @@
+"""Restore a universal checkpoint onto any mesh: each process reads only the regions it needs, once."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import difflib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import store
+from .dtypes import np_dtype
+from .errors import ChecksumError, MismatchError, NotACheckpointError, PatternError
+from .manifest import AtomInfo, Manifest
+from .patterns import box_shape, box_size, to_slices
+from .plan import LeafBinding, ReadGroup, bind_state, read_groups
+from .rules import CompiledRules, Rule
+
+DEFAULT_READ_BYTES = int(os.environ.get("UCP_INFLIGHT_BYTES", str(1 << 30)))
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """What the last restore in this process read.
+
+    Attributes:
+        bytes_needed: bytes of the distinct regions this process's devices need.
+        bytes_read: bytes requested from storage (padding is never read).
+        bytes_padding: bytes filled with zeros by VocabPadded.
+        reads: number of region reads issued.
+    """
+
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    bytes_padding: int = 0
+    reads: int = 0
+
+    @property
+    def amplification(self) -> float:
+        """bytes_read / (bytes_needed - padding): 1.00 means every needed byte was read once."""
+        want = self.bytes_needed - self.bytes_padding
+        return self.bytes_read / want if want else 1.0
+
+
+_last_stats = ReadStats()
+
+
+def last_read_stats() -> ReadStats:
+    """Read statistics of the last `restore` in this process."""
+    return _last_stats
+
+
+def _wrap_io(e: Exception, where: str) -> Exception:
+    msg = str(e)
+    if "Digest mismatch" in msg or "checksum" in msg.lower() or "DATA_LOSS" in msg:
+        return ChecksumError(
+            f"{where}: stored bytes fail their crc32c checksum ({msg}); the checkpoint is "
+            "corrupt: restore an earlier checkpoint"
+        )
+    return e
+
+
+class Checkpoint:
+    """A committed universal checkpoint, opened for inspection and region reads.
+
+    Attributes:
+        path: where it lives.
+        manifest: the parsed manifest.
+        step: the training step it was saved at (or None).
+        atoms: {name: AtomInfo(shape, dtype, slots, pattern)}.
+        extra: the user data saved with it.
+    """
+
+    def __init__(self, path: Any) -> None:
+        self.loc = store.Location.parse(path)
+        self.path = self.loc.url
+        self.manifest: Manifest = store.load_manifest(self.loc)
+        self._arrays: dict[tuple[str, str], Any] = {}
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step
+
+    @property
+    def atoms(self) -> dict[str, AtomInfo]:
+        return self.manifest.atoms
+
+    @property
+    def extra(self) -> Any:
+        return self.manifest.extra
+
+    def __repr__(self) -> str:
+        n = sum(a.nbytes for a in self.atoms.values())
+        return f"Checkpoint({self.path!r}, step={self.step}, atoms={len(self.atoms)}, {n / 2**20:.1f} MiB)"
+
+    def atom(self, name: str, *, leaf: str | None = None) -> AtomInfo:
+        """The AtomInfo of `name`, or a MismatchError naming close matches."""
+        if name in self.atoms:
+            return self.atoms[name]
+        close = difflib.get_close_matches(name, list(self.atoms), n=3)
+        who = f"leaf {leaf!r} needs atom" if leaf else "atom"
+        raise MismatchError(
+            f"{self.path}: {who} {name!r}, which the checkpoint does not have"
+            + (f" (close: {close})" if close else "")
+            + "; add a rule mapping the leaf to its atom, or restore a matching tree"
+        )
+
+    def array(self, name: str, slot: str, *, leaf: str | None = None) -> Any:
+        """The TensorStore array of one atom slot (opened once)."""
+        key = (name, slot)
+        if key not in self._arrays:
+            info = self.atom(name, leaf=leaf)
+            if slot not in info.slots:
+                who = f"leaf {leaf!r} needs" if leaf else "wanted"
+                raise MismatchError(
+                    f"{self.path}: {who} slot {slot!r} of atom {name!r}, but it has slots "
+                    f"{sorted(info.slots)}; restore without that optimizer state or save it"
+                )
+            try:
+                self._arrays[key] = store.open_array(self.loc, info.shape, info.slots[slot])
+            except ValueError as e:
+                raise _wrap_io(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
+        return self._arrays[key]
+
+    def read(self, name: str, slot: str = "fp32", index: Any = ...) -> np.ndarray:
+        """Read any slice of one atom slot; only that region is read from storage.
+
+        Args:
+            name: atom name, e.g. 'blocks.0.attn.qkv.weight'.
+            slot: 'fp32', 'exp_avg', 'exp_avg_sq', 'step', another optax field, or 'value'.
+            index: numpy-style basic index (ints, slices, Ellipsis).
+
+        Raises:
+            MismatchError: no such atom or slot.
+            ChecksumError: the stored bytes are corrupt.
+
+        >>> ckpt = ucp.open("/tmp/ckpt/step_10")  # doctest: +SKIP
+        >>> ckpt.read("layers.0.kernel", "exp_avg", np.s_[:4])  # doctest: +SKIP
+        """
+        arr = self.array(name, slot)
+        try:
+            return np.asarray(arr[index].read().result())
+        except ValueError as e:
+            raise _wrap_io(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
+
+
+def open_checkpoint(path: Any) -> Checkpoint:
+    """Open a committed universal checkpoint.
+
+    Raises:
+        NotACheckpointError: nothing committed there.
+        FormatVersionError: written by a newer format version.
+
+    >>> ckpt = ucp.open("/tmp/ckpt/step_10")  # doctest: +SKIP
+    >>> ckpt.step, sorted(ckpt.atoms)[:2]  # doctest: +SKIP
+    """
+    return Checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------ restore
+
+
+@dataclasses.dataclass
+class _Resolved:
+    """A target leaf checked against the checkpoint: the slot each of its pieces reads."""
+
+    binding: LeafBinding
+    groups: list[ReadGroup]
+    slot_of: dict[str, str]  # atom -> slot to read (roles may redirect to another atom)
+    atom_of: dict[str, str]
+
+
+def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool) -> _Resolved:
+    if b.sharding is None and isinstance(b.value, jax.ShapeDtypeStruct):
+        raise MismatchError(
+            f"restore: target leaf {b.name!r} is a ShapeDtypeStruct without a sharding; give it "
+            "sharding=NamedSharding(mesh, spec) (or pass a concrete array)"
+        )
+    groups = read_groups(b)
+    atom_of: dict[str, str] = {}
+    slot_of: dict[str, str] = {}
+    for g in groups:
+        for p in g.pieces:
+            if p.atom is None or p.atom in atom_of:
+                continue
+            name, slot = p.atom, b.slot
+            if b.role is not None and name not in ckpt.atoms:
+                name = _by_role(ckpt, b)
+            info = ckpt.atom(name, leaf=b.name)
+            if slot not in info.slots:
+                ckpt.array(name, slot, leaf=b.name)  # raises the message
+            if tuple(info.shape) != tuple(p.atom_shape):
+                raise MismatchError(
+                    f"restore: leaf {b.name!r} (shape {b.shape}) expects atom {name!r} of shape "
+                    f"{p.atom_shape} but the checkpoint has {tuple(info.shape)}; add or fix a "
+                    "rule (ucp.Fused / VocabPadded / Stacked ...) or pass the matching target"
+                )
+            _check_fused(b, name, p.fused, info)
+            stored = np_dtype(info.slots[slot].dtype)
+            if stored != b.dtype and not cast:
+                raise MismatchError(
+                    f"restore: leaf {b.name!r} wants dtype {b.dtype.name} but atom {name!r} slot "
+                    f"{slot!r} is stored as {stored.name}; pass cast=True to convert, or a "
+                    "target of the stored dtype"
+                )
+            atom_of[p.atom], slot_of[p.atom] = name, slot
+    return _Resolved(b, groups, slot_of, atom_of)
+
+
+def _by_role(ckpt: Checkpoint, b: LeafBinding) -> str:
+    """An optimizer leaf mirroring no parameter, found by its role in another optax structure."""
+    found = [n for n, a in ckpt.atoms.items() if a.role == b.role]
+    if len(found) == 1:
+        return found[0]
+    if b.role and b.role.endswith(".count"):
+        steps = [n for n, a in ckpt.atoms.items() if "step" in a.slots]
+        if steps:
+            raise MismatchError(
+                f"restore: leaf {b.name!r} ({b.role}) would come from the per-atom 'step' slots "
+                "of an imported checkpoint; restore it with ucp.torch helpers"
+            )
+    raise MismatchError(
+        f"restore: leaf {b.name!r} ({b.role}) is not in the checkpoint "
+        + (f"(candidates with that role: {found})" if found else "(no atom has that role)")
+        + "; restore params only (opt_state_target=None) or a matching optax structure"
+    )
+
+
+def _check_fused(b: LeafBinding, atom: str, marks: Sequence[Any], info: AtomInfo) -> None:
+    want = [{"sizes": list(m.sizes), "axis": m.axis} for m in marks]
+    if want and info.fused and want != info.fused:
+        raise PatternError(
+            f"restore: leaf {b.name!r} fuses atom {atom!r} as {want}, but it was saved as "
+            f"{info.fused}; fix the ucp.Fused sizes/axis of the rule to match the saved layout"
+        )
+
+
+def restore(
+    path: Any,
+    params_target: Any,
+    opt_state_target: Any = None,
+    *,
+    rules: Sequence[Rule] = (),
+    cast: bool = False,
+    max_inflight_bytes: int = DEFAULT_READ_BYTES,
+) -> tuple[Any, Any]:
+    """Restore params (and optax state) onto the layout of the targets, from any saved layout.
+
+    Each process reads only the distinct regions its devices need, each once, straight into the
+    target layout (patterns applied per region), and builds the arrays with
+    `jax.make_array_from_single_device_arrays`.
+
+    Args:
+        path: a committed universal checkpoint (local path or kvstore URL).
+        params_target: pytree of jax.ShapeDtypeStruct with `.sharding` (or concrete arrays).
+        opt_state_target: optax state of the same kind, or None.
+        rules: (regex, pattern) pairs for the target layout; when empty, the rules recorded at
+            save time are used.
+        cast: allow converting the stored dtype to the target's (e.g. fp32 master -> bf16).
+        max_inflight_bytes: bound on host memory of reads waiting to be placed.
+
+    Returns:
+        (params, opt_state) with the targets' tree structures; opt_state is None when no target.
+
+    Raises:
+        NotACheckpointError, FormatVersionError, MismatchError, PatternError, ChecksumError.
+
+    >>> params, opt_state = ucp.restore("/tmp/ckpt/step_10", abstract_params, abstract_opt)  # doctest: +SKIP
+    """
+    global _last_stats
+    ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    compiled = CompiledRules(rules) if rules else CompiledRules.from_json(ckpt.manifest.rules)
+    pbind, obind = bind_state(params_target, opt_state_target, compiled)
+    if rules:
+        compiled.check_all_used([b.name for b in pbind + obind])
+    resolved = [_resolve(ckpt, b, cast) for b in pbind + obind]
+    stats = ReadStats()
+    values = _read_all(ckpt, resolved, stats, max_inflight_bytes)
+    _last_stats = stats
+    n = len(pbind)
+    params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params_target), values[:n])
+    opt = None
+    if opt_state_target is not None:
+        opt = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(opt_state_target), values[n:])
+    return params, opt
+
+
+def _read_all(
+    ckpt: Checkpoint, resolved: list[_Resolved], stats: ReadStats, budget: int
+) -> list[Any]:
+    """Issue reads leaf by leaf, keeping at most `budget` bytes of host data in flight."""
+    out: list[Any] = [None] * len(resolved)
+    window: collections.deque[tuple[int, int, list[Any]]] = collections.deque()
+    pending = 0
+    for i, r in enumerate(resolved):
+        issued = [_issue(ckpt, r, g, stats) for g in r.groups]
+        nbytes = sum(box_size(g.box) for g in r.groups) * r.binding.dtype.itemsize
+        window.append((i, nbytes, issued))
+        pending += nbytes
+        while window and pending > budget:
+            j, nb, iss = window.popleft()
+            out[j] = _finish(ckpt, resolved[j], iss)
+            pending -= nb
+    for j, _, iss in window:
+        out[j] = _finish(ckpt, resolved[j], iss)
+    return out
+
+
+def _issue(ckpt: Checkpoint, r: _Resolved, g: ReadGroup, stats: ReadStats) -> list[Any]:
+    b = r.binding
+    stats.bytes_needed += box_size(g.box) * b.dtype.itemsize
+    futs = []
+    for p in g.pieces:
+        if p.atom is None:
+            stats.bytes_padding += box_size(p.leaf_box) * b.dtype.itemsize
+            futs.append(None)
+            continue
+        name, slot = r.atom_of[p.atom], r.slot_of[p.atom]
+        arr = ckpt.array(name, slot, leaf=b.name)
+        stats.bytes_read += box_size(p.atom_box) * arr.dtype.numpy_dtype.itemsize
+        stats.reads += 1
+        futs.append(arr[to_slices(p.atom_box)].read())
+    return futs
+
+
+def _finish(ckpt: Checkpoint, r: _Resolved, issued: list[list[Any]]) -> Any:
+    b = r.binding
+    shards = []
+    for g, futs in zip(r.groups, issued):
+        host = _assemble(ckpt, b, g, futs)
+        if b.sharding is None:
+            return host if isinstance(b.value, np.ndarray) or b.shape else host[()]
+        shards.extend(jax.device_put(host, d) for d in g.devices)
+    return jax.make_array_from_single_device_arrays(b.shape, b.sharding, shards)
+
+
+def _assemble(ckpt: Checkpoint, b: LeafBinding, g: ReadGroup, futs: list[Any]) -> np.ndarray:
+    """Fill the region `g.box` of leaf `b` from its pieces (zeros only where padding says so)."""
+    shape = box_shape(g.box)
+    if len(g.pieces) == 1 and futs[0] is not None:
+        p = g.pieces[0]
+        data = p.atom_to_leaf(_result(ckpt, b, p.atom, futs[0]))
+        return data if data.dtype == b.dtype else data.astype(b.dtype)
+    out = np.empty(shape, dtype=b.dtype)
+    for p, f in zip(g.pieces, futs):
+        rel = tuple(slice(a - o, z - o) for (a, z), (o, _) in zip(p.leaf_box, g.box))
+        if f is None:
+            out[rel] = 0
+        else:
+            out[rel] = p.atom_to_leaf(_result(ckpt, b, p.atom, f))
+    return out
+
+
+def _result(ckpt: Checkpoint, b: LeafBinding, atom: str | None, fut: Any) -> np.ndarray:
+    try:
+        return np.asarray(fut.result())
+    except ValueError as e:
+        raise _wrap_io(e, f"{ckpt.path}: leaf {b.name!r} atom {atom!r}") from e
+
+
+def list_checkpoints(directory: Any) -> list[str]:
+    """Committed checkpoints directly under `directory`; partial or killed saves are never listed.
+
+    >>> ucp.list_checkpoints("/tmp/ckpt")  # doctest: +SKIP
+    ['/tmp/ckpt/step_10', '/tmp/ckpt/step_20']
+    """
+    return store.list_checkpoints(directory)
+
+
+__all__ = ["Checkpoint", "NotACheckpointError", "list_checkpoints", "open_checkpoint", "restore"]

@@ -1,0 +1,70 @@
+"""Rules: `(regex, pattern or tuple of patterns)` pairs that say how leaves map to atoms."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import PatternError
+from .patterns import Pattern, PatternChain, as_chain, pattern_from_json
+
+Rule = tuple[str, Any]
+
+
+class CompiledRules:
+    """Rules compiled once; `match` gives the first rule that fully matches a name."""
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.rules: list[tuple[str, re.Pattern[str], PatternChain]] = []
+        for i, rule in enumerate(rules):
+            try:
+                regex, pat = rule
+            except (TypeError, ValueError):
+                raise PatternError(
+                    f"rule #{i} {rule!r} is not a (regex, pattern) pair; write (r'name\\.regex', "
+                    "ucp.Fused(...)) or (regex, (pattern, pattern, ...))"
+                ) from None
+            try:
+                compiled = re.compile(regex)
+            except re.error as e:
+                raise PatternError(f"rule #{i}: {regex!r} is not a valid regex ({e})") from e
+            self.rules.append((regex, compiled, as_chain(pat)))
+        self.used = [False] * len(self.rules)
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def match(self, name: str) -> tuple[int | None, re.Match[str] | None, PatternChain]:
+        """(rule index, regex match, chain) of the first matching rule; (None, None, ()) if none."""
+        for i, (_, rx, chain) in enumerate(self.rules):
+            m = rx.fullmatch(name)
+            if m is not None:
+                self.used[i] = True
+                return i, m, chain
+        return None, None, ()
+
+    def check_all_used(self, names: Sequence[str]) -> None:
+        """Raise if a rule matched no leaf: it is almost always a typo in the regex."""
+        unused = [self.rules[i][0] for i, u in enumerate(self.used) if not u]
+        if unused:
+            sample = ", ".join(repr(n) for n in list(names)[:8])
+            raise PatternError(
+                f"rule(s) {unused} matched no leaf; leaf names look like {sample}, ...; "
+                "fix the regex (it is re.fullmatch'ed against the dotted leaf name)"
+            )
+
+    def to_json(self) -> list[list[Any]]:
+        return [[regex, [p.to_json() for p in chain]] for regex, _, chain in self.rules]
+
+    @classmethod
+    def from_json(cls, data: Sequence[Sequence[Any]]) -> CompiledRules:
+        rules: list[Rule] = [
+            (regex, tuple(pattern_from_json(p) for p in chain)) for regex, chain in data
+        ]
+        return cls(rules)
+
+
+def describe(chain: Sequence[Pattern]) -> str:
+    """Short text of a chain for messages, e.g. 'Fused(...) -> Stacked(...)'."""
+    return " -> ".join(repr(p) for p in chain) or "identity"

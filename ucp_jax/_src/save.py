@@ -1,0 +1,385 @@
+"""Sharded save of a train state into a universal checkpoint: replica-deduplicated, async, atomic."""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import store
+from .dtypes import dtype_name
+from .errors import MismatchError
+from .manifest import AtomInfo, Manifest, SlotInfo, atom_dir
+from .patterns import box_shape, to_slices
+from .plan import (
+    LeafBinding,
+    WriteTask,
+    atom_boundaries,
+    bind_state,
+    describe_leaf,
+    my_write_tasks,
+    write_regions,
+)
+from .rules import CompiledRules, Rule
+from .sync import barrier
+from .version import __version__
+
+log = logging.getLogger("ucp_jax")
+DEFAULT_INFLIGHT_BYTES = int(os.environ.get("UCP_INFLIGHT_BYTES", str(1 << 30)))
+_SAVE_COUNTER = itertools.count()
+
+
+class _SaveJob:
+    """One save: the plan (computed identically on every process) and this process's share."""
+
+    def __init__(
+        self,
+        path: Any,
+        params: Any,
+        opt_state: Any,
+        *,
+        step: int | None,
+        rules: Sequence[Rule],
+        extra: Any,
+        overwrite: bool,
+        max_inflight_bytes: int,
+    ) -> None:
+        self.loc = store.Location.parse(path)
+        self.staging = store.Staging(self.loc, overwrite=overwrite)
+        self.budget = max(int(max_inflight_bytes), 1)
+        self.seq = next(_SAVE_COUNTER)
+        self.tag = f"ucp-save-{self.seq}-{zlib.crc32(self.loc.url.encode()):08x}"
+        try:
+            json.dumps(extra)
+        except TypeError as e:
+            raise TypeError(f"save: extra must be JSON-serialisable ({e}); pass plain data") from e
+        compiled = CompiledRules(rules)
+        pbind, obind = bind_state(params, opt_state, compiled)
+        bindings = pbind + obind
+        compiled.check_all_used([b.name for b in bindings])
+        for b in bindings:
+            if isinstance(b.value, jax.ShapeDtypeStruct):
+                raise TypeError(f"save: leaf {b.name!r} is a ShapeDtypeStruct; save real arrays")
+        self.atoms: dict[str, dict[str, Any]] = {}
+        self.tasks: list[WriteTask] = []
+        self.slots: dict[tuple[str, str], tuple[tuple[int, ...], SlotInfo]] = {}
+        for b in bindings:
+            self._plan_leaf(b)
+        atoms = {
+            name: AtomInfo(
+                shape=a["shape"],
+                dtype=(a["slots"].get("fp32") or next(iter(a["slots"].values()))).dtype,
+                slots=a["slots"],
+                pattern=a["pattern"],
+                leaf=a["leaf"],
+                fused=a["fused"],
+                role=a["role"],
+            )
+            for name, a in self.atoms.items()
+        }
+        self.manifest = Manifest(
+            step=None if step is None else int(step),
+            atoms=atoms,
+            leaves={b.name: describe_leaf(b) for b in bindings},
+            rules=compiled.to_json(),
+            source={
+                "library": "ucp_jax",
+                "version": __version__,
+                "jax": jax.__version__,
+                "platform": jax.default_backend(),
+                "process_count": jax.process_count(),
+                "device_count": jax.device_count(),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+            extra=extra,
+        )
+        self.staging.check()
+
+    def _plan_leaf(self, b: LeafBinding) -> None:
+        regions = write_regions(b)
+        cuts = atom_boundaries(b, regions)
+        for atom, (shape, fused) in b.atoms().items():
+            entry = self.atoms.setdefault(
+                atom,
+                {"shape": shape, "slots": {}, "pattern": [], "leaf": b.name, "fused": [],
+                 "role": b.role},  # fmt: skip
+            )
+            if entry["shape"] != shape:
+                raise MismatchError(
+                    f"save: leaf {b.name!r} maps to atom {atom!r} with shape {shape}, but leaf "
+                    f"{entry['leaf']!r} gave it shape {entry['shape']}; fix the rules so each "
+                    "atom has one shape"
+                )
+            if b.slot in entry["slots"]:
+                raise MismatchError(
+                    f"save: leaves {entry['leaf']!r} and {b.name!r} both map to atom {atom!r} slot "
+                    f"{b.slot!r}; fix the rules so that every atom slot comes from one leaf"
+                )
+            if b.kind == "param" or not entry["pattern"]:
+                entry["pattern"] = [p.to_json() for p in b.chain]
+                entry["fused"] = [{"sizes": list(m.sizes), "axis": m.axis} for m in fused]
+                entry["leaf"] = b.name
+            chunks, inner = store.choose_chunks(
+                shape, b.dtype.itemsize, cuts.get(atom, [set() for _ in shape])
+            )
+            info = SlotInfo(dtype_name(b.dtype), f"{atom_dir(atom)}/{b.slot}", chunks, inner)
+            entry["slots"][b.slot] = info
+            self.slots[(atom, b.slot)] = (shape, info)
+        self.tasks.extend(my_write_tasks(b, regions))
+
+    # --------------------------------------------------------------------------- device -> host
+
+    def _device_data(self, t: WriteTask) -> Any:
+        """This task's region as an array (device slice, or host value)."""
+        if t.device is None:
+            return np.asarray(t.binding.value)[to_slices(t.box)]
+        shard = next(s for s in t.binding.value.addressable_shards if s.device == t.device)
+        local = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(t.box, t.shard_box))
+        if t.box == t.shard_box:
+            return shard.data
+        return shard.data[local]
+
+    def copy_all_to_host(self) -> list[np.ndarray]:
+        """Copy this process's whole share to host memory (async saves: the source may change)."""
+        datas = [self._device_data(t) for t in self.tasks]
+        for d in datas:
+            if isinstance(d, jax.Array):
+                d.copy_to_host_async()
+        out = []
+        for d in datas:
+            h = np.asarray(d)
+            if isinstance(d, jax.Array) and not h.flags.owndata:
+                h = h.copy()  # never alias a device buffer the trainer may donate
+            out.append(h)
+        return out
+
+    def _stream(self) -> Iterator[tuple[WriteTask, np.ndarray]]:
+        """Copy region by region, prefetching a few ahead (blocking saves)."""
+        window: collections.deque[tuple[WriteTask, Any]] = collections.deque()
+        it = iter(self.tasks)
+        ahead = 0
+        for t in it:
+            d = self._device_data(t)
+            if isinstance(d, jax.Array):
+                d.copy_to_host_async()
+            window.append((t, d))
+            ahead += t.nbytes
+            while window and ahead > self.budget // 2:
+                t0, d0 = window.popleft()
+                ahead -= t0.nbytes
+                yield t0, np.asarray(d0)
+        while window:
+            t0, d0 = window.popleft()
+            yield t0, np.asarray(d0)
+
+    # --------------------------------------------------------------------------------- writing
+
+    def write(self, host: Sequence[np.ndarray] | None) -> None:
+        """Create arrays (process 0), write this process's share, then commit (process 0)."""
+        if jax.process_index() == 0:
+            self.staging.prepare()
+            futs = {
+                key: _create(self.staging.target, shape, info)
+                for key, (shape, info) in self.slots.items()
+            }
+            arrays = {k: f.result() for k, f in futs.items()}
+        else:
+            arrays = {}
+        barrier(self.tag + "-created")
+        for key, (shape, info) in self.slots.items():
+            if key not in arrays:
+                arrays[key] = store.open_array(self.staging.target, shape, info, write=True)
+        source = zip(self.tasks, host) if host is not None else self._stream()
+        inflight: collections.deque[tuple[int, list[Any]]] = collections.deque()
+        pending = 0
+        for t, data in source:
+            futs = []
+            for p in t.binding.pieces(t.box):
+                if p.atom is None:
+                    continue
+                rel = tuple(
+                    slice(a - t0, b - t0) for (a, b), (t0, _) in zip(p.leaf_box, t.box)
+                )
+                chunk = p.leaf_to_atom(data[rel])
+                arr = arrays[(p.atom, t.binding.slot)]
+                futs.append(arr[to_slices(p.atom_box)].write(chunk))
+            inflight.append((t.nbytes, futs))
+            pending += t.nbytes
+            while pending > self.budget and inflight:
+                n, fs = inflight.popleft()
+                for f in fs:
+                    f.commit.result()
+                pending -= n
+        for _, fs in inflight:
+            for f in fs:
+                f.commit.result()
+        barrier(self.tag + "-written")
+        if jax.process_index() == 0:
+            self.staging.commit(self.manifest)
+        barrier(self.tag + "-committed")
+
+
+def _create(loc: store.Location, shape: tuple[int, ...], info: SlotInfo) -> Any:
+    import tensorstore as ts
+
+    return ts.open(store.array_spec(loc, shape, info), create=True, context=store.CONTEXT)
+
+
+class SaveHandle:
+    """A save running in the background; `.wait()` returns once it is committed.
+
+    >>> h = ucp.async_save("/tmp/ckpt/step_1", params)  # doctest: +SKIP
+    >>> h.wait()  # doctest: +SKIP
+    """
+
+    def __init__(self, job: _SaveJob, host: list[np.ndarray]) -> None:
+        self.path = job.loc.url
+        self.step = job.manifest.step
+        self._error: BaseException | None = None
+        self._reported = False
+        self._thread = threading.Thread(
+            target=self._run, args=(job, host), name=f"ucp-save-{job.seq}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, job: _SaveJob, host: list[np.ndarray]) -> None:
+        try:
+            job.write(host)
+        except BaseException as e:  # re-raised on wait() or on the next save
+            self._error = e
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed; raise the save's error if it failed.
+
+        Raises:
+            TimeoutError: still running after `timeout` seconds.
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise RuntimeError(f"background save to {self.path} failed: {self._error}") from (
+                self._error
+            )
+
+
+_pending: SaveHandle | None = None
+_lock = threading.Lock()
+
+
+def _finish_pending() -> None:
+    """One save in flight: wait for the previous one, and raise its error if it was never seen."""
+    global _pending
+    with _lock:
+        prev, _pending = _pending, None
+    if prev is not None:
+        prev.wait()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    try:
+        _finish_pending()
+    except Exception as e:
+        print(f"ucp_jax: {e}", file=sys.stderr)
+
+
+def save(
+    path: Any,
+    params: Any,
+    opt_state: Any = None,
+    *,
+    step: int | None = None,
+    rules: Sequence[Rule] = (),
+    extra: Any = None,
+    overwrite: bool = False,
+    max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+) -> None:
+    """Save params (and optax state) as a universal checkpoint; returns once committed.
+
+    Every process writes only the shards it owns, each distinct shard once, streaming device to
+    storage with at most `max_inflight_bytes` of host copies in flight.
+
+    Args:
+        path: local directory or TensorStore kvstore URL (file://, gs://, s3://, memory://).
+        params: pytree of jax.Array (any sharding), numpy arrays or scalars.
+        opt_state: optax state for these params, or None.
+        step: training step recorded in the manifest.
+        rules: (regex, pattern) pairs mapping leaves to atoms; see DESIGN.md.
+        extra: JSON-serialisable user data stored in the manifest.
+        overwrite: replace an existing checkpoint at `path`.
+        max_inflight_bytes: bound on host memory held by copies waiting to be written.
+
+    Raises:
+        FileExistsError: `path` holds a checkpoint and overwrite is False.
+        PatternError: a rule matches nothing or cannot map its leaf.
+
+    >>> ucp.save("/tmp/ckpt/step_10", params, opt_state, step=10)  # doctest: +SKIP
+    """
+    _finish_pending()
+    job = _SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
+                   overwrite=overwrite, max_inflight_bytes=max_inflight_bytes)  # fmt: skip
+    job.write(None)
+
+
+def async_save(
+    path: Any,
+    params: Any,
+    opt_state: Any = None,
+    *,
+    step: int | None = None,
+    rules: Sequence[Rule] = (),
+    extra: Any = None,
+    overwrite: bool = False,
+) -> SaveHandle:
+    """Start a save; returns once this process's shards are copied to host memory.
+
+    Training may go on (and donate its buffers) as soon as this returns; the write and commit run
+    in the background. One save is in flight at a time: a new save first waits for the previous
+    one, and an error of a background save is raised by its `wait()` or by the next save call.
+
+    Args:
+        path, params, opt_state, step, rules, extra, overwrite: as for `save`.
+
+    Returns:
+        A SaveHandle; `.wait()` returns once the checkpoint is committed.
+
+    >>> h = ucp.async_save("/tmp/ckpt/step_10", params, opt_state, step=10)  # doctest: +SKIP
+    >>> h.wait()  # doctest: +SKIP
+    """
+    global _pending
+    _finish_pending()
+    job = _SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
+                   overwrite=overwrite, max_inflight_bytes=DEFAULT_INFLIGHT_BYTES)  # fmt: skip
+    host = job.copy_all_to_host()
+    handle = SaveHandle(job, host)
+    with _lock:
+        _pending = handle
+    return handle
+
+
+def pending_save() -> SaveHandle | None:
+    """The save in flight, if any."""
+    return _pending
+
+
+def leaf_shape_of(t: WriteTask) -> tuple[int, ...]:
+    """Shape of a write task's region (for progress/metrics)."""
+    return box_shape(t.box)

@@ -1,0 +1,299 @@
+"""Where checkpoints live: kvstore URLs, zarr3 array specs with crc32c, chunking, the commit protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import tensorstore as ts
+
+from .dtypes import zarr_dtype
+from .errors import NotACheckpointError
+from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo
+
+# One context for the whole process, so that `memory://` stores are shared between calls.
+CONTEXT = ts.Context({"file_io_concurrency": {"limit": 64}, "data_copy_concurrency": {}})
+
+MAX_SHARD_BYTES = 256 << 20  # one file never holds more than this
+INNER_CHUNK_BYTES = 1 << 20  # unit of partial reads and of checksums
+_BYTES = [{"name": "bytes", "configuration": {"endian": "little"}}]
+_CODECS = [*_BYTES, {"name": "crc32c"}]
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A checkpoint directory as a TensorStore kvstore spec (any URL: file, gs, s3, memory)."""
+
+    kvstore: dict[str, Any]
+
+    @classmethod
+    def parse(cls, path: str | os.PathLike[str]) -> Location:
+        """Accept a local path or any TensorStore kvstore URL.
+
+        >>> Location.parse("memory://ckpt/step_1").kvstore
+        {'driver': 'memory', 'path': 'ckpt/step_1/'}
+        """
+        s = os.fspath(path)
+        if "://" not in s:
+            spec: dict[str, Any] = {"driver": "file", "path": os.path.abspath(s)}
+        else:
+            spec = ts.KvStore.Spec(s).to_json()
+        spec["path"] = spec.get("path", "").rstrip("/") + "/"
+        return cls(spec)
+
+    @property
+    def local_path(self) -> str | None:
+        """The directory on the local file system, or None for other kvstores."""
+        return self.kvstore["path"].rstrip("/") if self.kvstore["driver"] == "file" else None
+
+    @property
+    def url(self) -> str:
+        """Human-readable location for messages."""
+        if self.local_path is not None:
+            return self.local_path
+        d = self.kvstore
+        host = d.get("bucket", "")
+        return f"{d['driver']}://{host}{'/' if host else ''}{d['path'].rstrip('/')}"
+
+    def child(self, rel: str) -> Location:
+        """A location below this one."""
+        spec = dict(self.kvstore)
+        spec["path"] = self.kvstore["path"] + rel.strip("/") + "/"
+        return Location(spec)
+
+    def sibling(self, name: str) -> Location:
+        """A location next to this one (same parent)."""
+        spec = dict(self.kvstore)
+        parent = self.kvstore["path"].rstrip("/").rsplit("/", 1)
+        spec["path"] = (parent[0] + "/" if len(parent) == 2 else "") + name + "/"
+        return Location(spec)
+
+    @property
+    def name(self) -> str:
+        return self.kvstore["path"].rstrip("/").rsplit("/", 1)[-1]
+
+    def kv(self) -> ts.KvStore:
+        return ts.KvStore.open(self.kvstore, context=CONTEXT).result()
+
+    def read(self, key: str) -> bytes | None:
+        """The value under `key`, or None when missing."""
+        r = self.kv().read(key).result()
+        return bytes(r.value) if r.state == "value" else None
+
+    def write(self, key: str, data: bytes) -> None:
+        self.kv().write(key, data).result()
+
+    def exists(self, key: str) -> bool:
+        return self.read(key) is not None
+
+    def has_any(self) -> bool:
+        """Whether anything at all is stored under this location."""
+        if self.local_path is not None:
+            return os.path.exists(self.local_path)
+        return bool(self.kv().list().result())
+
+    def remove_all(self) -> None:
+        """Delete everything under this location."""
+        if self.local_path is not None:
+            shutil.rmtree(self.local_path, ignore_errors=True)
+        else:
+            self.kv().delete_range(ts.KvStore.KeyRange()).result()
+
+
+def choose_chunks(
+    shape: Sequence[int], itemsize: int, boundaries: Sequence[set[int]]
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """Pick the zarr3 shard shape and inner chunk shape of one stored array.
+
+    Shard files never straddle the boundaries of the regions that different writers own (so no
+    two processes ever write one file), and hold at most MAX_SHARD_BYTES. Inner chunks halve the
+    largest extent until they hold at most INNER_CHUNK_BYTES, so restores that split an axis by 2,
+    4 or 8 read whole inner chunks.
+
+    Args:
+        shape: the array's shape.
+        itemsize: bytes per element.
+        boundaries: per axis, the offsets where one writer's region ends and another's begins.
+
+    Returns:
+        (shard shape, inner chunk shape or None when one chunk per file).
+    """
+    if not shape:
+        return (), None
+    outer = []
+    for dim, cuts in zip(shape, boundaries):
+        g = int(dim)
+        for c in cuts:
+            g = math.gcd(g, int(c))
+        outer.append(max(g, 1))
+    _halve(outer, itemsize, MAX_SHARD_BYTES)
+    inner = list(outer)
+    _halve(inner, itemsize, INNER_CHUNK_BYTES)
+    return tuple(outer), (tuple(inner) if inner != outer else None)
+
+
+def _halve(chunk: list[int], itemsize: int, limit: int) -> None:
+    while math.prod(chunk) * itemsize > limit:
+        even = [j for j, c in enumerate(chunk) if c % 2 == 0]
+        if not even:
+            return
+        j = max(even, key=lambda a: chunk[a])
+        chunk[j] //= 2
+
+
+def array_spec(loc: Location, shape: Sequence[int], info: SlotInfo) -> dict[str, Any]:
+    """The TensorStore zarr3 spec of one stored array, with crc32c checksums on every chunk."""
+    chunks = list(info.chunks) if shape else []
+    if info.inner_chunks is not None:
+        codecs: list[dict[str, Any]] = [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": list(info.inner_chunks),
+                    "codecs": _CODECS,
+                    "index_codecs": _CODECS,
+                },
+            }
+        ]
+    else:
+        codecs = _CODECS
+    return {
+        "driver": "zarr3",
+        "kvstore": loc.child(info.path).kvstore,
+        "metadata": {
+            "shape": list(shape),
+            "data_type": zarr_dtype(info.dtype),
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
+            "codecs": codecs,
+        },
+    }
+
+
+def create_array(loc: Location, shape: Sequence[int], info: SlotInfo) -> ts.TensorStore:
+    """Create (replace) a stored array and its metadata."""
+    spec = array_spec(loc, shape, info)
+    return ts.open(spec, create=True, delete_existing=True, context=CONTEXT).result()
+
+
+def open_array(
+    loc: Location, shape: Sequence[int], info: SlotInfo, *, write: bool = False
+) -> ts.TensorStore:
+    """Open a stored array; writers trust the manifest's metadata (no read, no race)."""
+    spec = array_spec(loc, shape, info)
+    if write:
+        return ts.open(spec, assume_metadata=True, context=CONTEXT).result()
+    return ts.open(spec, open=True, context=CONTEXT).result()
+
+
+def load_manifest(loc: Location) -> Manifest:
+    """Read the manifest of a committed checkpoint.
+
+    Raises:
+        NotACheckpointError: nothing there, or a save that never committed.
+    """
+    if loc.read(COMMIT) is None:
+        hint = "no such checkpoint"
+        if loc.has_any():
+            hint = "a save to it did not finish (no COMMIT marker); it is not a checkpoint"
+        elif loc.local_path is not None and os.path.exists(
+            os.path.join(os.path.dirname(loc.local_path), f".{loc.name}.ucp-tmp")
+        ):
+            hint = "a save to it is in progress or was killed before it committed"
+        raise NotACheckpointError(f"{loc.url}: {hint}; pass the path of a committed checkpoint")
+    data = loc.read(MANIFEST)
+    if data is None:
+        raise NotACheckpointError(f"{loc.url}: COMMIT present but manifest.json missing")
+    return Manifest.loads(data, loc.url)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[str]:
+    """Committed checkpoints directly under `root`, sorted by name; partial saves are skipped.
+
+    >>> list_checkpoints("/nonexistent")
+    []
+    """
+    loc = Location.parse(root)
+    if loc.local_path is not None:
+        names = [
+            n
+            for n in sorted(_listdir(loc.local_path))
+            if not n.startswith(".") and os.path.exists(os.path.join(loc.local_path, n, COMMIT))
+        ]
+        return [os.path.join(loc.local_path, n) for n in names]
+    keys = [k.decode() for k in loc.kv().list().result()]
+    names = sorted({k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)})
+    base = Location.parse(root).url.rstrip("/")
+    return [f"{base}/{n}" for n in names]
+
+
+class Staging:
+    """The commit protocol of one save.
+
+    Local files: arrays go to a hidden temporary directory, renamed onto the final path after the
+    manifest and COMMIT are written. Other kvstores: arrays go to the final path, COMMIT last.
+    """
+
+    def __init__(self, final: Location, *, overwrite: bool) -> None:
+        self.final = final
+        self.overwrite = overwrite
+        if final.local_path is not None:
+            self.target = final.sibling(f".{final.name}.ucp-tmp")
+        else:
+            self.target = final
+
+    def check(self) -> None:
+        """Refuse to clobber an existing checkpoint unless asked (any process may call it)."""
+        if not self.overwrite and self.final.read(COMMIT) is not None:
+            raise FileExistsError(
+                f"{self.final.url} already holds a committed checkpoint; pass overwrite=True "
+                "or save to a new path"
+            )
+
+    def prepare(self) -> None:
+        """Clear the staging area (process 0 only, before arrays are created)."""
+        self.target.remove_all()
+        if self.final.local_path is not None:
+            os.makedirs(os.path.dirname(self.final.local_path), exist_ok=True)
+
+    def commit(self, manifest: Manifest) -> None:
+        """Write manifest and COMMIT, then publish atomically (process 0 only)."""
+        self.target.write(MANIFEST, manifest.dumps())
+        if self.final.local_path is None:
+            self.target.write(COMMIT, b"ucp/1\n")
+            return
+        self.target.write(COMMIT, b"ucp/1\n")
+        final = self.final.local_path
+        assert self.target.local_path is not None
+        if os.path.exists(final):
+            if not self.overwrite:
+                raise FileExistsError(f"{final} appeared during the save; not replacing it")
+            trash = f"{os.path.dirname(final)}/.{os.path.basename(final)}.ucp-old-{uuid.uuid4().hex}"
+            os.rename(final, trash)
+            os.rename(self.target.local_path, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(self.target.local_path, final)
+        _fsync_dir(os.path.dirname(final))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
