@@ -24,4 +24,4 @@ class PatternError(UcpError, ValueError):
 
 
 class ChecksumError(UcpError):
-    """Stored bytes do not match their checksum: the checkpoint is corrupt."""
+    """Stored bytes are missing or do not match their checksum: the checkpoint is corrupt."""

@@ -121,6 +121,13 @@ class Checkpoint:
                     f"{sorted(info.slots)}; restore without that optimizer state or save it"
                 )
             try:
+                missing = store.missing_chunks(self.loc, info.shape, info.slots[slot])
+                if missing:
+                    raise ChecksumError(
+                        f"{self.path}: atom {name!r} slot {slot!r} is missing {len(missing)} chunk "
+                        f"file(s) (e.g. {missing[0]!r}); the checkpoint is incomplete: copy it "
+                        "again or restore an earlier one"
+                    )
                 self._arrays[key] = store.open_array(self.loc, info.shape, info.slots[slot])
             except ValueError as e:
                 raise _wrap_io(e, f"{self.path}: atom {name!r} slot {slot!r}") from e

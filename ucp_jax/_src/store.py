@@ -165,6 +165,8 @@ def array_spec(loc: Location, shape: Sequence[int], info: SlotInfo) -> dict[str,
     return {
         "driver": "zarr3",
         "kvstore": loc.child(info.path).kvstore,
+        # Write every chunk, zeros too: a missing chunk file then always means a damaged checkpoint.
+        "store_data_equal_to_fill_value": True,
         "metadata": {
             "shape": list(shape),
             "data_type": zarr_dtype(info.dtype),
@@ -188,6 +190,29 @@ def open_array(
     if write:
         return ts.open(spec, assume_metadata=True, context=CONTEXT).result()
     return ts.open(spec, open=True, context=CONTEXT).result()
+
+
+def expected_chunk_keys(shape: Sequence[int], info: SlotInfo) -> set[str]:
+    """Keys of every chunk (shard) file a complete stored array has, relative to its directory."""
+    if not shape:
+        return {"c"}
+    if any(d == 0 for d in shape):
+        return set()
+    counts = [-(-int(d) // int(c)) for d, c in zip(shape, info.chunks)]
+    return {"c/" + "/".join(map(str, idx)) for idx in _grid(counts)}
+
+
+def _grid(counts: Sequence[int]) -> Any:
+    import itertools
+
+    return itertools.product(*(range(n) for n in counts))
+
+
+def missing_chunks(loc: Location, shape: Sequence[int], info: SlotInfo) -> list[str]:
+    """Chunk files a stored array should have but does not (a missing file would read as zeros)."""
+    kv = loc.child(info.path).kv()
+    present = {k.decode() for k in kv.list().result()}
+    return sorted(expected_chunk_keys(shape, info) - present)
 
 
 def load_manifest(loc: Location) -> Manifest:
