@@ -1,15 +1,15 @@
 """A small Flax (nnx) GPT whose parameter layout depends on the parallel layout (demo and tests)."""
 
+from .layouts import from_layout as from_layout
+from .layouts import init_canonical as init_canonical
+from .layouts import to_layout as to_layout
 from .model import GPT as GPT
 from .model import GPTConfig as GPTConfig
 from .model import Layout as Layout
 from .model import abstract_params as abstract_params
-from .model import from_layout as from_layout
-from .model import init_canonical as init_canonical
 from .model import make_mesh as make_mesh
 from .model import model_from_params as model_from_params
 from .model import param_shardings as param_shardings
-from .model import to_layout as to_layout
 from .model import ucp_rules as ucp_rules
 from .train import abstract_opt_state as abstract_opt_state
 from .train import batch as batch

@@ -17,16 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .model import (
-    GPTConfig,
-    Layout,
-    abstract_params,
-    from_layout,
-    init_canonical,
-    make_mesh,
-    to_layout,
-    ucp_rules,
-)
+from .layouts import from_layout, init_canonical, to_layout
+from .model import GPTConfig, Layout, abstract_params, make_mesh, ucp_rules
 from .train import abstract_opt_state, batch, init_opt_state, make_optimizer, make_train_step
 
 TOLERANCE = 1e-5

@@ -21,9 +21,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 PyTree = Any
@@ -234,91 +233,10 @@ def _block(x: jax.Array, p: dict, c: GPTConfig, t: int) -> jax.Array:
 # ----------------------------------------------------------------------------- layouts
 
 
-_BLOCK_PARAMS = (
-    "ln1.scale",
-    "attn.qkv.kernel",
-    "attn.out.kernel",
-    "ln2.scale",
-    "mlp.gate_up.kernel",
-    "mlp.down.kernel",
-)
-
-
 def _fused_sizes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     c = config
     qkv = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim)
     return {"attn.qkv.kernel": qkv, "mlp.gate_up.kernel": (c.d_ff, c.d_ff)}
-
-
-def init_canonical(config: GPTConfig, seed: int | None = None) -> dict[str, np.ndarray]:
-    """Layout-independent initial weights, by canonical atom name (``blocks.{i}.attn.qkv.kernel``...).
-
-    Args:
-        config: the model configuration.
-        seed: random seed (default ``config.seed``).
-
-    Returns:
-        A flat dict of float32 numpy arrays: unpadded vocabulary, one entry per layer,
-        fused kernels in the canonical ``[q | k | v]`` / ``[gate | up]`` column order.
-    """
-    c = config
-    rng = np.random.default_rng([c.seed if seed is None else seed, 0])
-    d, hd = c.d_model, c.head_dim
-
-    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
-
-    out: dict[str, np.ndarray] = {"embed.embedding": normal((c.vocab_size, d), 1.0)}
-    resid = 1.0 / math.sqrt(2 * c.n_layers)
-    for i in range(c.n_layers):
-        pre = f"blocks.{i}."
-        out[pre + "ln1.scale"] = np.ones((d,), np.float32)
-        qkv_cols = (c.n_heads + 2 * c.n_kv_heads) * hd
-        out[pre + "attn.qkv.kernel"] = normal((d, qkv_cols), d**-0.5)
-        out[pre + "attn.out.kernel"] = normal((c.n_heads * hd, d), (c.n_heads * hd) ** -0.5 * resid)
-        out[pre + "ln2.scale"] = np.ones((d,), np.float32)
-        out[pre + "mlp.gate_up.kernel"] = normal((d, 2 * c.d_ff), d**-0.5)
-        out[pre + "mlp.down.kernel"] = normal((c.d_ff, d), c.d_ff**-0.5 * resid)
-    out["ln_f.scale"] = np.ones((d,), np.float32)
-    out["unembed.kernel"] = normal((d, c.vocab_size), d**-0.5)
-    return out
-
-
-def _fuse(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
-    """Canonical ``[s_0 | s_1 | ...]`` columns -> ``concat_r [s_0[r] | s_1[r] | ...]`` (last axis)."""
-    subs = np.split(a, np.cumsum(sizes)[:-1], axis=-1)
-    return np.concatenate([np.split(s, t, axis=-1)[r] for r in range(t) for s in subs], axis=-1)
-
-
-def _unfuse(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
-    """Inverse of :func:`_fuse`."""
-    chunk = [n // t for n in sizes]
-    groups = np.split(a, t, axis=-1)
-    parts = [np.split(g, np.cumsum(chunk)[:-1], axis=-1) for g in groups]
-    return np.concatenate(
-        [np.concatenate([p[k] for p in parts], -1) for k in range(len(sizes))], -1
-    )
-
-
-def _unflatten(flat: dict[str, Any]) -> dict:
-    tree: dict = {}
-    for name, v in flat.items():
-        *path, leaf = name.split(".")
-        node = tree
-        for k in path:
-            node = node.setdefault(k, {})
-        node[leaf] = v
-    return tree
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -373,71 +291,6 @@ def abstract_params(config: GPTConfig, layout: Layout, mesh: Mesh) -> PyTree:
     )
 
 
-def _put(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
-
-
-def to_layout(
-    canonical: dict[str, np.ndarray], config: GPTConfig, layout: Layout, mesh: Mesh
-) -> PyTree:
-    """Lay canonical weights out for a layout: fuse per TP, pad the vocabulary, stack, shard.
-
-    Args:
-        canonical: flat dict from :func:`init_canonical` (or :func:`from_layout`).
-        config: the model configuration.
-        layout: the parallel layout.
-        mesh: the layout's mesh.
-
-    Returns:
-        The params: a nested dict of sharded ``jax.Array``.
-    """
-    layout.check(config)
-    c, t = config, layout.tensor
-    vp, fused = c.padded_vocab(t), _fused_sizes(config)
-    flat: dict[str, np.ndarray] = {}
-    emb = canonical["embed.embedding"]
-    flat["embed.embedding"] = np.pad(emb, ((0, vp - c.vocab_size), (0, 0)))
-    unemb = canonical["unembed.kernel"]
-    flat["unembed.kernel"] = np.pad(unemb, ((0, 0), (0, vp - c.vocab_size)))
-    flat["ln_f.scale"] = canonical["ln_f.scale"]
-    lead = (layout.stages, c.n_layers // layout.stages) if layout.stages > 1 else (c.n_layers,)
-    for name in _BLOCK_PARAMS:
-        per_layer = [canonical[f"blocks.{i}.{name}"] for i in range(c.n_layers)]
-        if name in fused:
-            per_layer = [_fuse(a, fused[name], t) for a in per_layer]
-        stacked = np.stack(per_layer)
-        flat[f"layers.{name}"] = stacked.reshape(lead + stacked.shape[1:])
-    shardings = param_shardings(config, layout, mesh)
-    return jax.tree.map(_put, _unflatten(flat), shardings)
-
-
-def from_layout(params: PyTree, config: GPTConfig, layout: Layout) -> dict[str, np.ndarray]:
-    """The exact inverse of :func:`to_layout`: params of a layout -> canonical numpy weights.
-
-    Args:
-        params: nested dict of arrays in ``layout``'s parameter layout (fully addressable).
-        config: the model configuration.
-        layout: the layout the params are in.
-
-    Returns:
-        A flat dict of numpy arrays with canonical names and shapes.
-    """
-    c, t = config, layout.tensor
-    flat = {k: np.asarray(v) for k, v in _flatten(params).items()}
-    fused = _fused_sizes(config)
-    out = {
-        "embed.embedding": flat["embed.embedding"][: c.vocab_size],
-        "unembed.kernel": flat["unembed.kernel"][:, : c.vocab_size],
-        "ln_f.scale": flat["ln_f.scale"],
-    }
-    for name in _BLOCK_PARAMS:
-        a = flat[f"layers.{name}"]
-        a = a.reshape((c.n_layers, *a.shape[2 if layout.stages > 1 else 1 :]))
-        for i in range(c.n_layers):
-            out[f"blocks.{i}.{name}"] = _unfuse(a[i], fused[name], t) if name in fused else a[i]
-    return out
-
-
 def ucp_rules(config: GPTConfig, layout: Layout) -> list[tuple[str, Any]]:
     """The ``ucp`` rules mapping this model's leaves to canonical atoms (``blocks.{i}...``).
 
@@ -462,7 +315,7 @@ def ucp_rules(config: GPTConfig, layout: Layout) -> list[tuple[str, Any]]:
     return rules
 
 
-_TRAIN_NAMES = frozenset(
+_LAZY = dict.fromkeys(("init_canonical", "to_layout", "from_layout"), "layouts") | dict.fromkeys(
     (
         "make_optimizer",
         "abstract_opt_state",
@@ -470,14 +323,15 @@ _TRAIN_NAMES = frozenset(
         "batch",
         "loss_fn",
         "make_train_step",
-    )
+    ),
+    "train",
 )
 
 
 def __getattr__(name: str) -> Any:
-    """Lazily re-export the training pieces of :mod:`ucp_jax.demo.train` from this module."""
-    if name in _TRAIN_NAMES:
-        from . import train
+    """Lazily re-export :mod:`.layouts` and :mod:`.train` names, so ``model`` offers them all."""
+    if name in _LAZY:
+        import importlib
 
-        return getattr(train, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __package__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,11 +11,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .layouts import _put
 from .model import (
     BATCH_AXES,
     GPTConfig,
     Layout,
-    _put,
     abstract_params,
     model_from_params,
     param_shardings,
