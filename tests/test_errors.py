@@ -1,0 +1,163 @@
+"""Errors, not surprises: every bad input raises a clear error naming the leaf and the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import mesh_of, mixed_params, place, targets
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ucp_jax as ucp
+from conftest import assert_tree_bitexact
+
+
+@pytest.fixture
+def saved(tmp_path):
+    params = place({"w": np.arange(64, dtype=np.float32).reshape(8, 8), "b": np.ones(8, np.float32)},
+                   mesh_of((2, 4)))  # fmt: skip
+    ucp.save(tmp_path / "ck", params, step=3)
+    return tmp_path / "ck", params
+
+
+def test_wrong_target_shape(saved):
+    path, params = saved
+    tgt = targets(params, mesh_of((8,)))
+    tgt["w"] = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=tgt["w"].sharding)
+    with pytest.raises(ucp.MismatchError, match=r"leaf 'w'.*\(8, 4\).*\(8, 8\)"):
+        ucp.restore(path, tgt)
+
+
+def test_wrong_dtype_needs_cast(saved):
+    path, params = saved
+    tgt = jax.tree.map(
+        lambda t: jax.ShapeDtypeStruct(t.shape, jnp.bfloat16, sharding=t.sharding),
+        targets(params, mesh_of((4, 2))),
+    )
+    with pytest.raises(ucp.MismatchError, match=r"leaf 'b' wants dtype bfloat16.*cast=True"):
+        ucp.restore(path, tgt)
+    out, _ = ucp.restore(path, tgt, cast=True)
+    assert out["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(params["w"]).astype(jnp.bfloat16))
+
+
+def test_missing_atom_names_close_matches(saved):
+    path, params = saved
+    tgt = targets({"weight": params["w"], "b": params["b"]}, mesh_of((8,)))
+    with pytest.raises(ucp.MismatchError, match=r"leaf 'weight' needs atom 'weight'"):
+        ucp.restore(path, tgt)
+
+
+def test_missing_slot(saved):
+    path, params = saved
+    tgt = targets(params, mesh_of((8,)))
+    opt = jax.eval_shape(optax.adam(1e-3).init, params)
+    opt = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh_of((8,)), P())),
+        opt,
+    )
+    with pytest.raises(ucp.MismatchError, match=r"opt_state.0.count.*restore params only"):
+        ucp.restore(path, tgt, opt)
+    sgd = jax.eval_shape(optax.sgd(1e-3, momentum=0.9).init, params)
+    sgd = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh_of((8,)), P())),
+        sgd,
+    )
+    with pytest.raises(ucp.MismatchError, match=r"slot 'trace' of atom '[wb]'.*slots \['fp32'\]"):
+        ucp.restore(path, tgt, sgd)
+
+
+def test_target_without_sharding(saved):
+    path, params = saved
+    tgt = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32), "b": jax.ShapeDtypeStruct((8,), jnp.float32)}
+    with pytest.raises(ucp.MismatchError, match="without a sharding"):
+        ucp.restore(path, tgt)
+
+
+def test_numpy_targets_restore_on_host(saved):
+    path, params = saved
+    out, _ = ucp.restore(path, {"w": np.zeros((8, 8), np.float32), "b": np.zeros(8, np.float32)})
+    assert isinstance(out["w"], np.ndarray)
+    np.testing.assert_array_equal(out["w"], np.asarray(params["w"]))
+
+
+def test_newer_format_version(saved):
+    path, _ = saved
+    m = json.loads((path / "manifest.json").read_text())
+    m["format_version"] = 99
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ucp.FormatVersionError, match="upgrade ucp_jax"):
+        ucp.open(path)
+
+
+def test_uncommitted_directory_is_not_a_checkpoint(saved, tmp_path):
+    path, params = saved
+    os.remove(path / "COMMIT")
+    with pytest.raises(ucp.NotACheckpointError, match="did not finish"):
+        ucp.open(path)
+    with pytest.raises(ucp.NotACheckpointError):
+        ucp.restore(path, targets(params, mesh_of((8,))))
+    with pytest.raises(ucp.NotACheckpointError, match="no such checkpoint"):
+        ucp.open(tmp_path / "nothing_here")
+    assert ucp.list_checkpoints(tmp_path) == []
+
+
+def test_refuses_to_overwrite(saved):
+    path, params = saved
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        ucp.save(path, params)
+    new = jax.tree.map(lambda x: x + 1, params)
+    ucp.save(path, new, step=4, overwrite=True)
+    assert ucp.open(path).step == 4
+    out, _ = ucp.restore(path, targets(params, mesh_of((8,))))
+    assert_tree_bitexact(new, out)
+
+
+def test_rule_matching_nothing(tmp_path):
+    params = {"w": jnp.ones((4, 4))}
+    with pytest.raises(ucp.PatternError, match=r"matched no leaf.*'w'"):
+        ucp.save(tmp_path / "ck", params, rules=[(r"layers\..*", ucp.Transposed((1, 0)))])
+
+
+def test_extra_must_be_json(tmp_path):
+    with pytest.raises(TypeError, match="JSON"):
+        ucp.save(tmp_path / "ck", {"w": jnp.ones(3)}, extra={"f": object()})
+
+
+def test_background_error_is_raised_on_next_call(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    h = ucp.async_save(blocker / "ck", {"w": jnp.ones(3)})
+    with pytest.raises(Exception, match="background save"):
+        ucp.save(tmp_path / "other", {"w": jnp.ones(3)})
+    h.wait()  # already reported by the call above: not raised twice
+    ucp.save(tmp_path / "other", {"w": jnp.ones(3)})  # the queue is clear again
+    assert ucp.list_checkpoints(tmp_path) == [str(tmp_path / "other")]
+
+
+@pytest.mark.parametrize("url", ["memory://ucp-test/ck", "file://{tmp}/ck"])
+def test_kvstore_urls(tmp_path, url):
+    url = url.format(tmp=tmp_path)
+    params = place(mixed_params(), mesh_of((2, 4)))
+    ucp.save(url, params, step=9)
+    ck = ucp.open(url)
+    assert ck.step == 9
+    out, _ = ucp.restore(url, targets(params, mesh_of((4, 2))))
+    assert_tree_bitexact(params, out)
+
+
+def test_open_reads_any_slice(saved):
+    path, params = saved
+    ck = ucp.open(path)
+    w = np.asarray(params["w"])
+    assert ck.atoms["w"].shape == (8, 8) and ck.atoms["w"].dtype == "float32"
+    np.testing.assert_array_equal(ck.read("w", "fp32", np.s_[2:5, 3]), w[2:5, 3])
+    np.testing.assert_array_equal(ck.read("w"), w)
+    with pytest.raises(ucp.MismatchError, match="slots"):
+        ck.read("w", "exp_avg")
