@@ -67,7 +67,10 @@ def float_params(seed: int = 0) -> dict[str, Any]:
     """Float params of several shapes and dtypes (a scalar too)."""
     rng = np.random.default_rng(seed)
     return {
-        "dense": {"kernel": rng.standard_normal((16, 24), np.float32), "bias": rng.standard_normal(24, np.float32)},
+        "dense": {
+            "kernel": rng.standard_normal((16, 24), np.float32),
+            "bias": rng.standard_normal(24, np.float32),
+        },
         "emb": {"embedding": rng.standard_normal((32, 8)).astype(jnp.bfloat16)},
         "scale": np.float32(rng.standard_normal()),
     }

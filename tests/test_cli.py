@@ -15,7 +15,10 @@ from ucp_jax._src.cli import main
 
 
 def _ckpt(tmp_path):
-    params = {"layer": {"kernel": jnp.arange(48.0).reshape(8, 6)}, "bias": jnp.zeros(6, jnp.bfloat16)}
+    params = {
+        "layer": {"kernel": jnp.arange(48.0).reshape(8, 6)},
+        "bias": jnp.zeros(6, jnp.bfloat16),
+    }
     ucp.save(tmp_path / "ck", params, optax.adam(1e-3).init(params), step=7, extra={"run": "x"})
     return tmp_path / "ck"
 

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_tree_bitexact
 from helpers import mesh_of, mixed_params, place, targets
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax as ucp
-from conftest import assert_tree_bitexact
 
 
 @pytest.fixture
@@ -44,7 +44,9 @@ def test_wrong_dtype_needs_cast(saved):
         ucp.restore(path, tgt)
     out, _ = ucp.restore(path, tgt, cast=True)
     assert out["w"].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(params["w"]).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(
+        np.asarray(out["w"]), np.asarray(params["w"]).astype(jnp.bfloat16)
+    )
 
 
 def test_missing_atom_names_close_matches(saved):
@@ -59,14 +61,18 @@ def test_missing_slot(saved):
     tgt = targets(params, mesh_of((8,)))
     opt = jax.eval_shape(optax.adam(1e-3).init, params)
     opt = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh_of((8,)), P())),
+        lambda s: jax.ShapeDtypeStruct(
+            s.shape, s.dtype, sharding=NamedSharding(mesh_of((8,)), P())
+        ),
         opt,
     )
     with pytest.raises(ucp.MismatchError, match=r"opt_state.0.count.*restore params only"):
         ucp.restore(path, tgt, opt)
     sgd = jax.eval_shape(optax.sgd(1e-3, momentum=0.9).init, params)
     sgd = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh_of((8,)), P())),
+        lambda s: jax.ShapeDtypeStruct(
+            s.shape, s.dtype, sharding=NamedSharding(mesh_of((8,)), P())
+        ),
         sgd,
     )
     with pytest.raises(ucp.MismatchError, match=r"slot 'trace' of atom '[wb]'.*slots \['fp32'\]"):
@@ -74,8 +80,11 @@ def test_missing_slot(saved):
 
 
 def test_target_without_sharding(saved):
-    path, params = saved
-    tgt = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32), "b": jax.ShapeDtypeStruct((8,), jnp.float32)}
+    path, _params = saved
+    tgt = {
+        "w": jax.ShapeDtypeStruct((8, 8), jnp.float32),
+        "b": jax.ShapeDtypeStruct((8,), jnp.float32),
+    }
     with pytest.raises(ucp.MismatchError, match="without a sharding"):
         ucp.restore(path, tgt)
 

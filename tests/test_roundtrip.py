@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax
 import pytest
+from conftest import assert_tree_bitexact
 from helpers import OPTIMIZERS, float_params, mesh_of, mixed_params, place, targets, trained_state
 
 import ucp_jax as ucp
-from conftest import assert_tree_bitexact
 from ucp_jax._src.restore import last_read_stats
 
 # (save mesh shape or None for one device, save style) -> (restore mesh shape, restore style)
@@ -31,7 +31,9 @@ def test_params_all_dtypes(tmp_path, src, src_style, dst, dst_style):
     out, opt = ucp.restore(tmp_path / "ck", targets(params, mesh_of(dst), dst_style))
     assert opt is None
     assert_tree_bitexact(params, out)
-    for leaf, tgt in zip(jax.tree.leaves(out), jax.tree.leaves(targets(params, mesh_of(dst), dst_style))):
+    for leaf, tgt in zip(
+        jax.tree.leaves(out), jax.tree.leaves(targets(params, mesh_of(dst), dst_style))
+    ):
         assert leaf.sharding == tgt.sharding
     stats = last_read_stats()
     assert stats.bytes_read == stats.bytes_needed, stats  # read amplification 1.00
@@ -55,6 +57,7 @@ def test_params_and_optax_state(tmp_path, opt_name, src, src_style, dst, dst_sty
     ck = ucp.open(tmp_path / "ck")
     assert {"fp32", "exp_avg", "exp_avg_sq"} <= set(ck.atoms["dense.kernel"].slots)
     assert not any(name.startswith("opt_state.") and ".mu." in name for name in ck.atoms)
+
     # The next update from the restored state equals the one from the original (computed on
     # host copies, so that sharding-dependent reduction orders play no part).
     def update(p, s):

@@ -25,7 +25,7 @@ from ._src.patterns import Transposed as Transposed
 from ._src.patterns import VocabPadded as VocabPadded
 from ._src.restore import Checkpoint as Checkpoint
 from ._src.restore import list_checkpoints as list_checkpoints
-from ._src.restore import open_checkpoint as open
+from ._src.restore import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
 from ._src.restore import restore as restore
 from ._src.save import SaveHandle as SaveHandle
 from ._src.save import async_save as async_save

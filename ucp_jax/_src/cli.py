@@ -118,9 +118,7 @@ def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
         return
     counts = [-(-int(d) // int(c)) for d, c in zip(shape, chunks)]
     for idx in store._grid(counts):
-        yield tuple(
-            slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape)
-        )
+        yield tuple(slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,7 +46,9 @@ class SlotInfo:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SlotInfo:
         inner = d.get("inner_chunks")
-        return cls(d["dtype"], d["path"], tuple(d["chunks"]), None if inner is None else tuple(inner))
+        return cls(
+            d["dtype"], d["path"], tuple(d["chunks"]), None if inner is None else tuple(inner)
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,5 +106,7 @@ def classify_opt_state(
             fixed.append(leaf)
         out = fixed
     # Keep jax's leaf order, so the result zips with tree_leaves(opt_state).
-    order = {tuple(p): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(opt_state)[0])}
+    order = {
+        tuple(p): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(opt_state)[0])
+    }
     return sorted(out, key=lambda o: order[tuple(o.path)])

@@ -278,7 +278,9 @@ class Fused(Pattern):
         if self.atoms is not None:
             object.__setattr__(self, "atoms", tuple(self.atoms))
             if len(self.atoms) != len(self.sizes):
-                raise PatternError(f"Fused: {len(self.atoms)} atom names for {len(self.sizes)} sizes")
+                raise PatternError(
+                    f"Fused: {len(self.atoms)} atom names for {len(self.sizes)} sizes"
+                )
 
     def split(self, node: _Node, ctx: LeafContext) -> list[_Node]:
         ax = _axis(self.axis, node.shape, ctx, self)

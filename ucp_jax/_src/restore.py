@@ -292,7 +292,9 @@ def restore(
     params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params_target), values[:n])
     opt = None
     if opt_state_target is not None:
-        opt = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(opt_state_target), values[n:])
+        opt = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(opt_state_target), values[n:]
+        )
     return params, opt
 
 

@@ -113,8 +113,14 @@ class _SaveJob:
         for atom, (shape, fused) in b.atoms().items():
             entry = self.atoms.setdefault(
                 atom,
-                {"shape": shape, "slots": {}, "pattern": [], "leaf": b.name, "fused": [],
-                 "role": b.role},  # fmt: skip
+                {
+                    "shape": shape,
+                    "slots": {},
+                    "pattern": [],
+                    "leaf": b.name,
+                    "fused": [],
+                    "role": b.role,
+                },
             )
             if entry["shape"] != shape:
                 raise MismatchError(
@@ -209,9 +215,7 @@ class _SaveJob:
             for p in t.binding.pieces(t.box):
                 if p.atom is None:
                     continue
-                rel = tuple(
-                    slice(a - t0, b - t0) for (a, b), (t0, _) in zip(p.leaf_box, t.box)
-                )
+                rel = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(p.leaf_box, t.box))
                 chunk = p.leaf_to_atom(data[rel])
                 arr = arrays[(p.atom, t.binding.slot)]
                 futs.append(arr[to_slices(p.atom_box)].write(chunk))

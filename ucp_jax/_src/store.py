@@ -258,7 +258,9 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[str]:
         ]
         return [os.path.join(loc.local_path, n) for n in names]
     keys = [k.decode() for k in loc.kv().list().result()]
-    names = sorted({k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)})
+    names = sorted(
+        {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)}
+    )
     base = Location.parse(root).url.rstrip("/")
     return [f"{base}/{n}" for n in names]
 
@@ -304,7 +306,9 @@ class Staging:
         if os.path.exists(final):
             if not self.overwrite:
                 raise FileExistsError(f"{final} appeared during the save; not replacing it")
-            trash = f"{os.path.dirname(final)}/.{os.path.basename(final)}.ucp-old-{uuid.uuid4().hex}"
+            trash = (
+                f"{os.path.dirname(final)}/.{os.path.basename(final)}.ucp-old-{uuid.uuid4().hex}"
+            )
             os.rename(final, trash)
             os.rename(self.target.local_path, final)
             shutil.rmtree(trash, ignore_errors=True)
