@@ -30,4 +30,6 @@ from ._src.restore import restore as restore
 from ._src.save import SaveHandle as SaveHandle
 from ._src.save import async_save as async_save
 from ._src.save import save as save
+from ._src.targets import make_mesh as make_mesh
+from ._src.targets import targets as targets
 from ._src.version import __version__ as __version__

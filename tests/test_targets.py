@@ -1,0 +1,51 @@
+"""make_mesh and targets: "resume on another mesh" in two lines."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import assert_tree_bitexact
+from helpers import float_params, mesh_of, place, trained_state
+from jax.sharding import PartitionSpec as P
+
+import ucp_jax as ucp
+
+
+def test_make_mesh_sizes():
+    m = ucp.make_mesh(data=2, fsdp=1, tensor=4)
+    assert dict(m.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert dict(ucp.make_mesh(data=-1, tensor=2).shape) == {"data": 4, "tensor": 2}
+    with pytest.raises(ValueError, match="make 6 devices but 8"):
+        ucp.make_mesh(data=3, tensor=2)
+    with pytest.raises(ValueError, match="only one axis"):
+        ucp.make_mesh(data=-1, tensor=-1)
+
+
+def test_targets_mirror_param_shardings(tmp_path):
+    opt = optax.adamw(1e-2)
+    params, state = trained_state(opt, float_params())
+    params, state = place(params, mesh_of((2, 4))), place(state, mesh_of((2, 4)))
+    ucp.save(tmp_path / "ck", params, state)
+    mesh = ucp.make_mesh(data=4, tensor=2)
+
+    def spec(name, leaf):
+        return P(None, "tensor") if name == "dense.kernel" else P()
+
+    pt, st = ucp.targets(params, mesh, spec, opt_state=jax.eval_shape(opt.init, params))
+    assert pt["dense"]["kernel"].sharding.spec == P(None, "tensor")
+    assert st[0].mu["dense"]["kernel"].sharding == pt["dense"]["kernel"].sharding
+    assert st[0].count.sharding.spec == P()
+    p2, s2 = ucp.restore(tmp_path / "ck", pt, st)
+    assert_tree_bitexact(params, p2)
+    assert_tree_bitexact(state, s2)
+
+
+def test_targets_spec_tree_and_single_spec():
+    mesh = ucp.make_mesh(data=-1)
+    tree = {"a": np.zeros((8, 2)), "b": {"c": np.zeros(3)}}
+    pt, _ = ucp.targets(tree, mesh, {"a": P("data"), "b": {"c": None}})
+    assert pt["a"].sharding.spec == P("data") and pt["b"]["c"].sharding.spec == P()
+    pt, _ = ucp.targets(tree, mesh)
+    assert pt["a"].shape == (8, 2) and pt["a"].sharding.spec == P()

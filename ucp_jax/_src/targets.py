@@ -1,0 +1,118 @@
+"""Building restore targets: a mesh over the available devices, and ShapeDtypeStructs with shardings
+for params and the optax state alike (moments take their parameter's sharding)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .names import named_leaves
+from .optim import classify_opt_state
+
+SpecSource = Any  # a pytree of PartitionSpec, or a callable (leaf name, leaf) -> PartitionSpec
+
+
+def make_mesh(devices: Any = None, **axes: int) -> Mesh:
+    """A mesh with named axes over the available devices; one axis may be -1 (the rest).
+
+    Args:
+        devices: devices to use (default: all of `jax.devices()`).
+        **axes: axis name -> size, in mesh order, e.g. `data=2, fsdp=1, tensor=4`.
+
+    Raises:
+        ValueError: the sizes do not multiply to the device count.
+
+    >>> mesh = make_mesh(data=-1, tensor=1)
+    >>> mesh.axis_names
+    ('data', 'tensor')
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    sizes = dict(axes)
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        raise ValueError(f"make_mesh: only one axis may be -1, got {free}")
+    known = math.prod(v for v in sizes.values() if v != -1)
+    if free:
+        if len(devs) % known:
+            raise ValueError(f"make_mesh: {len(devs)} devices do not divide by {known}")
+        sizes[free[0]] = len(devs) // known
+    if math.prod(sizes.values()) != len(devs):
+        raise ValueError(
+            f"make_mesh: axes {sizes} make {math.prod(sizes.values())} devices but "
+            f"{len(devs)} are available; change the sizes or use -1 for one axis"
+        )
+    arr = np.array(devs, dtype=object).reshape(tuple(sizes.values()) or (1,))
+    return Mesh(arr, tuple(sizes) or ("x",))
+
+
+def _spec_for(specs: SpecSource, names: list[str], tree: Any) -> list[PartitionSpec]:
+    if callable(specs) and not isinstance(specs, PartitionSpec):
+        return [specs(n, x) for n, (_, _, x) in zip(names, named_leaves(tree))]
+    if isinstance(specs, PartitionSpec):
+        return [specs] * len(names)
+    flat = jax.tree_util.tree_leaves(
+        jax.tree_util.tree_map(
+            lambda s, x: s,
+            specs,
+            tree,
+            is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
+        ),
+        is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
+    )
+    return [PartitionSpec() if s is None else s for s in flat]
+
+
+def targets(
+    params: Any,
+    mesh: Mesh,
+    specs: SpecSource | Callable[[str, Any], PartitionSpec] | None = None,
+    opt_state: Any = None,
+) -> tuple[Any, Any]:
+    """Restore targets for params (and optax state) on `mesh`.
+
+    Optimizer leaves that mirror a parameter (adam's mu/nu, ...) get that parameter's sharding;
+    the rest (counts, hyperparameters) are replicated.
+
+    Args:
+        params: pytree of arrays or ShapeDtypeStructs (e.g. `jax.eval_shape(init)`), shapes of the
+            *target* layout.
+        mesh: the target mesh.
+        specs: a pytree of PartitionSpec matching `params` (e.g. `nnx.get_partition_spec(state)`),
+            one PartitionSpec for all, or a callable `(leaf name, leaf) -> PartitionSpec`;
+            None replicates everything.
+        opt_state: the optax state's structure (e.g. `jax.eval_shape(optimizer.init, params)`).
+
+    Returns:
+        (params targets, opt_state targets or None): pytrees of jax.ShapeDtypeStruct with shardings.
+
+    >>> mesh = make_mesh(data=-1)
+    >>> p, _ = targets({"w": np.zeros((8, 4))}, mesh, PartitionSpec("data"))
+    >>> p["w"].sharding.spec
+    PartitionSpec('data',)
+    """
+    specs = PartitionSpec() if specs is None else specs
+    leaves = named_leaves(params)
+    names = [n for n, _, _ in leaves]
+    by_name = {}
+    out = []
+    for name, (_, _, x), spec in zip(names, leaves, _spec_for(specs, names, params)):
+        t = jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, spec))
+        by_name[name] = t
+        out.append(t)
+    ptargets = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), out)
+    if opt_state is None:
+        return ptargets, None
+    shapes = [np.shape(x) for _, _, x in leaves]
+    opt = []
+    for o in classify_opt_state(opt_state, jax.tree_util.tree_structure(params), names, shapes):
+        if o.param is not None:
+            sharding = by_name[o.param].sharding
+        else:
+            sharding = NamedSharding(mesh, PartitionSpec())
+        opt.append(jax.ShapeDtypeStruct(np.shape(o.leaf), o.leaf.dtype, sharding=sharding))
+    return ptargets, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(opt_state), opt)
