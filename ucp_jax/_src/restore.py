@@ -56,7 +56,13 @@ def last_read_stats() -> ReadStats:
 
 def _wrap_io(e: Exception, where: str) -> Exception:
     msg = str(e)
-    if "Digest mismatch" in msg or "checksum" in msg.lower() or "DATA_LOSS" in msg:
+    # "Not enough data": a truncated chunk file (tensorstore says FAILED_PRECONDITION, not DATA_LOSS)
+    if (
+        "Digest mismatch" in msg
+        or "checksum" in msg.lower()
+        or "DATA_LOSS" in msg
+        or "Not enough data" in msg
+    ):
         return ChecksumError(
             f"{where}: stored bytes fail their crc32c checksum ({msg}); the checkpoint is "
             "corrupt: restore an earlier checkpoint"
