@@ -55,9 +55,14 @@ class _SaveJob:
         extra: Any,
         overwrite: bool,
         max_inflight_bytes: int,
+        staging: Any = None,
     ) -> None:
         self.loc = store.Location.parse(path)
-        self.staging = store.Staging(self.loc, overwrite=overwrite)
+        # `staging`: another commit protocol with Staging's interface (check, prepare, target,
+        # commit); the Orbax handler passes one that writes in place into Orbax's own tmp folder.
+        if staging is None:
+            staging = store.Staging(self.loc, overwrite=overwrite)
+        self.staging = staging
         self.budget = max(int(max_inflight_bytes), 1)
         self.seq = next(_SAVE_COUNTER)
         self.tag = f"ucp-save-{self.seq}-{zlib.crc32(self.loc.url.encode()):08x}"
