@@ -154,18 +154,29 @@ class Manifest:
                 f"{where}: manifest format is {fmt!r}, expected 'ucp/<version>'; "
                 "this is not a universal checkpoint"
             )
-        version = int(d.get("format_version", fmt.split("/")[1]))
+        try:
+            version = int(d.get("format_version", fmt.split("/")[1]))
+        except (TypeError, ValueError) as e:
+            raise NotACheckpointError(
+                f"{where}: manifest.json has an unreadable format version ({e})"
+            ) from e
         if version > FORMAT_VERSION:
             raise FormatVersionError(
                 f"{where}: checkpoint format version {version} is newer than this ucp_jax reads "
                 f"(<= {FORMAT_VERSION}); upgrade ucp_jax (pip install -U ucp_jax)"
             )
-        return cls(
-            step=d.get("step"),
-            atoms={k: AtomInfo.from_json(v) for k, v in d["atoms"].items()},
-            leaves=d.get("leaves", {}),
-            rules=d.get("rules", []),
-            source=d.get("source", {}),
-            extra=d.get("extra"),
-            format=fmt,
-        )
+        try:
+            return cls(
+                step=d.get("step"),
+                atoms={k: AtomInfo.from_json(v) for k, v in d["atoms"].items()},
+                leaves=d.get("leaves", {}),
+                rules=d.get("rules", []),
+                source=d.get("source", {}),
+                extra=d.get("extra"),
+                format=fmt,
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise NotACheckpointError(
+                f"{where}: manifest.json is malformed ({type(e).__name__}: {e}); the checkpoint "
+                "is damaged: restore an earlier checkpoint"
+            ) from e
