@@ -1,5 +1,9 @@
 """A small Flax (nnx) GPT whose parameter layout depends on the parallel layout (demo and tests)."""
 
+from .experiment import Experiment as Experiment
+from .experiment import canonical_state as canonical_state
+from .experiment import run_experiment as run_experiment
+from .experiment import run_layout as run_layout
 from .layouts import from_layout as from_layout
 from .layouts import init_canonical as init_canonical
 from .layouts import to_layout as to_layout

@@ -73,13 +73,9 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """Short label, e.g. ``dp2-tp4``."""
-        parts = [f"pp{self.stages}"] if self.stages > 1 else []
-        parts.append(f"dp{self.data}")
-        if self.fsdp > 1:
-            parts.append(f"fsdp{self.fsdp}")
-        parts.append(f"tp{self.tensor}")
-        return "-".join(parts)
+        """Short label of the axes larger than 1, e.g. ``pp2-dp2-tp2``, ``fsdp4-tp2``; ``dp1`` alone."""
+        sizes = (("pp", self.stages), ("dp", self.data), ("fsdp", self.fsdp), ("tp", self.tensor))
+        return "-".join(f"{k}{n}" for k, n in sizes if n > 1) or "dp1"
 
     def check(self, config: GPTConfig) -> None:
         """Raise ValueError if the layout cannot hold the model.
