@@ -18,6 +18,7 @@ COMMIT = "COMMIT"
 # optax field name -> slot name (DeepSpeed's names, so a DeepSpeed universal folder maps 1:1).
 SLOT_ALIASES = {"mu": "exp_avg", "nu": "exp_avg_sq"}
 PARAM_SLOT = "fp32"
+STEP_SLOT = "step"  # per-atom optimizer step (DeepSpeed); an optax count on restore
 VALUE_SLOT = "value"
 
 
@@ -28,26 +29,39 @@ def atom_dir(atom: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SlotInfo:
-    """One stored array: a slot (fp32, exp_avg, ...) of an atom."""
+    """One stored array: a slot (fp32, exp_avg, ...) of an atom.
+
+    `shape` is None when the slot has the atom's shape (always, for slots saved from JAX); a slot
+    imported from DeepSpeed may differ, e.g. `step`, a scalar per atom.
+    """
 
     dtype: str
     path: str
     chunks: tuple[int, ...]
     inner_chunks: tuple[int, ...] | None = None
+    shape: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "dtype": self.dtype,
             "path": self.path,
             "chunks": list(self.chunks),
             "inner_chunks": None if self.inner_chunks is None else list(self.inner_chunks),
         }
+        if self.shape is not None:
+            out["shape"] = list(self.shape)
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SlotInfo:
         inner = d.get("inner_chunks")
+        shape = d.get("shape")
         return cls(
-            d["dtype"], d["path"], tuple(d["chunks"]), None if inner is None else tuple(inner)
+            d["dtype"],
+            d["path"],
+            tuple(d["chunks"]),
+            None if inner is None else tuple(inner),
+            None if shape is None else tuple(shape),
         )
 
 
@@ -80,8 +94,15 @@ class AtomInfo:
 
         from .dtypes import np_dtype
 
-        n = int(np.prod(self.shape, dtype=np.int64))
-        return sum(n * np_dtype(s.dtype).itemsize for s in self.slots.values())
+        return sum(
+            int(np.prod(self.slot_shape(k), dtype=np.int64)) * np_dtype(s.dtype).itemsize
+            for k, s in self.slots.items()
+        )
+
+    def slot_shape(self, slot: str) -> tuple[int, ...]:
+        """Shape of one stored slot: the atom's shape unless the slot records its own."""
+        own = self.slots[slot].shape
+        return tuple(self.shape) if own is None else tuple(own)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
