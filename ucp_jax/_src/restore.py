@@ -15,7 +15,7 @@ import numpy as np
 from . import store
 from .dtypes import np_dtype
 from .errors import ChecksumError, MismatchError, NotACheckpointError, PatternError
-from .manifest import AtomInfo, Manifest
+from .manifest import STEP_SLOT, AtomInfo, Manifest
 from .patterns import box_shape, box_size, to_slices
 from .plan import LeafBinding, ReadGroup, bind_state, read_groups
 from .rules import CompiledRules, Rule
@@ -127,14 +127,15 @@ class Checkpoint:
                     f"{sorted(info.slots)}; restore without that optimizer state or save it"
                 )
             try:
-                missing = store.missing_chunks(self.loc, info.shape, info.slots[slot])
+                shape = info.slot_shape(slot)
+                missing = store.missing_chunks(self.loc, shape, info.slots[slot])
                 if missing:
                     raise ChecksumError(
                         f"{self.path}: atom {name!r} slot {slot!r} is missing {len(missing)} chunk "
                         f"file(s) (e.g. {missing[0]!r}); the checkpoint is incomplete: copy it "
                         "again or restore an earlier one"
                     )
-                self._arrays[key] = store.open_array(self.loc, info.shape, info.slots[slot])
+                self._arrays[key] = store.open_array(self.loc, shape, info.slots[slot])
             except ValueError as e:
                 raise _wrap_io(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
         return self._arrays[key]
@@ -202,19 +203,21 @@ def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool) -> _Resolved:
                 continue
             name, slot = p.atom, b.slot
             if b.role is not None and name not in ckpt.atoms:
-                name = _by_role(ckpt, b)
+                name, slot = _by_role(ckpt, b)
             info = ckpt.atom(name, leaf=b.name)
             if slot not in info.slots:
                 ckpt.array(name, slot, leaf=b.name)  # raises the message
-            if tuple(info.shape) != tuple(p.atom_shape):
+            have = info.slot_shape(slot)
+            if have != tuple(p.atom_shape):
                 raise MismatchError(
                     f"restore: leaf {b.name!r} (shape {b.shape}) expects atom {name!r} of shape "
-                    f"{p.atom_shape} but the checkpoint has {tuple(info.shape)}; add or fix a "
+                    f"{p.atom_shape} but the checkpoint has {have}; add or fix a "
                     "rule (ucp.Fused / VocabPadded / Stacked ...) or pass the matching target"
                 )
             _check_fused(b, name, p.fused, info)
             stored = np_dtype(info.slots[slot].dtype)
-            if stored != b.dtype and not cast:
+            # an imported per-atom step (float32 in DeepSpeed) becomes an optax count: exact
+            if stored != b.dtype and not cast and slot != STEP_SLOT:
                 raise MismatchError(
                     f"restore: leaf {b.name!r} wants dtype {b.dtype.name} but atom {name!r} slot "
                     f"{slot!r} is stored as {stored.name}; pass cast=True to convert, or a "
@@ -224,23 +227,41 @@ def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool) -> _Resolved:
     return _Resolved(b, groups, slot_of, atom_of)
 
 
-def _by_role(ckpt: Checkpoint, b: LeafBinding) -> str:
-    """An optimizer leaf mirroring no parameter, found by its role in another optax structure."""
+def _by_role(ckpt: Checkpoint, b: LeafBinding) -> tuple[str, str]:
+    """An optimizer leaf mirroring no parameter, found by its role in another optax structure.
+
+    Returns (atom, slot). An optax count (`ScaleByAdamState.count`, ...) of a checkpoint imported
+    from PyTorch, which has no count atom, comes from the per-atom `step` slots (DeepSpeed keeps
+    Adam's step per parameter); they must all agree.
+    """
     found = [n for n, a in ckpt.atoms.items() if a.role == b.role]
     if len(found) == 1:
-        return found[0]
-    if b.role and b.role.endswith(".count"):
-        steps = [n for n, a in ckpt.atoms.items() if "step" in a.slots]
+        return found[0], b.slot
+    if not found and b.role and b.role.endswith(".count"):
+        steps = [
+            n for n, a in ckpt.atoms.items() if STEP_SLOT in a.slots and a.slot_shape(STEP_SLOT) == ()
+        ]
         if steps:
-            raise MismatchError(
-                f"restore: leaf {b.name!r} ({b.role}) would come from the per-atom 'step' slots "
-                "of an imported checkpoint; restore it with ucp.torch helpers"
-            )
+            return _common_step(ckpt, b, steps), STEP_SLOT
     raise MismatchError(
         f"restore: leaf {b.name!r} ({b.role}) is not in the checkpoint "
         + (f"(candidates with that role: {found})" if found else "(no atom has that role)")
         + "; restore params only (opt_state_target=None) or a matching optax structure"
     )
+
+
+def _common_step(ckpt: Checkpoint, b: LeafBinding, atoms: Sequence[str]) -> str:
+    """The atom whose `step` slot gives the count: all per-atom steps must agree."""
+    values: dict[float, list[str]] = {}
+    for n in atoms:
+        values.setdefault(float(ckpt.read(n, STEP_SLOT)), []).append(n)
+    if len(values) > 1:
+        seen = {v: names[:2] for v, names in sorted(values.items())}
+        raise MismatchError(
+            f"restore: leaf {b.name!r} ({b.role}) takes the per-atom 'step' slots of the "
+            f"checkpoint, but they differ ({seen}); restore params only, or set the count yourself"
+        )
+    return next(iter(values.values()))[0]
 
 
 def _check_fused(b: LeafBinding, atom: str, marks: Sequence[Any], info: AtomInfo) -> None:
