@@ -88,13 +88,14 @@ def verify_checkpoint(path: str, out: Any = None) -> int:
             where = f"atom {name!r} slot {slot!r}"
             try:
                 arr = ck.array(name, slot)
-                if tuple(arr.shape) != tuple(a.shape):
-                    problems.append(f"{where}: stored shape {tuple(arr.shape)}, manifest {a.shape}")
+                want = a.slot_shape(slot)
+                if tuple(arr.shape) != want:
+                    problems.append(f"{where}: stored shape {tuple(arr.shape)}, manifest {want}")
                     continue
                 if arr.dtype.numpy_dtype != np_dtype(info.dtype):
                     problems.append(f"{where}: stored dtype {arr.dtype}, manifest {info.dtype}")
                     continue
-                for box in _blocks(a.shape, info.chunks):
+                for box in _blocks(want, info.chunks):
                     data = ck.read(name, slot, box)
                     nbytes += data.nbytes
             except (UcpError, ValueError) as e:
