@@ -170,3 +170,35 @@ def test_open_reads_any_slice(saved):
     np.testing.assert_array_equal(ck.read("w"), w)
     with pytest.raises(ucp.MismatchError, match="slots"):
         ck.read("w", "exp_avg")
+
+
+def test_failed_save_lets_issued_writes_land_first(tmp_path, monkeypatch):
+    """A save failing mid-write waits for the writes it issued before raising (regression)."""
+    from ucp_jax._src import save as save_mod
+    from ucp_jax._src.patterns import Piece
+
+    drained: list[list] = []
+    real_wait = save_mod._wait_all
+
+    def recording_wait(futs, *, raise_first=True):
+        if not raise_first:
+            drained.append(list(futs))
+        real_wait(futs, raise_first=raise_first)
+
+    calls = {"n": 0}
+    real_l2a = Piece.leaf_to_atom
+
+    def failing_l2a(self, data):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected failure")
+        return real_l2a(self, data)
+
+    monkeypatch.setattr(save_mod, "_wait_all", recording_wait)
+    monkeypatch.setattr(Piece, "leaf_to_atom", failing_l2a)
+    params = place({f"w{i}": np.full((64, 64), i, np.float32) for i in range(6)}, mesh_of((8,)))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        ucp.save(tmp_path / "ck", params)
+    assert drained and sum(len(fs) for fs in drained) == 3  # the three writes issued before
+    assert all(f.commit.done() for fs in drained for f in fs)
+    assert ucp.list_checkpoints(tmp_path) == []

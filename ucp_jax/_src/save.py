@@ -215,29 +215,45 @@ class _SaveJob:
         source = zip(self.tasks, host) if host is not None else self._stream()
         inflight: collections.deque[tuple[int, list[Any]]] = collections.deque()
         pending = 0
-        for t, data in source:
-            futs = []
-            for p in t.binding.pieces(t.box):
-                if p.atom is None:
-                    continue
-                rel = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(p.leaf_box, t.box))
-                chunk = p.leaf_to_atom(data[rel])
-                arr = arrays[(p.atom, t.binding.slot)]
-                futs.append(arr[to_slices(p.atom_box)].write(chunk))
-            inflight.append((t.nbytes, futs))
-            pending += t.nbytes
-            while pending > self.budget and inflight:
-                n, fs = inflight.popleft()
-                for f in fs:
-                    f.commit.result()
-                pending -= n
-        for _, fs in inflight:
-            for f in fs:
-                f.commit.result()
+        try:
+            for t, data in source:
+                futs = []
+                for p in t.binding.pieces(t.box):
+                    if p.atom is None:
+                        continue
+                    rel = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(p.leaf_box, t.box))
+                    chunk = p.leaf_to_atom(data[rel])
+                    arr = arrays[(p.atom, t.binding.slot)]
+                    futs.append(arr[to_slices(p.atom_box)].write(chunk))
+                inflight.append((t.nbytes, futs))
+                pending += t.nbytes
+                while pending > self.budget and inflight:
+                    n, fs = inflight.popleft()
+                    _wait_all(fs)
+                    pending -= n
+            while inflight:
+                _wait_all(inflight.popleft()[1])
+        finally:
+            # On an error, let every write already issued land before the error propagates, so
+            # that no stale write can reach a retried save's fresh staging area.
+            for _, fs in inflight:
+                _wait_all(fs, raise_first=False)
         barrier(self.tag + "-written")
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)
         barrier(self.tag + "-committed")
+
+
+def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:
+    """Wait for every write future (all of them, even after one fails); raise the first error."""
+    first: BaseException | None = None
+    for f in futs:
+        try:
+            f.commit.result()
+        except BaseException as e:
+            first = first or e
+    if first is not None and raise_first:
+        raise first
 
 
 def _create(loc: store.Location, shape: tuple[int, ...], info: SlotInfo) -> Any:
