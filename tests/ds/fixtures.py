@@ -1,0 +1,145 @@
+"""Session fixture: real DeepSpeed checkpoints of the tiny GPT, and DeepSpeed's own universal
+conversion of each, built once with `torchrun` (gloo, CPU) and cached under .pytest_cache.
+
+Cases (name: ZeRO stage, dtype, DP size): z1_fp32 (1, fp32, 2), z2_bf16 (2, bf16, 2),
+z3_bf16 (3, bf16, 2), z2_fp32_dp3 (2, fp32, 3), z1_bf16_dp3 (1, bf16, 3), z3_fp32_dp3 (3, fp32, 3).
+Each trains 3 steps and saves tag global_step3 under <root>/<name>; DeepSpeed's ds_to_universal
+writes <root>/u_<name>/global_step3. The cache key hashes these scripts and the versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DP2 = ["z1_fp32:1:fp32", "z2_bf16:2:bf16", "z3_bf16:3:bf16"]
+DP3 = ["z2_fp32_dp3:2:fp32", "z1_bf16_dp3:1:bf16", "z3_fp32_dp3:3:fp32"]
+CASES = {j.split(":")[0]: (int(j.split(":")[1]), j.split(":")[2], 2) for j in DP2} | {
+    j.split(":")[0]: (int(j.split(":")[1]), j.split(":")[2], 3) for j in DP3
+}
+STEPS = 3
+TAG = f"global_step{STEPS}"
+
+
+@dataclasses.dataclass
+class DSCheckpoints:
+    root: str
+    losses: dict
+
+    def zero(self, name: str) -> str:
+        """The DeepSpeed checkpoint directory (with `latest`)."""
+        return os.path.join(self.root, name)
+
+    def universal(self, name: str) -> str:
+        """DeepSpeed's ds_to_universal output folder (the tag folder holding zero/)."""
+        return os.path.join(self.root, f"u_{name}", TAG)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, args: list[str], cwd: str, timeout: int = 600) -> None:
+    """Run tests/ds/train_ds.py under torchrun; raise with its output on failure."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", os.path.join(HERE, "train_ds.py"), *args]  # fmt: skip
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode:
+        raise RuntimeError(
+            f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+        )
+
+
+def to_universal(pairs: list[tuple[str, str]], cwd: str) -> None:
+    args = [x for pair in pairs for x in pair]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "to_universal.py"), *args], cwd=cwd,
+                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    if p.returncode:
+        raise RuntimeError(f"ds_to_universal failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+
+
+def cache_key() -> str:
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    for f in ("tiny_model.py", "train_ds.py", "to_universal.py", "fixtures.py"):
+        with open(os.path.join(HERE, f), "rb") as fh:
+            h.update(fh.read())
+    h.update(f"{version('torch')} {version('deepspeed')}".encode())
+    return h.hexdigest()[:16]
+
+
+def build(root: str) -> dict:
+    """Train and save every case, then convert each with ds_to_universal."""
+    os.makedirs(root, exist_ok=True)
+    t0 = time.time()
+    losses: dict = {}
+    for nproc, jobs in ((2, DP2), (3, DP3)):
+        out = os.path.join(root, f"losses_dp{nproc}.json")
+        torchrun(nproc, ["--root", root, "--steps", str(STEPS), "--result", out, *jobs], root)
+        with open(out) as f:
+            losses.update(json.load(f))
+    to_universal(
+        [(os.path.join(root, n, TAG), os.path.join(root, f"u_{n}", TAG)) for n in CASES], root
+    )
+    losses["_build_seconds"] = time.time() - t0
+    return losses
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def get(cache_dir: str) -> DSCheckpoints:
+    """The cached checkpoints, built on first use (process-safe)."""
+    key = cache_key()
+    final = os.path.join(cache_dir, key)
+    os.makedirs(cache_dir, exist_ok=True)
+    with _locked(os.path.join(cache_dir, ".lock")):
+        done = os.path.join(final, "DONE.json")
+        if not os.path.isfile(done):
+            for old in os.listdir(cache_dir):
+                if old != ".lock":
+                    shutil.rmtree(os.path.join(cache_dir, old), ignore_errors=True)
+            tmp = final + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            losses = build(tmp)
+            with open(os.path.join(tmp, "DONE.json"), "w") as f:
+                json.dump(losses, f)
+            os.rename(tmp, final)
+        with open(done) as f:
+            return DSCheckpoints(final, json.load(f))
+
+
+@pytest.fixture(scope="session")
+def ds_ckpts(request: pytest.FixtureRequest) -> DSCheckpoints:
+    """Real DeepSpeed checkpoints (and their ds_to_universal folders), cached between runs."""
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install deepspeed==0.19.8)")
+    cache = str(request.config.cache.mkdir("ds_ckpts"))
+    return get(cache)

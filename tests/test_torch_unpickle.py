@@ -1,0 +1,146 @@
+"""Weights-only loading: allow-listed globals load, anything else is refused and nothing runs."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ucp_jax._src.torch._unpickle import (  # noqa: E402
+    FragmentAddress,
+    LossScaler,
+    UnsafePickleError,
+    ZeroStageEnum,
+    allowed,
+    load,
+    loads,
+    pickle_globals,
+)
+
+
+class _Evil:
+    """Unpickling this would run a shell command that creates `marker`."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class _EvalEvil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (eval, (f"open({self.marker!r}, 'w').close()",))
+
+
+def _torch_zip(obj_pickle: bytes) -> bytes:
+    """A zip-format torch file whose data.pkl is `obj_pickle`."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", obj_pickle)
+        z.writestr("archive/byteorder", "little")
+        z.writestr("archive/version", "3\n")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+@pytest.mark.parametrize("evil_cls", [_Evil, _EvalEvil])
+def test_malicious_pickle_runs_nothing(tmp_path, protocol, evil_cls):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    obj = {"weights": torch.zeros(3), "payload": evil_cls(str(marker))}
+    torch.save(obj, path, pickle_protocol=protocol)
+    with pytest.raises(UnsafePickleError) as e:
+        load(path)
+    assert ("system" in str(e.value)) or ("eval" in str(e.value))
+    assert "allow-list" in str(e.value)
+    assert not marker.exists()
+    # the same, hand-made and with STACK_GLOBAL (protocol 4), through loads()
+    data = _torch_zip(pickle.dumps(evil_cls(str(marker)), protocol=4))
+    with pytest.raises(UnsafePickleError):
+        loads(data)
+    assert not marker.exists()
+
+
+def test_legacy_format_malicious_refused(tmp_path):
+    """Old (non-zip) torch files go through torch's weights-only unpickler, which refuses too."""
+    marker = tmp_path / "pwned"
+    path = tmp_path / "legacy.pt"
+    torch.save({"x": _Evil(str(marker))}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(UnsafePickleError):
+        load(path)
+    assert not marker.exists()
+
+
+def test_plain_pickle_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "plain.pkl"
+    path.write_bytes(pickle.dumps(_Evil(str(marker))))
+    with pytest.raises(UnsafePickleError):
+        load(path)
+    assert not marker.exists()
+
+
+def test_scan_names_globals_without_running():
+    data = pickle.dumps(_Evil("/nonexistent/x"), protocol=2)
+    assert pickle_globals(data) == ["posix.system"]
+    data = pickle.dumps(_Evil("/nonexistent/x"), protocol=4)
+    assert pickle_globals(data) == ["posix.system"]
+    assert not allowed("posix.system") and not allowed("builtins.eval")
+    assert allowed("torch._utils._rebuild_tensor_v2") and allowed("collections.OrderedDict")
+    assert allowed("deepspeed.utils.tensor_fragment.fragment_address")
+    assert not allowed("deepspeed.runtime.engine.DeepSpeedEngine")
+
+
+def test_tensors_and_containers_load(tmp_path):
+    path = tmp_path / "ok.pt"
+    obj = {"a": torch.arange(6.0).reshape(2, 3), "b": [torch.ones(2, dtype=torch.bfloat16)],
+           "c": (1, 2.5, "x", None), "s": torch.Size([3, 4])}  # fmt: skip
+    torch.save(obj, path)
+    got = load(path)
+    assert torch.equal(got["a"], obj["a"]) and got["b"][0].dtype == torch.bfloat16
+    assert got["c"] == (1, 2.5, "x", None) and tuple(got["s"]) == (3, 4)
+
+
+def test_deepspeed_stand_ins(tmp_path):
+    """DeepSpeed's classes in its pickles load as data stand-ins (real classes when installed)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler as DSLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum as DSStage
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    path = tmp_path / "ds.pt"
+    torch.save({"ls": DSLossScaler(2.0), "st": DSStage.gradients,
+                "fa": fragment_address(numel=5, start=7)}, path)  # fmt: skip
+    got = load(path)
+    assert isinstance(got["ls"], LossScaler) and got["ls"].cur_scale == 2.0
+    assert got["st"] == ZeroStageEnum.gradients == 2
+    assert got["fa"] == FragmentAddress(numel=5, start=7)
+    # registration is scoped: torch's own weights-only load still refuses DeepSpeed's classes
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+
+
+def test_import_ucp_jax_does_not_import_torch():
+    code = "import sys, ucp_jax; assert 'torch' not in sys.modules, 'torch imported'"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_ucp_jax_torch_without_torch_says_how_to_install():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "try:\n    import ucp_jax.torch\nexcept ImportError as e:\n    print(e)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "pip install 'ucp_jax[torch]'" in p.stdout, p.stdout + p.stderr[-2000:]

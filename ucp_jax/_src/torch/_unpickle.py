@@ -1,0 +1,299 @@
+"""Weights-only loading of torch files (DeepSpeed checkpoints included) with an explicit allow-list.
+
+ucp_jax never runs code from a checkpoint file. Every `.pt` file is read in two gates:
+
+1. the pickle's opcodes are scanned (nothing is executed) and every global it names must be on
+   the allow-list below, else `UnsafePickleError` names the global;
+2. the file is then loaded by `torch.load(weights_only=True)`, torch's own restricted unpickler,
+   with stand-ins registered for the few DeepSpeed classes found in its pickles (loss scaler,
+   fragment address, ZeRO stage enum, sub-param shape). The stand-ins are plain data holders
+   defined here: DeepSpeed is neither imported nor needed.
+
+>>> sd = load("ckpt/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import io
+import os
+import pickle
+import pickletools
+import threading
+import zipfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import UcpError
+
+
+class UnsafePickleError(UcpError, pickle.UnpicklingError):
+    """A torch file asks for a global that is not on the allow-list; nothing of it was run."""
+
+
+# ----------------------------------------------------------------------------- the stand-ins
+
+
+class _Record:
+    """A stand-in object: holds the attributes the pickle sets, runs nothing."""
+
+    _ds_name = ""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{self._ds_name.rsplit('.', 1)[-1]}({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class LossScaler(_Record):
+    """Stands in for deepspeed.runtime.fp16.loss_scaler.LossScaler (cur_scale, dynamic)."""
+
+    _ds_name = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+
+
+class DynamicLossScaler(_Record):
+    """Stands in for deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler."""
+
+    _ds_name = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+
+
+@dataclasses.dataclass
+class FragmentAddress:
+    """Stands in for deepspeed.utils.tensor_fragment.fragment_address: a flat [start, start+numel)."""
+
+    numel: int = 0
+    start: int = 0
+
+
+@dataclasses.dataclass
+class SubparamShape:
+    """Stands in for deepspeed.checkpoint.universal_checkpoint.SubparamShape."""
+
+    patterns: Any = None
+    shape: Any = None
+    partition_dim: int = 0
+
+
+class ZeroStageEnum(enum.IntEnum):
+    """Stands in for deepspeed.runtime.zero.config.ZeroStageEnum."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3  # alias of weights, as in DeepSpeed
+
+
+def _np_reconstruct(*args: Any) -> Any:
+    """numpy's ndarray reconstructor (Megatron rng states); builds an array, runs nothing else."""
+    import numpy as np
+
+    return np.ndarray.__new__(*args)
+
+
+# Names a pickle may ask for, beyond what torch's weights-only unpickler allows by itself.
+STAND_INS: dict[str, Any] = {
+    LossScaler._ds_name: LossScaler,
+    DynamicLossScaler._ds_name: DynamicLossScaler,
+    "deepspeed.utils.tensor_fragment.fragment_address": FragmentAddress,
+    "deepspeed.checkpoint.universal_checkpoint.SubparamShape": SubparamShape,
+    "deepspeed.runtime.zero.config.ZeroStageEnum": ZeroStageEnum,
+    "argparse.Namespace": __import__("argparse").Namespace,  # Megatron's `args`
+}
+
+
+def _numpy_globals() -> dict[str, Any]:
+    import numpy as np
+
+    out: dict[str, Any] = {"numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype}
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        out[f"{mod}._reconstruct"] = _np_reconstruct
+    return out
+
+
+def _torch_default_globals() -> frozenset[str]:
+    """What torch's weights-only unpickler resolves by itself (tensors, storages, dtypes, ...)."""
+    try:
+        from torch import _weights_only_unpickler as w
+
+        return frozenset(w._get_allowed_globals())
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without the private table
+        return frozenset(
+            {"collections.OrderedDict", "torch.Size", "torch._utils._rebuild_tensor_v2"}
+        )
+
+
+def allowed(name: str) -> bool:
+    """Whether a pickle may name this global ('module.qualname').
+
+    >>> allowed("torch._utils._rebuild_tensor_v2"), allowed("os.system")
+    (True, False)
+    """
+    return name in STAND_INS or name in _numpy_globals() or name in _torch_default_globals()
+
+
+# --------------------------------------------------------------------------- gate 1: the scan
+
+
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING",
+               "BINSTRING", "STRING"}  # fmt: skip
+_REFUSED_OPS = {"EXT1", "EXT2", "EXT4"}  # the copyreg extension registry: names hidden by number
+
+
+def pickle_globals(data: bytes) -> list[str]:
+    """Every global a pickle names, in order, found by reading its opcodes (nothing is run).
+
+    Raises:
+        UnsafePickleError: a global whose name cannot be read statically, or an extension code.
+    """
+    out: list[str] = []
+    memo: dict[int, Any] = {}
+    recent: list[Any] = []  # values of the last pushes, for STACK_GLOBAL
+    next_memo = 0
+    for op, arg, _pos in pickletools.genops(data):
+        name = op.name
+        if name in ("GLOBAL", "INST"):
+            module, _, qual = str(arg).partition(" ")
+            out.append(f"{module}.{qual}")
+        elif name == "STACK_GLOBAL":
+            if len(recent) < 2 or not all(isinstance(x, str) for x in recent[-2:]):
+                raise UnsafePickleError(
+                    "the pickle names a global through computed values (STACK_GLOBAL without two "
+                    "literal strings); refusing it"
+                )
+            out.append(f"{recent[-2]}.{recent[-1]}")
+        elif name in _REFUSED_OPS:
+            raise UnsafePickleError(
+                f"the pickle uses the extension registry ({name} {arg}); refusing it"
+            )
+        if name in _STRING_OPS:
+            recent.append(arg if isinstance(arg, str) else bytes(arg).decode("latin1"))
+        elif name in ("BINGET", "LONG_BINGET", "GET"):
+            recent.append(memo.get(int(arg)))
+        elif name == "MEMOIZE":
+            memo[next_memo] = recent[-1] if recent else None
+            next_memo += 1
+        elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[int(arg)] = recent[-1] if recent else None
+        elif name not in ("FRAME", "PROTO"):
+            recent.append(None)
+        if len(recent) > 8:
+            del recent[:-4]
+    return out
+
+
+def check_pickle(data: bytes, where: str) -> None:
+    """Refuse a pickle that names any global outside the allow-list, naming the global."""
+    try:
+        names = pickle_globals(data)
+    except UnsafePickleError as e:
+        raise UnsafePickleError(
+            f"{where}: {e}; ucp_jax never runs code from checkpoint files"
+        ) from None
+    except Exception as e:  # a truncated or garbled pickle
+        raise UnsafePickleError(f"{where}: not a readable pickle ({e})") from e
+    for n in names:
+        if not allowed(n):
+            raise UnsafePickleError(
+                f"{where}: refusing to load: the pickle asks for the global {n!r}, which is not on "
+                "ucp_jax's allow-list (tensors, containers, and data stand-ins for DeepSpeed's loss "
+                "scaler, fragment address and ZeRO stage); nothing of the file was run. Only load "
+                "checkpoints you trust with torch.load(weights_only=False) yourself"
+            )
+
+
+# ------------------------------------------------------------------------- gate 2: torch.load
+
+_lock = threading.Lock()
+_active = 0
+
+
+def _safe_list() -> list[tuple[Any, str]]:
+    out = [(obj, name) for name, obj in STAND_INS.items()]
+    out += [(obj, name) for name, obj in _numpy_globals().items()]
+    return out
+
+
+@contextlib.contextmanager
+def _stand_ins_registered() -> Iterator[None]:
+    """Register the stand-ins with torch while any of our loads runs (thread-safe, nested)."""
+    global _active
+    with _lock:
+        if _active == 0:
+            torch.serialization.add_safe_globals(_safe_list())
+        _active += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                torch.serialization._weights_only_unpickler._remove_safe_globals(_safe_list())
+
+
+def _zip_pickle(path: str) -> bytes | None:
+    """The main pickle of a zip-format torch file, or None for the legacy format."""
+    if not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as z:
+        names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(names) != 1:
+            raise UnsafePickleError(
+                f"{path}: a zip file without exactly one data.pkl ({names[:3]})"
+            )
+        return z.read(names[0])
+
+
+def load(path: str | os.PathLike[str], *, mmap: bool = True) -> Any:
+    """Load a torch file weights-only: tensors come back as CPU tensors (memory-mapped when `mmap`).
+
+    Raises:
+        UnsafePickleError: the file names a global outside the allow-list (nothing was run).
+        FileNotFoundError: no such file.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    data = _zip_pickle(path)
+    if data is not None:
+        check_pickle(data, path)
+    try:
+        with _stand_ins_registered():
+            return torch.load(
+                path, map_location="cpu", weights_only=True, mmap=bool(mmap and data is not None)
+            )
+    except pickle.UnpicklingError as e:
+        raise UnsafePickleError(
+            f"{path}: refused by torch's weights-only unpickler ({str(e).splitlines()[0]}); "
+            "ucp_jax never runs code from checkpoint files"
+        ) from None
+
+
+def loads(data: bytes, where: str = "<bytes>") -> Any:
+    """Like `load`, from the bytes of a torch file (tests, small files)."""
+    buf = io.BytesIO(data)
+    if zipfile.is_zipfile(buf):
+        with zipfile.ZipFile(buf) as z:
+            names = [n for n in z.namelist() if n.endswith("data.pkl")]
+            if len(names) != 1:
+                raise UnsafePickleError(f"{where}: a zip file without exactly one data.pkl")
+            check_pickle(z.read(names[0]), where)
+    buf.seek(0)
+    try:
+        with _stand_ins_registered():
+            return torch.load(buf, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafePickleError(
+            f"{where}: refused by torch's weights-only unpickler ({str(e).splitlines()[0]})"
+        ) from None
+
+
+__all__ = ["UnsafePickleError", "allowed", "check_pickle", "load", "loads", "pickle_globals"]

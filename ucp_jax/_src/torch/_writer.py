@@ -1,0 +1,234 @@
+"""Writing imported checkpoints: atoms and slots as ordinary `ucp/1` arrays, then manifest + COMMIT.
+
+Importers hand over pieces of atoms as they read them (a box, or a flat range of a possibly
+TP-sliced, vocab-padded parameter); nothing is buffered here beyond the writes in flight, which
+are bounded in bytes. Uses the library's own store helpers, so `ucp.open`, `ucp.restore` and
+`ucp verify` read the result like any saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import store
+from ..dtypes import dtype_name
+from ..errors import MismatchError
+from ..manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir
+from ..patterns import Box, box_shape, to_slices
+from ..version import __version__
+
+DEFAULT_INFLIGHT_BYTES = int(os.environ.get("UCP_INFLIGHT_BYTES", str(256 << 20)))
+
+
+def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Box, int]]:
+    """Boxes covering the C-order flat range [start, stop) of an array of `shape`.
+
+    Returns (box, offset of the box's first element from `start`), in flat order; at most
+    2 * ndim - 1 boxes.
+
+    >>> flat_boxes((3, 4), 2, 9)
+    [(((0, 1), (2, 4)), 0), (((1, 2), (0, 4)), 2), (((2, 3), (0, 1)), 6)]
+    """
+    shape = tuple(int(d) for d in shape)
+    if stop <= start:
+        return []
+    if not shape:
+        return [((), 0)]
+    row = math.prod(shape[1:])
+    if row == 0:
+        return []
+    out: list[tuple[Box, int]] = []
+    i0, r0 = divmod(start, row)
+    i1, r1 = divmod(stop, row)
+    if i0 == i1:
+        return [(((i0, i0 + 1), *b), off) for b, off in flat_boxes(shape[1:], r0, r1)]
+    pos = 0
+    if r0:
+        out += [(((i0, i0 + 1), *b), off) for b, off in flat_boxes(shape[1:], r0, row)]
+        pos = row - r0
+        i0 += 1
+    if i1 > i0:
+        out.append((((i0, i1), *((0, d) for d in shape[1:])), pos))
+        pos += (i1 - i0) * row
+    if r1:
+        out += [(((i1, i1 + 1), *b), pos + off) for b, off in flat_boxes(shape[1:], 0, r1)]
+    return out
+
+
+class AtomWriter:
+    """One imported checkpoint being written: create slots, write regions, commit.
+
+    >>> w = AtomWriter("/tmp/ucp/imported")  # doctest: +SKIP
+    >>> w.write_flat("emb.weight", "fp32", (53, 24), np.float32, flat, start=0)  # doctest: +SKIP
+    >>> w.commit(step=3, source={"library": "deepspeed"})  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, dst: Any, *, overwrite: bool = False, max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
+    ) -> None:
+        self.loc = store.Location.parse(dst)
+        self.staging = store.Staging(self.loc, overwrite=overwrite)
+        self.staging.check()
+        self.staging.prepare()
+        self.budget = max(int(max_inflight_bytes), 1)
+        self.atoms: dict[str, dict[str, Any]] = {}
+        self._arrays: dict[tuple[str, str], Any] = {}
+        self._inflight: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        self._pending = 0
+        self.bytes_written = 0
+
+    # ------------------------------------------------------------------------------- atoms
+
+    def atom(
+        self,
+        name: str,
+        shape: Sequence[int],
+        *,
+        pattern: list[dict[str, Any]] | None = None,
+        fused: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Declare an atom (idempotent; the shape must not change)."""
+        shape = tuple(int(d) for d in shape)
+        a = self.atoms.get(name)
+        if a is None:
+            self.atoms[name] = {"shape": shape, "slots": {}, "pattern": pattern or [],
+                                "fused": fused or []}  # fmt: skip
+        elif a["shape"] != shape:
+            raise MismatchError(
+                f"import: parameter {name!r} has shape {a['shape']} in one file and {shape} in "
+                "another; the source checkpoint is inconsistent"
+            )
+
+    def array(
+        self, atom: str, slot: str, dtype: Any, *, slot_shape: Sequence[int] | None = None
+    ) -> Any:
+        """The TensorStore array of one slot, created on first use."""
+        key = (atom, slot)
+        arr = self._arrays.get(key)
+        if arr is not None:
+            return arr
+        a = self.atoms[atom]
+        shape = a["shape"] if slot_shape is None else tuple(int(d) for d in slot_shape)
+        dt = np.dtype(dtype)
+        chunks, inner = store.choose_chunks(shape, dt.itemsize, [set() for _ in shape])
+        own = None if shape == a["shape"] else shape
+        info = SlotInfo(dtype_name(dt), f"{atom_dir(atom)}/{slot}", chunks, inner, own)
+        arr = store.create_array(self.staging.target, shape, info)
+        a["slots"][slot] = info
+        self._arrays[key] = arr
+        return arr
+
+    def has(self, atom: str, slot: str) -> bool:
+        return (atom, slot) in self._arrays
+
+    # ------------------------------------------------------------------------------ writing
+
+    def write(self, atom: str, slot: str, box: Box, data: np.ndarray, *, keep: Any = None) -> None:
+        """Write `data` into `box` of a slot (created with data's dtype if new)."""
+        arr = self.array(atom, slot, data.dtype)
+        data = np.asarray(data).reshape(box_shape(box))
+        fut = arr[to_slices(box)].write(data)
+        self._inflight.append((data.nbytes, fut, (data, keep)))
+        self._pending += data.nbytes
+        self.bytes_written += data.nbytes
+        while self._pending > self.budget and self._inflight:
+            self._retire()
+
+    def write_scalar(self, atom: str, slot: str, value: Any) -> None:
+        """A scalar slot (e.g. `step`) of an atom of any shape."""
+        data = np.asarray(value)
+        self.array(atom, slot, data.dtype, slot_shape=())
+        self.write(atom, slot, (), data)
+
+    def write_flat(
+        self,
+        atom: str,
+        slot: str,
+        flat: np.ndarray,
+        start: int,
+        *,
+        sub_shape: Sequence[int] | None = None,
+        origin: Sequence[int] | None = None,
+        keep: Any = None,
+    ) -> None:
+        """Write a flat range of a (sub-)array into an atom slot.
+
+        `flat` holds elements [start, start + len) of a C-order array of `sub_shape` (default:
+        the atom's shape) that sits at `origin` inside the atom; parts outside the atom (vocab
+        padding) are dropped.
+        """
+        shape = self.atoms[atom]["shape"]
+        sub = tuple(shape if sub_shape is None else sub_shape)
+        org = tuple(origin or (0,) * len(sub))
+        flat = np.asarray(flat).reshape(-1)
+        for box, off in flat_boxes(sub, start, start + flat.size):
+            n = math.prod(box_shape(box))
+            piece = flat[off : off + n].reshape(box_shape(box))
+            target, cut = [], []
+            for (a, b), o, d in zip(box, org, shape):
+                lo, hi = max(a + o, 0), min(b + o, d)
+                target.append((lo, hi))
+                cut.append(slice(lo - (a + o), hi - (a + o)))
+            if any(lo >= hi for lo, hi in target):
+                continue
+            self.write(atom, slot, tuple(target), piece[tuple(cut)], keep=keep)
+
+    def _retire(self) -> None:
+        n, fut, _ = self._inflight.popleft()
+        fut.commit.result()
+        self._pending -= n
+
+    def flush(self) -> None:
+        """Wait until every write issued so far is durable (and its source may be released)."""
+        while self._inflight:
+            self._retire()
+
+    # ------------------------------------------------------------------------------- commit
+
+    def commit(self, *, step: int | None, source: dict[str, Any], extra: Any = None) -> str:
+        """Write the manifest and COMMIT; returns the checkpoint's location."""
+        self.flush()
+        atoms = {}
+        for name, a in self.atoms.items():
+            if not a["slots"]:
+                continue
+            main = a["slots"].get(PARAM_SLOT) or next(iter(a["slots"].values()))
+            atoms[name] = AtomInfo(
+                shape=a["shape"], dtype=main.dtype, slots=a["slots"], pattern=a["pattern"],
+                leaf=name, fused=a["fused"],
+            )  # fmt: skip
+        src = {
+            "library": "ucp_jax",
+            "version": __version__,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **source,
+        }
+        self.staging.commit(Manifest(step=step, atoms=atoms, source=src, extra=extra))
+        return self.loc.url
+
+    def abort(self) -> None:
+        """Drop what was written (the destination is left as it was)."""
+        with contextlib.suppress(Exception):
+            self.flush()
+        if self.staging.target != self.staging.final:
+            self.staging.target.remove_all()
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    """A CPU torch tensor as a numpy array without copying (bfloat16 via ml_dtypes)."""
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()

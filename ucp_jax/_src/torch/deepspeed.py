@@ -1,0 +1,735 @@
+"""DeepSpeed checkpoints -> universal atoms: ZeRO-1/2/3 folders and ds_to_universal folders.
+
+A ZeRO checkpoint keeps, per data-parallel rank, flat fp32 master and optimizer partitions of each
+parameter group, with the address of every parameter's fragment (ZeRO-1/2: `param_slice_mappings`;
+ZeRO-3: every parameter padded to a multiple of the DP size, in `param_shapes` order). The import
+reads the rank files once, in order, and writes each fragment straight to its place in the atom
+(flat ranges become boxes), so memory stays about one rank file plus the writes in flight.
+Megatron-style tensor/pipeline parallel files (`mp_rank_XX`, `layer_XX-model_YY`) are merged with
+the patterns of `universal_checkpoint_info`, as DeepSpeed's `ds_to_universal` does. DeepSpeed
+itself is not needed: its pickles are read weights-only with data stand-ins (see _unpickle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import glob
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import MismatchError, NotACheckpointError, UcpError
+from ._unpickle import load
+from ._writer import AtomWriter, to_numpy
+
+_OPTIM_RE = re.compile(
+    r"^(?:bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_?optim_states\.pt$"
+)
+_MODEL_RE = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
+_Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
+_LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+_EXPERT_RE = re.compile(r"^(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$|^expp_rank_")
+
+OSD = "optimizer_state_dict"
+UC_INFO = "universal_checkpoint_info"
+STATE_SLOTS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+class DeepSpeedFormatError(UcpError, ValueError):
+    """The folder is not a DeepSpeed checkpoint this importer understands (says what it found)."""
+
+
+# ------------------------------------------------------------------------------- utilities
+
+
+def jsonable(x: Any) -> Any:
+    """Plain JSON data from checkpoint metadata (tuples, sizes, enums, 0-d tensors, stand-ins)."""
+    if isinstance(x, bool | int | float | str) or x is None:
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        return x
+    if isinstance(x, enum.Enum):
+        return jsonable(x.value)
+    if isinstance(x, torch.Tensor):
+        return jsonable(x.item()) if x.numel() == 1 else f"<tensor {tuple(x.shape)}>"
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple | torch.Size):
+        return [jsonable(v) for v in x]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if hasattr(x, "__dict__"):
+        return {k: jsonable(v) for k, v in vars(x).items()}
+    return repr(x)
+
+
+def _progress(enabled: bool | None, total: int, what: str) -> Any:
+    """A rich progress bar over bytes (off when stderr is not a terminal, unless forced)."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return _NoProgress()
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,  # fmt: skip
+        TransferSpeedColumn,
+    )
+
+    p = Progress(
+        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeRemainingColumn(), console=Console(stderr=True), transient=False,
+    )  # fmt: skip
+    p.start()
+    p._ucp_task = p.add_task(what, total=total)  # type: ignore[attr-defined]
+    return p
+
+
+class _NoProgress:
+    def advance(self, n: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def _advance(p: Any, n: int) -> None:
+    if isinstance(p, _NoProgress):
+        return
+    p.advance(p._ucp_task, n)
+
+
+def resolve_folder(src: Any, tag: str | None, latest: str = "latest") -> tuple[str, str | None]:
+    """The folder holding the rank files: `src/tag`, `src/<contents of latest>`, or `src` itself."""
+    src = os.fspath(src)
+    if not os.path.isdir(src):
+        raise NotACheckpointError(f"{src}: no such directory")
+    if tag is not None:
+        folder = os.path.join(src, str(tag))
+        if not os.path.isdir(folder):
+            tags = sorted(d for d in os.listdir(src) if os.path.isdir(os.path.join(src, d)))
+            raise NotACheckpointError(f"{src}: no tag {tag!r} (tags here: {tags[:10]})")
+        return folder, str(tag)
+    lf = os.path.join(src, latest)
+    if os.path.isfile(lf):
+        with open(lf) as f:
+            t = f.read().strip()
+        folder = os.path.join(src, t)
+        if not os.path.isdir(folder):
+            raise NotACheckpointError(f"{lf} names tag {t!r} but {folder} does not exist")
+        return folder, t
+    return src, None
+
+
+def _read_step(state: dict[str, Any]) -> Any:
+    step = state.get("step")
+    if step is None:
+        return None
+    if isinstance(step, torch.Tensor):
+        return to_numpy(step.reshape(()))
+    return np.asarray(step)
+
+
+# ------------------------------------------------------------------------ tensor parallelism
+
+
+@dataclasses.dataclass
+class _Kind:
+    """How the TP slices of one parameter make its atom."""
+
+    how: str  # 'cat' | 'replicated' | 'average' | 'sub2' | 'sub'
+    dim: int = 0
+    vocab: bool = False
+    sub: Any = None  # SubparamShape-like (patterns, shape, partition_dim)
+    widths: Any = None  # per sub-param, per TP rank widths (UCP >= 0.4)
+
+
+class _Merger:
+    """Places TP-slice fragments into atoms: concatenations directly, the rest buffered per param."""
+
+    def __init__(
+        self,
+        w: AtomWriter,
+        uc: dict[str, Any],
+        tp: int,
+        shapes: dict[str, list[tuple[int, ...] | None]],
+    ) -> None:
+        self.w, self.uc, self.tp, self.shapes = w, uc or {}, tp, shapes
+        self.kinds: dict[str, _Kind] = {}
+        self.bufs: dict[tuple[str, str], list[np.ndarray | None]] = {}
+        self.filled: dict[tuple[str, str], list[int]] = {}
+        self.steps: set[str] = set()
+
+    def _match(self, key: str, name: str) -> bool:
+        return any(re.match(p, name) for p in self.uc.get(key, []) or [])
+
+    def kind(self, name: str) -> _Kind:
+        k = self.kinds.get(name)
+        if k is not None:
+            return k
+        vocab = self._match("vocabulary_parameter_patterns", name)
+        if self.tp == 1:
+            k = _Kind("cat", 0, vocab)
+        elif self._match("tp_replicated_parameter_patterns", name):
+            k = _Kind("replicated", vocab=vocab)
+        elif self._match("parameter_to_average_patterns", name):
+            k = _Kind("average", vocab=vocab)
+        elif self._match("parameter_with_2_sub_params_cat_dim_0", name):
+            k = _Kind("sub2", 0, vocab)
+        else:
+            sub = self._sub_params(name)
+            if sub is not None:
+                k = _Kind("sub", vocab=vocab, sub=sub[0], widths=sub[1])
+            else:
+                row = self._match("parameter_with_row_parallelism_patterns", name)
+                k = _Kind("cat", 1 if row else 0, vocab)
+        self.kinds[name] = k
+        return k
+
+    def _sub_params(self, name: str) -> tuple[Any, Any] | None:
+        for s in self.uc.get("parameter_with_sub_params", []) or []:
+            pats = s.patterns if hasattr(s, "patterns") else s.get("patterns", [])
+            for p in pats:
+                if re.match(p, name):
+                    widths = (self.uc.get("sub_param_shard_widths") or {}).get(p)
+                    return s, widths
+        return None
+
+    def slice_shape(self, name: str, t: int) -> tuple[int, ...]:
+        s = self.shapes[name][t]
+        if s is None:
+            raise DeepSpeedFormatError(f"parameter {name!r} has no recorded shape on TP rank {t}")
+        return tuple(int(d) for d in s)
+
+    def atom_shape(self, name: str) -> tuple[int, ...]:
+        k = self.kind(name)
+        s0 = list(self.slice_shape(name, 0))
+        if k.how in ("cat", "sub2"):
+            s0[k.dim] = sum(self.slice_shape(name, t)[k.dim] for t in range(self.tp))
+        elif k.how == "sub":
+            pd = _sub_dim(k.sub)
+            s0[pd] = sum(self.slice_shape(name, t)[pd] for t in range(self.tp))
+        if k.vocab:
+            s0[0] = min(s0[0], int(self.uc["original_vocab_size"]))
+        return tuple(s0)
+
+    def pattern(self, name: str) -> list[dict[str, Any]]:
+        k = self.kind(name)
+        out: list[dict[str, Any]] = []
+        if k.vocab:
+            out.append({"type": "VocabPadded", "size": self.atom_shape(name)[0], "axis": 0})
+        if self.tp > 1:
+            if k.how == "cat":
+                out.append({"type": "Partitioned", "axis": k.dim})
+            elif k.how == "replicated":
+                out.append({"type": "Replicated"})
+            elif k.how == "average":
+                out.append({"type": "Averaged"})
+        return out
+
+    def declare(self, name: str) -> None:
+        if name not in self.w.atoms:
+            self.w.atom(name, self.atom_shape(name), pattern=self.pattern(name))
+
+    def put(self, name: str, t: int, slot: str, flat: np.ndarray, start: int, keep: Any) -> None:
+        """Elements [start, start + len) of TP rank t's slice of `name`, slot `slot`."""
+        self.declare(name)
+        k = self.kind(name)
+        if k.how == "cat":
+            origin = [0] * len(self.slice_shape(name, t))
+            if self.tp > 1:
+                origin[k.dim] = sum(self.slice_shape(name, r)[k.dim] for r in range(t))
+            self.w.write_flat(name, slot, flat, start, sub_shape=self.slice_shape(name, t),
+                              origin=origin, keep=keep)  # fmt: skip
+            return
+        key = (name, slot)
+        if key not in self.bufs:
+            self.bufs[key] = [None] * self.tp
+            self.filled[key] = [0] * self.tp
+        bufs = self.bufs[key]
+        if bufs[t] is None:
+            bufs[t] = np.empty(math.prod(self.slice_shape(name, t)), flat.dtype)
+        bufs[t][start : start + flat.size] = flat
+        self.filled[key][t] += flat.size
+        if all(self.filled[key][r] == math.prod(self.slice_shape(name, r)) for r in range(self.tp)):
+            self._merge(
+                name, slot, [b.reshape(self.slice_shape(name, r)) for r, b in enumerate(bufs)]
+            )  # type: ignore[union-attr]
+            del self.bufs[key], self.filled[key]
+
+    def _merge(self, name: str, slot: str, slices: list[np.ndarray]) -> None:
+        k = self.kind(name)
+        if k.how == "replicated":
+            for r, s in enumerate(slices[1:], 1):
+                if not np.array_equal(s, slices[0]):
+                    raise MismatchError(
+                        f"import: {name!r} ({slot}) is TP-replicated by universal_checkpoint_info "
+                        f"but TP rank {r} differs from rank 0; the checkpoint is inconsistent"
+                    )
+            full = slices[0]
+        elif k.how == "average":
+            acc: Any = 0
+            for s in slices:
+                acc = acc + s
+            full = (acc / len(slices)).astype(slices[0].dtype)
+        elif k.how == "sub2":
+            halves = [np.split(s, 2, axis=0) for s in slices]
+            full = np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=0)
+        else:
+            full = _merge_sub_params(name, k, slices, self.tp, self.uc)
+        if k.vocab:
+            full = full[: self.atom_shape(name)[0]]
+        self.w.write(name, slot, tuple((0, d) for d in full.shape), full)
+
+    def step(self, name: str, value: Any) -> None:
+        if value is None or name in self.steps:
+            return
+        self.declare(name)
+        self.w.write_scalar(name, "step", value)
+        self.steps.add(name)
+
+    def check_done(self) -> None:
+        if self.bufs:
+            (name, slot), _ = next(iter(self.bufs.items()))
+            raise DeepSpeedFormatError(
+                f"import: parameter {name!r} ({slot}) is missing TP slices or fragments; some rank "
+                "files are missing or truncated"
+            )
+
+
+def _sub_dim(sub: Any) -> int:
+    return int(sub.partition_dim if hasattr(sub, "partition_dim") else sub["partition_dim"])
+
+
+def _merge_sub_params(
+    name: str, k: _Kind, slices: list[np.ndarray], tp: int, uc: dict[str, Any]
+) -> np.ndarray:
+    """Fused sub-parameters (e.g. QKV) split per TP rank: regroup each sub-param's pieces."""
+    pd = _sub_dim(k.sub)
+    shape = k.sub.shape if hasattr(k.sub, "shape") else k.sub["shape"]
+    spec = shape[pd]
+    total = sum(s.shape[pd] for s in slices)
+    if isinstance(spec, list | tuple):
+        sizes = [int(x) for x in spec]
+    else:
+        sizes = [total // int(spec)] * int(spec)
+    widths = k.widths or [[sz // tp] * tp for sz in sizes]
+    offs = [0] * tp
+    chunks = []
+    for ws in widths:
+        pieces = []
+        for r in range(tp):
+            pieces.append(np.take(slices[r], range(offs[r], offs[r] + ws[r]), axis=pd))
+            offs[r] += ws[r]
+        chunks.append(np.concatenate(pieces, axis=pd))
+    return np.concatenate(chunks, axis=pd)
+
+
+# --------------------------------------------------------------------------------- layout
+
+
+@dataclasses.dataclass
+class _Layout:
+    folder: str
+    tag: str | None
+    stage: int
+    tp: int
+    pp: int
+    dp: int
+    optim: dict[tuple[int, int], str]  # (dp, mp) -> file
+    model: dict[int, str]  # mp -> model states file (dp 0 for ZeRO-3)
+    meta: dict[str, Any]  # first model states (small entries only)
+    osd0: dict[str, Any]  # first optim file's optimizer_state_dict (no tensors kept)
+
+
+def _scan(folder: str) -> _Layout:
+    names = sorted(os.listdir(folder))
+    optim: dict[tuple[int, int], str] = {}
+    model: dict[int, str] = {}
+    z3_model: dict[tuple[int, int], str] = {}
+    for n in names:
+        if _EXPERT_RE.match(n):
+            raise DeepSpeedFormatError(
+                f"{folder}: {n} is a mixture-of-experts file; MoE checkpoints are not supported "
+                "yet (convert them with DeepSpeed's ds_to_universal and import_deepspeed_universal)"
+            )
+        if m := _OPTIM_RE.match(n):
+            optim[(int(m["dp"]), int(m["mp"]))] = os.path.join(folder, n)
+        elif m := _MODEL_RE.match(n):
+            model[int(m["mp"])] = os.path.join(folder, n)
+        elif m := _Z3_MODEL_RE.match(n):
+            z3_model[(int(m["dp"]), int(m["mp"]))] = os.path.join(folder, n)
+    if not optim:
+        hint = ""
+        if os.path.isdir(os.path.join(folder, "zero")):
+            hint = "; it looks like a ds_to_universal folder: use import_deepspeed_universal"
+        raise DeepSpeedFormatError(
+            f"{folder}: no ZeRO optimizer files (*zero_pp_rank_*_mp_rank_*_optim_states.pt) "
+            f"found among {names[:8]}{hint}"
+        )
+    dps = sorted({d for d, _ in optim})
+    mps = sorted({m for _, m in optim})
+    if dps != list(range(len(dps))) or mps != list(range(len(mps))):
+        raise DeepSpeedFormatError(f"{folder}: rank files are missing (dp {dps}, mp {mps})")
+    for d in dps:
+        for m in mps:
+            if (d, m) not in optim:
+                raise DeepSpeedFormatError(f"{folder}: no optimizer file for dp {d}, mp {m}")
+    first = load(optim[(0, 0)])[OSD]
+    stage = int(first.get("zero_stage", 1))
+    if stage >= 3:
+        if not z3_model:
+            raise DeepSpeedFormatError(f"{folder}: ZeRO-3 optimizer files but no model states")
+        model = {m: z3_model[(0, m)] for m in mps if (0, m) in z3_model}
+    if not model:
+        raise DeepSpeedFormatError(f"{folder}: no model states file (mp_rank_XX_model_states.pt)")
+    meta_full = load(model[min(model)])
+    meta = {k: v for k, v in meta_full.items() if k not in ("module", "optimizer")}
+    dims = meta.get("checkpoint_parallel_dimensions") or {}
+    tp = int(dims.get("tp_degree") or 0)
+    pp = int(dims.get("pp_degree") or 0)
+    if not tp or not pp:
+        layers = [n for n in names if _LAYER_RE.match(n)]
+        if layers and stage < 3:
+            tp = len({n for n in layers if n.startswith("layer_01-")}) or 1
+            pp = max(1, len(mps) // tp)
+        else:
+            tp, pp = len(mps), 1
+    if tp * pp != len(mps):
+        raise DeepSpeedFormatError(
+            f"{folder}: {len(mps)} model-parallel ranks but tp_degree {tp} x pp_degree {pp}"
+        )
+    osd0 = {k: v for k, v in first.items() if not isinstance(v, list | dict) or k == "param_groups"}
+    osd0["param_groups"] = _param_groups(first)
+    return _Layout(folder, None, stage, tp, pp, len(dps), optim, model, meta, osd0)
+
+
+def _param_groups(osd: dict[str, Any]) -> list[dict[str, Any]]:
+    base = osd.get("base_optimizer_state") or osd.get(OSD) or {}
+    groups = base.get("param_groups", []) if isinstance(base, dict) else []
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _per_tp_shapes(lay: _Layout) -> dict[str, list[tuple[int, ...] | None]]:
+    """Parameter name -> its slice shape on each TP rank (PP stages united, as ds_to_universal)."""
+    out: dict[str, list[tuple[int, ...] | None]] = {}
+    for mp, path in sorted(lay.model.items()):
+        t = mp % lay.tp
+        sd = load(path) if mp != min(lay.model) else lay.meta
+        for group in sd.get("param_shapes") or []:
+            for name, shape in group.items():
+                out.setdefault(name, [None] * lay.tp)[t] = tuple(int(d) for d in shape)
+        for name, shape in (sd.get("frozen_param_shapes") or {}).items():
+            out.setdefault(name, [None] * lay.tp)[t] = tuple(int(d) for d in shape)
+    return out
+
+
+def _source(lay: _Layout, kind: str) -> dict[str, Any]:
+    m, o = lay.meta, lay.osd0
+    ds = {
+        "format": kind,
+        "path": os.path.abspath(lay.folder),
+        "tag": lay.tag,
+        "zero_stage": lay.stage,
+        "tp_degree": lay.tp,
+        "pp_degree": lay.pp,
+        "dp_degree": lay.dp,
+        "ds_version": m.get("ds_version") or o.get("ds_version"),
+        "global_steps": m.get("global_steps", m.get("iteration")),
+        "global_samples": m.get("global_samples"),
+        "skipped_steps": m.get("skipped_steps"),
+        "param_groups": o.get("param_groups"),
+        "clip_grad": o.get("clip_grad"),
+        "loss_scaler": o.get("loss_scaler"),
+        "dynamic_loss_scale": o.get("dynamic_loss_scale"),
+        "lr_scheduler": m.get("lr_scheduler"),
+        UC_INFO: m.get(UC_INFO),
+        "ds_config": m.get("ds_config"),
+    }
+    out = jsonable(ds)
+    json.dumps(out)
+    return {"framework": "deepspeed", "deepspeed": out}
+
+
+# ---------------------------------------------------------------------------------- import
+
+
+def _fragments_z12(
+    lay: _Layout, osd: dict[str, Any], pp_index: int, uc: dict[str, Any]
+) -> Iterator[tuple[str, str, torch.Tensor, Any]]:
+    """(param, slot, flat fragment, step) of one ZeRO-1/2 rank file, in file order."""
+    skip = (uc or {}).get("pipeline_replicated_parameter_patterns", []) or []
+    states = osd["base_optimizer_state"]["state"]
+    fp32 = osd["single_partition_of_fp32_groups"]
+    for g, mapping in enumerate(osd["param_slice_mappings"]):
+        st = states.get(g, states.get(str(g), {})) if isinstance(states, dict) else states[g]
+        flats = {"fp32": fp32[g]}
+        for key, val in st.items():
+            if key != "step" and isinstance(val, torch.Tensor) and val.dim() > 0:
+                flats[key] = val
+        step = _read_step(st)
+        for name, frag in mapping.items():
+            if pp_index > 0 and any(re.match(p, name) for p in skip):
+                continue
+            for slot, flat in flats.items():
+                yield name, slot, flat.narrow(0, int(frag.start), int(frag.numel)), step
+
+
+def _fragments_z3(
+    osd: dict[str, Any], shapes: list[dict[str, Any]], dp_rank: int, dp: int
+) -> Iterator[tuple[str, str, torch.Tensor, int, Any]]:
+    """(param, slot, flat fragment, start in the param, step) of one ZeRO-3 rank file."""
+    inner = osd[OSD]["state"]
+    groups = osd.get("ds_zero_partition_groups") or []
+    for idx, sub in enumerate(shapes):
+        st = inner.get(idx, {}) if isinstance(inner, dict) else inner[idx]
+        flats = {"fp32": osd["fp32_flat_groups"][idx]}
+        for key, val in st.items():
+            if key != "step" and isinstance(val, torch.Tensor) and val.dim() > 0:
+                flats[key] = val
+        step = _read_step(st)
+        meta = groups[idx] if idx < len(groups) else {}
+        count = int(meta.get("partition_count", dp))
+        rank = int(meta.get("partition_rank", dp_rank))
+        offset = 0
+        for name, shape in sub.items():
+            numel = math.prod(int(d) for d in shape)
+            part = -(-numel // count)
+            n = max(0, min(part, numel - rank * part))
+            for slot, flat in flats.items():
+                if n:
+                    yield name, slot, flat.narrow(0, offset, n), rank * part, step
+            offset += part
+
+
+def import_deepspeed(
+    src: Any,
+    dst: Any,
+    *,
+    tag: str | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    max_inflight_bytes: int | None = None,
+) -> str:
+    """Import a DeepSpeed ZeRO-1/2/3 checkpoint (fp32 or bf16, any DP, TP/PP) as universal atoms.
+
+    Atoms are named like the torch parameters; slots are `fp32` (master weights), the optimizer's
+    flat states (`exp_avg`, `exp_avg_sq` for Adam) and `step` (a scalar per atom, as DeepSpeed's
+    universal format keeps it). Reads every rank file once, weights-only; DeepSpeed is not needed.
+
+    Args:
+        src: the checkpoint directory (with a `latest` file), or a tag folder itself.
+        dst: where to write the universal checkpoint (local path or kvstore URL).
+        tag: the tag to import (default: the one `latest` names).
+        overwrite: replace an existing checkpoint at `dst`.
+        progress: show a progress bar (default: when stderr is a terminal).
+        max_inflight_bytes: bound on bytes of writes in flight.
+
+    Returns:
+        The location of the written checkpoint.
+
+    Raises:
+        NotACheckpointError: `src` or the tag does not exist.
+        DeepSpeedFormatError: not a DeepSpeed ZeRO folder (names what was found).
+        UnsafePickleError: a file asks for a global outside the allow-list.
+
+    >>> ucp.torch.import_deepspeed("ds_ckpt", "/tmp/ucp/step_3")  # doctest: +SKIP
+    """
+    folder, found_tag = resolve_folder(src, tag)
+    lay = _scan(folder)
+    lay.tag = found_tag or os.path.basename(os.path.normpath(folder))
+    kw = {} if max_inflight_bytes is None else {"max_inflight_bytes": max_inflight_bytes}
+    w = AtomWriter(dst, overwrite=overwrite, **kw)
+    try:
+        _import_zero(lay, w, progress)
+        step = lay.meta.get("global_steps", lay.meta.get("iteration"))
+        return w.commit(step=None if step is None else int(step), source=_source(lay, "zero"))
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _import_zero(lay: _Layout, w: AtomWriter, progress: bool | None) -> None:
+    uc = lay.meta.get(UC_INFO) or {}
+    shapes = _per_tp_shapes(lay)
+    merger = _Merger(w, uc, lay.tp, shapes)
+    files = [(d, m, lay.optim[(d, m)]) for d in range(lay.dp) for m in range(lay.tp * lay.pp)]
+    bar = _progress(progress, sum(os.path.getsize(f) for *_, f in files), "ucp import")
+    pos: dict[tuple[str, int, str], int] = {}
+    z3_shapes: dict[int, list[dict[str, Any]]] = {}
+    try:
+        for d, m, path in files:
+            pp_index, t = divmod(m, lay.tp)
+            sd = load(path)
+            osd = sd[OSD]
+            if lay.stage <= 2:
+                for name, slot, frag, step in _fragments_z12(lay, osd, pp_index, uc):
+                    key = (name, t, slot)
+                    start = pos.get(key, 0)
+                    pos[key] = start + frag.numel()
+                    merger.put(name, t, slot, to_numpy(frag), start, keep=frag)
+                    merger.step(name, step)
+            else:
+                if t not in z3_shapes:
+                    z3_shapes[t] = (lay.meta if m == min(lay.model) else load(lay.model[m]))[
+                        "param_shapes"
+                    ]
+                for name, slot, frag, start, step in _fragments_z3(osd, z3_shapes[t], d, lay.dp):
+                    merger.put(name, t, slot, to_numpy(frag), start, keep=frag)
+                    merger.step(name, step)
+                _frozen_z3(lay, merger, d, m, t)
+            w.flush()
+            del sd, osd
+            _advance(bar, os.path.getsize(path))
+        merger.check_done()
+        _module_fallback(lay, merger)
+        w.flush()
+    finally:
+        bar.stop()
+
+
+def _frozen_z3(lay: _Layout, merger: _Merger, d: int, m: int, t: int) -> None:
+    """Frozen parameters of ZeRO-3: each rank's model states hold its fragment."""
+    path = os.path.join(lay.folder, f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt")
+    if not os.path.isfile(path):
+        return
+    sd = lay.meta if path == lay.model.get(m) and d == 0 else load(path)
+    frozen = sd.get("frozen_param_fragments") or {}
+    for name, frag in frozen.items():
+        numel = math.prod(merger.slice_shape(name, t))
+        part = -(-numel // lay.dp)
+        n = max(0, min(part, numel - d * part))
+        if n:
+            flat = frag.reshape(-1)[:n].float()
+            merger.put(name, t, "fp32", to_numpy(flat), d * part, keep=flat)
+
+
+def _module_fallback(lay: _Layout, merger: _Merger) -> None:
+    """Parameters without optimizer state (never got a gradient, frozen): fp32 from the module."""
+    if lay.stage >= 3:
+        return
+    for mp, path in sorted(lay.model.items()):
+        t = mp % lay.tp
+        sd = load(path)
+        module = sd.get("module")
+        if not module:
+            continue
+        for name, tensor in module.items():
+            if name in sd.get("buffer_names", []) or not isinstance(tensor, torch.Tensor):
+                continue
+            if merger.w.has(name, "fp32"):
+                continue
+            if name not in merger.shapes:
+                merger.shapes[name] = [None] * lay.tp
+            if merger.shapes[name][t] is None:
+                merger.shapes[name][t] = tuple(tensor.shape)
+            flat = tensor.detach().float().reshape(-1)
+            merger.put(name, t, "fp32", to_numpy(flat), 0, keep=flat)
+    merger.check_done()
+
+
+# ------------------------------------------------------------------ ds_to_universal folders
+
+
+def import_deepspeed_universal(
+    src: Any,
+    dst: Any,
+    *,
+    tag: str | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+) -> str:
+    """Import a folder written by DeepSpeed's `ds_to_universal` (`zero/<param>/<slot>.pt`).
+
+    Args:
+        src: the universal tag folder (holding `zero/`), or its parent with `latest_universal`.
+        dst: where to write the universal checkpoint.
+        tag, overwrite, progress: as for `import_deepspeed`.
+
+    Returns:
+        The location of the written checkpoint.
+
+    >>> ucp.torch.import_deepspeed_universal("ds_univ/global_step3", "/tmp/ucp/step_3")  # doctest: +SKIP
+    """
+    folder, found_tag = resolve_folder(src, tag, latest="latest_universal")
+    zero = os.path.join(folder, "zero")
+    if not os.path.isdir(zero):
+        raise DeepSpeedFormatError(
+            f"{folder}: no zero/ folder; this is not a ds_to_universal output "
+            "(for a ZeRO checkpoint use import_deepspeed)"
+        )
+    models = sorted(glob.glob(os.path.join(folder, "*model_states.pt")))
+    meta: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    if models:
+        full = load(models[0])
+        meta = {k: v for k, v in full.items() if k not in ("module", "optimizer")}
+        for group in full.get("param_shapes") or []:
+            for name, shape in group.items():
+                shapes[name] = tuple(int(d) for d in shape)
+    osd: dict[str, Any] = {}
+    opt_path = os.path.join(zero, "optimizer_state.pt")
+    if os.path.isfile(opt_path):
+        osd = load(opt_path)
+    params = sorted(p for p in os.listdir(zero) if os.path.isdir(os.path.join(zero, p)))
+    files = [os.path.join(zero, p, f) for p in params for f in os.listdir(os.path.join(zero, p))]
+    bar = _progress(progress, sum(os.path.getsize(f) for f in files), "ucp import")
+    w = AtomWriter(dst, overwrite=overwrite)
+    z3_step = None
+    inner = osd.get(OSD) if isinstance(osd.get(OSD), dict) else None
+    if inner and isinstance(inner.get("state"), dict) and inner["state"]:
+        z3_step = _read_step(next(iter(inner["state"].values())))
+    try:
+        for name in params:
+            pdir = os.path.join(zero, name)
+            slots = sorted(f[:-3] for f in os.listdir(pdir) if f.endswith(".pt"))
+            for slot in sorted(slots, key=lambda s: (s != "fp32", s)):
+                path = os.path.join(pdir, slot + ".pt")
+                obj = load(path)
+                if slot == "step":
+                    w.atom(name, shapes.get(name, ()))
+                    w.write_scalar(name, "step", _read_step({"step": obj}))
+                else:
+                    t = obj["param"] if isinstance(obj, dict) else obj
+                    shape = tuple(t.shape)
+                    if t.dim() == 1 and name in shapes and shapes[name] != shape:
+                        shape = shapes[name]  # ZeRO-3 universal tensors are flat
+                    pattern = []
+                    if isinstance(obj, dict) and obj.get("vocab_tensor"):
+                        pattern.append({"type": "VocabPadded", "size": shape[0], "axis": 0})
+                    if isinstance(obj, dict) and obj.get("cat_dim", 0) and len(shape) > 1:
+                        pattern.append({"type": "Partitioned", "axis": int(obj["cat_dim"])})
+                    w.atom(name, shape, pattern=pattern)
+                    arr = to_numpy(t.reshape(shape))
+                    w.write(name, slot, tuple((0, d) for d in shape), arr, keep=t)
+                _advance(bar, os.path.getsize(path))
+            if z3_step is not None and "step" not in slots:
+                w.write_scalar(name, "step", z3_step)
+            w.flush()
+        lay = _Layout(folder, found_tag, int(jsonable(osd.get("zero_stage", 0)) or 0), 1, 1,
+                      int(meta.get("dp_world_size", 1) or 1), {}, {}, meta,
+                      {k: v for k, v in osd.items() if k not in (OSD, "fp32_flat_groups")})  # fmt: skip
+        lay.osd0["param_groups"] = [
+            {k: v for k, v in g.items() if k != "params"} for g in osd.get("param_groups", [])
+        ]
+        step = meta.get("global_steps", meta.get("iteration"))
+        return w.commit(step=None if step is None else int(step), source=_source(lay, "universal"))
+    except BaseException:
+        w.abort()
+        raise
+    finally:
+        bar.stop()
+
+
+__all__ = ["DeepSpeedFormatError", "import_deepspeed", "import_deepspeed_universal"]
