@@ -4,8 +4,8 @@ Run under torchrun. Several jobs share one process group (DeepSpeed's start-up c
     torchrun --nproc_per_node 2 tests/ds/train_ds.py --root OUT z1_fp32:1:fp32 z2_bf16:2:bf16
 trains a fresh model per job for --steps steps and saves it to OUT/<name> (tag global_step<N>,
 with `universal_checkpoint_info` so that ds_to_universal accepts it). Resuming:
-    torchrun --nproc_per_node 2 tests/ds/train_ds.py --load DIR [--tag T] [--universal] \
-        --steps 2 --result losses.json z1:1:fp32
+    torchrun --nproc_per_node 2 tests/ds/train_ds.py [--tag T] [--universal] \
+        --steps 2 --result losses.json z1:1:fp32:DIR other:3:bf16:DIR2
 Rank 0 writes {name: {"start", "losses", "global_steps"}} to --result (global mean losses).
 """
 
@@ -51,7 +51,8 @@ def config(stage: int, dtype: str, world: int, universal: bool) -> dict:
 
 
 def run(job: str, args: argparse.Namespace, world: int, rank: int) -> dict:
-    name, stage, dtype = job.split(":")
+    name, stage, dtype, *load = job.split(":")
+    load_dir = load[0] if load else args.load
     model = init_model(0)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -59,9 +60,9 @@ def run(job: str, args: argparse.Namespace, world: int, rank: int) -> dict:
         config=config(int(stage), dtype, world, args.universal),
     )
     start = 0
-    if args.load:
-        path, _ = engine.load_checkpoint(args.load, tag=args.tag)
-        assert path is not None, f"nothing loaded from {args.load}"
+    if load_dir:
+        path, _ = engine.load_checkpoint(load_dir, tag=args.tag)
+        assert path is not None, f"nothing loaded from {load_dir}"
         start = engine.global_steps
     losses = []
     per = BATCH // world
@@ -83,7 +84,7 @@ def run(job: str, args: argparse.Namespace, world: int, rank: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("jobs", nargs="+", help="name:stage:dtype (dtype fp32 or bf16)")
+    ap.add_argument("jobs", nargs="+", help="name:stage:dtype[:load_dir] (dtype fp32 or bf16)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--root", help="save each job's checkpoint to ROOT/<name>")
     ap.add_argument("--load", help="load this checkpoint folder before training")

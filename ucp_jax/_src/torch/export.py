@@ -1,0 +1,216 @@
+"""Universal atoms -> a DeepSpeed universal checkpoint folder, which `load_universal: true` resumes.
+
+The layout is what DeepSpeed's `ds_to_universal` writes and its universal loader reads:
+
+    <dst>/zero/<param>/fp32.pt         {"param": fp32 tensor, "cat_dim": 0}  (+ "vocab_tensor")
+    <dst>/zero/<param>/exp_avg.pt      same form, Adam's first moment
+    <dst>/zero/<param>/exp_avg_sq.pt   same form, Adam's second moment
+    <dst>/zero/<param>/step.pt         the optimizer step, a float32 scalar tensor
+    <dst>/zero/optimizer_state.pt      global optimizer state (param groups, clip_grad, version)
+    <dst>/mp_rank_00_model_states.pt   (and zero_pp_rank_0_mp_rank_00_model_states.pt for ZeRO-3)
+    <parent of dst>/latest_universal   the tag (the name of <dst>)
+
+so `engine.load_checkpoint(<parent of dst>)` with `"checkpoint": {"load_universal": true}` resumes
+on any DP size and ZeRO stage. Every file holds only tensors and plain containers.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import MismatchError
+from ..manifest import PARAM_SLOT, STEP_SLOT
+from ..restore import Checkpoint
+from .deepspeed import _advance, _progress
+
+DS_VERSION = "0.19.8"  # written when the source was not DeepSpeed; DeepSpeed checks >= 0.3.17
+MOMENT_SLOTS = ("exp_avg", "exp_avg_sq")
+EMPTY_GROUPS = 64  # DeepSpeed zips these with its own param groups: extra empty ones are ignored
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    a = np.ascontiguousarray(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _count(ck: Checkpoint) -> float | None:
+    """The optimizer step of a checkpoint saved from optax: its Adam-like count atom."""
+    roles = {n: a.role for n, a in ck.atoms.items() if a.role and a.role.endswith(".count")}
+    if not roles:
+        return None
+    pick = [n for n, r in roles.items() if r == "ScaleByAdamState.count"] or sorted(roles)
+    name = pick[0]
+    slot = next(iter(ck.atoms[name].slots))
+    return float(np.asarray(ck.read(name, slot)))
+
+
+def _save(obj: Any, path: str) -> None:
+    torch.save(obj, path)
+
+
+def export_deepspeed_universal(
+    path: Any,
+    dst: Any,
+    *,
+    names: Mapping[str, str] | Callable[[str], str | None] | None = None,
+    param_groups: list[dict[str, Any]] | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+) -> str:
+    """Write a universal checkpoint as a DeepSpeed universal folder (`load_universal: true`).
+
+    Every atom with an `fp32` slot is a parameter; its `exp_avg`/`exp_avg_sq` slots (optax adam's
+    mu/nu) become the moments, and its `step` slot, or else the checkpoint's optax count
+    (`ScaleByAdamState.count`), becomes `step.pt`. Atom names must be the torch module's parameter
+    names: save from JAX with rules that map leaves to torch-named atoms (`ucp.Stacked`,
+    `ucp.Transposed`), or pass `names`.
+
+    Args:
+        path: a committed universal checkpoint.
+        dst: the universal tag folder to write (e.g. `ds_ckpt/global_step100`); the parent gets a
+            `latest_universal` file naming it, so `engine.load_checkpoint(parent)` finds it.
+        names: atom name -> torch parameter name (a mapping, or a callable returning None to skip).
+        param_groups: optimizer hyperparameters per param group for DeepSpeed to load; default:
+            those recorded when the checkpoint was imported from DeepSpeed, else empty groups
+            (the DeepSpeed job's own config then applies).
+        overwrite: replace `dst` if it exists.
+        progress: show a progress bar (default: when stderr is a terminal).
+
+    Returns:
+        `dst`.
+
+    >>> ucp.torch.export_deepspeed_universal("/tmp/ucp/step_3", "ds_univ/global_step3")  # doctest: +SKIP
+    """
+    ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    dst = os.path.abspath(os.fspath(dst))
+    if os.path.exists(dst):
+        if not overwrite:
+            raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
+        shutil.rmtree(dst)
+    src = (ck.manifest.source or {}).get("deepspeed") or {}
+    count = _count(ck)
+    rename = _renamer(names)
+    params = {}
+    for atom, info in ck.atoms.items():
+        if PARAM_SLOT not in info.slots or info.role is not None:
+            continue
+        torch_name = rename(atom)
+        if torch_name is not None:
+            params[atom] = torch_name
+    if not params:
+        raise MismatchError(
+            f"export: {ck.path} has no parameter atoms (atoms with an 'fp32' slot); nothing to export"
+        )
+    tmp = dst + ".ucp-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    zero = os.path.join(tmp, "zero")
+    os.makedirs(zero)
+    total = sum(ck.atoms[a].nbytes for a in params)
+    bar = _progress(progress, total, "ucp export")
+    shapes: collections.OrderedDict[str, torch.Size] = collections.OrderedDict()
+    step_value = None
+    try:
+        for atom, torch_name in params.items():
+            info = ck.atoms[atom]
+            pdir = os.path.join(zero, torch_name)
+            os.makedirs(pdir, exist_ok=True)
+            extra: dict[str, Any] = {"cat_dim": 0}
+            for p in info.pattern:
+                if p.get("type") == "Partitioned" and len(info.shape) > 1:
+                    extra["cat_dim"] = int(p.get("axis", 0))
+                if p.get("type") == "VocabPadded":
+                    extra["vocab_tensor"] = True
+            for slot in (PARAM_SLOT, *MOMENT_SLOTS):
+                if slot not in info.slots:
+                    continue
+                t = _tensor(ck.read(atom, slot)).float()
+                _save({**extra, "param": t}, os.path.join(pdir, f"{slot}.pt"))
+            if STEP_SLOT in info.slots:
+                step = float(np.asarray(ck.read(atom, STEP_SLOT)))
+            else:
+                step = count
+            if step is not None and any(s in info.slots for s in MOMENT_SLOTS):
+                _save(torch.tensor(step, dtype=torch.float32), os.path.join(pdir, "step.pt"))
+                step_value = step if step_value is None else step_value
+            shapes[torch_name] = torch.Size(info.shape)
+            _advance(bar, info.nbytes)
+        groups = param_groups if param_groups is not None else src.get("param_groups")
+        if not groups:
+            groups = [{} for _ in range(EMPTY_GROUPS)]
+        groups = [_group(g) for g in groups]
+        version = src.get("ds_version") or DS_VERSION
+        osd: dict[str, Any] = {
+            "ds_version": version,
+            "dynamic_loss_scale": bool(src.get("dynamic_loss_scale") or False),
+            "overflow": False,
+            "param_groups": groups,
+            # ZeRO-3's universal loader reads the step and hyperparameters from here
+            "optimizer_state_dict": {
+                "state": {0: {"step": torch.tensor(step_value or 0.0, dtype=torch.float32)}},
+                "param_groups": [{**groups[0], "params": [0]}],
+            },
+        }
+        if src.get("clip_grad") is not None:
+            osd["clip_grad"] = float(src["clip_grad"])
+        if src.get("zero_stage") is not None:
+            osd["zero_stage"] = int(src["zero_stage"])
+        _save(osd, os.path.join(zero, "optimizer_state.pt"))
+        global_steps = ck.step if ck.step is not None else int(step_value or 0)
+        model = {
+            "module": {},
+            "buffer_names": [],
+            "optimizer": None,
+            "param_shapes": [shapes],
+            "frozen_param_shapes": None,
+            "shared_params": {},
+            "frozen_param_fragments": None,
+            "lr_scheduler": src.get("lr_scheduler"),
+            "data_sampler": None,
+            "random_ltd": None,
+            "sparse_tensor_module_names": [],
+            "skipped_steps": int(src.get("skipped_steps") or 0),
+            "global_steps": int(global_steps),
+            "global_samples": int(src.get("global_samples") or 0),
+            "dp_world_size": int(src.get("dp_degree") or 1),
+            "mp_world_size": 1,
+            "ds_version": version,
+            "universal_checkpoint_info": dict(src.get("universal_checkpoint_info") or {}),
+        }
+        _save(model, os.path.join(tmp, "mp_rank_00_model_states.pt"))
+        _save(model, os.path.join(tmp, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.stop()
+    with open(os.path.join(os.path.dirname(dst), "latest_universal"), "w") as f:
+        f.write(os.path.basename(dst))
+    return dst
+
+
+def _group(g: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in g.items() if k != "params"}
+    if isinstance(out.get("betas"), list):
+        out["betas"] = tuple(out["betas"])
+    return out
+
+
+def _renamer(names: Any) -> Callable[[str], str | None]:
+    if names is None:
+        return lambda a: a
+    if callable(names):
+        return names
+    return lambda a: names.get(a, a)
+
+
+__all__ = ["export_deepspeed_universal"]
