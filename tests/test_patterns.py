@@ -369,3 +369,32 @@ def test_pattern_json_roundtrip():
         assert pattern_from_json(p.to_json()) == p
     assert as_chain(None) == ()
     assert list(itertools.chain(as_chain(ucp.Replicated()))) == [ucp.Replicated()]
+
+
+def test_forgotten_fused_rule_is_an_error(tmp_path):
+    """A fused atom restored onto a TP>1 leaf without ucp.Fused would silently come back in TP=1
+    column order: it is refused; Fused(..., shard_axis=None) asks for the canonical order."""
+    mesh, leaf = _save_fused(tmp_path)
+    tgt = _target(leaf.shape, mesh, P(None, "tensor"))
+    with pytest.raises(ucp.PatternError, match=r"has no ucp.Fused.*TP=1 order"):
+        ucp.restore(tmp_path / "ck", tgt, rules=[("qkv", ucp.Replicated())])
+    out, _ = ucp.restore(tmp_path / "ck", tgt, rules=[("qkv", ucp.Fused(SIZES, 1, None))])
+    np.testing.assert_array_equal(np.asarray(out["qkv"]), ucp.open(tmp_path / "ck").read("qkv"))
+    # on a mesh without the shard axis the canonical order is the only one: no error
+    m1 = mesh_of((8,), ("data",))
+    out, _ = ucp.restore(
+        tmp_path / "ck", _target(leaf.shape, m1, P()), rules=[("qkv", ucp.Replicated())]
+    )
+    np.testing.assert_array_equal(np.asarray(out["qkv"]), ucp.open(tmp_path / "ck").read("qkv"))
+
+
+def test_lazy_submodules():
+    import subprocess
+    import sys
+
+    assert ucp.orbax.UniversalCheckpointHandler is not None
+    with pytest.raises(AttributeError):
+        ucp.nonexistent  # noqa: B018
+    code = "import sys, ucp_jax; assert 'torch' not in sys.modules, 'ucp_jax imported torch'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

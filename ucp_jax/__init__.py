@@ -33,3 +33,13 @@ from ._src.save import save as save
 from ._src.targets import make_mesh as make_mesh
 from ._src.targets import targets as targets
 from ._src.version import __version__ as __version__
+
+_SUBMODULES = ("orbax", "torch", "memory")
+
+
+def __getattr__(name: str):  # lazy submodules: `import ucp_jax` never imports torch
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -119,6 +119,22 @@ class Checkpoint:
         """The TensorStore array of one atom slot (opened once)."""
         key = (name, slot)
         if key not in self._arrays:
+            self.open_arrays([key], leaf=leaf)
+        return self._arrays[key]
+
+    def open_arrays(self, keys: Sequence[tuple[str, str]], *, leaf: str | None = None) -> None:
+        """Open many atom slots at once: their listings and metadata reads run concurrently.
+
+        Each slot is checked for missing chunk files (which would silently read as zeros).
+
+        Raises:
+            MismatchError: no such atom or slot.
+            ChecksumError: a chunk file is missing or the stored bytes are corrupt.
+        """
+        todo = []
+        for name, slot in dict.fromkeys(keys):
+            if (name, slot) in self._arrays:
+                continue
             info = self.atom(name, leaf=leaf)
             if slot not in info.slots:
                 who = f"leaf {leaf!r} needs" if leaf else "wanted"
@@ -126,19 +142,31 @@ class Checkpoint:
                     f"{self.path}: {who} slot {slot!r} of atom {name!r}, but it has slots "
                     f"{sorted(info.slots)}; restore without that optimizer state or save it"
                 )
+            shape, si = info.slot_shape(slot), info.slots[slot]
+            todo.append((name, slot, shape, si))
+        started = []
+        for name, slot, shape, si in todo:
             try:
-                shape = info.slot_shape(slot)
-                missing = store.missing_chunks(self.loc, shape, info.slots[slot])
+                started.append(
+                    (
+                        store.list_chunks_async(self.loc, si),
+                        store.open_array_async(self.loc, shape, si),
+                    )
+                )
+            except ValueError as e:
+                raise _wrap_io(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
+        for (name, slot, shape, si), (listing, opening) in zip(todo, started):
+            try:
+                missing = store.missing_of(listing, shape, si)
                 if missing:
                     raise ChecksumError(
                         f"{self.path}: atom {name!r} slot {slot!r} is missing {len(missing)} chunk "
                         f"file(s) (e.g. {missing[0]!r}); the checkpoint is incomplete: copy it "
                         "again or restore an earlier one"
                     )
-                self._arrays[key] = store.open_array(self.loc, shape, info.slots[slot])
+                self._arrays[(name, slot)] = opening.result()
             except ValueError as e:
                 raise _wrap_io(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
-        return self._arrays[key]
 
     def read(self, name: str, slot: str = "fp32", index: Any = ...) -> np.ndarray:
         """Read any slice of one atom slot; only that region is read from storage.
@@ -239,7 +267,9 @@ def _by_role(ckpt: Checkpoint, b: LeafBinding) -> tuple[str, str]:
         return found[0], b.slot
     if not found and b.role and b.role.endswith(".count"):
         steps = [
-            n for n, a in ckpt.atoms.items() if STEP_SLOT in a.slots and a.slot_shape(STEP_SLOT) == ()
+            n
+            for n, a in ckpt.atoms.items()
+            if STEP_SLOT in a.slots and a.slot_shape(STEP_SLOT) == ()
         ]
         if steps:
             return _common_step(ckpt, b, steps), STEP_SLOT
@@ -265,12 +295,26 @@ def _common_step(ckpt: Checkpoint, b: LeafBinding, atoms: Sequence[str]) -> str:
 
 
 def _check_fused(b: LeafBinding, atom: str, marks: Sequence[Any], info: AtomInfo) -> None:
+    """A fused atom must be unfused as it was saved, and never silently left in TP=1 order."""
     want = [{"sizes": list(m.sizes), "axis": m.axis} for m in marks]
     if want and info.fused and want != info.fused:
         raise PatternError(
             f"restore: leaf {b.name!r} fuses atom {atom!r} as {want}, but it was saved as "
             f"{info.fused}; fix the ucp.Fused sizes/axis of the rule to match the saved layout"
         )
+    if want or not info.fused:
+        return
+    for p in info.pattern:
+        axis_name = p.get("shard_axis") if p.get("type") == "Fused" else None
+        n = b.ctx.mesh_axes.get(axis_name, 1) if axis_name else 1
+        if n > 1:
+            raise PatternError(
+                f"restore: atom {atom!r} was saved as a fusion {info.fused} whose layout depends "
+                f"on mesh axis {axis_name!r} (size {n} in leaf {b.name!r}'s mesh), but the rule "
+                f"for {b.name!r} has no ucp.Fused, so it would come back in TP=1 order; add "
+                f"ucp.Fused({tuple(p['sizes'])}, axis={p['axis']}, shard_axis={axis_name!r}), "
+                "or ucp.Fused(..., shard_axis=None) if the model wants the canonical order"
+            )
 
 
 def restore(
@@ -312,6 +356,15 @@ def restore(
     if rules:
         compiled.check_all_used([b.name for b in pbind + obind])
     resolved = [_resolve(ckpt, b, cast) for b in pbind + obind]
+    ckpt.open_arrays(
+        [
+            (r.atom_of[p.atom], r.slot_of[p.atom])
+            for r in resolved
+            for g in r.groups
+            for p in g.pieces
+            if p.atom is not None
+        ]
+    )
     stats = ReadStats()
     values = _read_all(ckpt, resolved, stats, max_inflight_bytes)
     _last_stats = stats
