@@ -14,6 +14,18 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("CI"):
+        # In CI every optional dependency must be there: a test skipped for a missing install
+        # step would pass for the wrong reason.
+        import importlib
+
+        for mod in ("torch", "deepspeed", "safetensors", "nbclient", "matplotlib"):
+            try:
+                importlib.import_module(mod)
+            except ImportError as e:
+                raise pytest.UsageError(
+                    f"CI needs {mod!r} installed (make test does it): {e}"
+                ) from e
     if jax.device_count() < 8:
         raise pytest.UsageError(
             f"tests need 8 devices, found {jax.device_count()}; run through `make test` or set "
