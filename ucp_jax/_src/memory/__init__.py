@@ -1,0 +1,1 @@
+"""The in-memory tier: asynchronous snapshots in per-node shared memory, redundancy, recovery."""

@@ -1,0 +1,451 @@
+"""SnapshotManager: asynchronous in-memory snapshots of a train state, in per-node shared memory."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..patterns import Box, index_to_box, to_slices
+from ..plan import bind_state, write_regions
+from ..rules import CompiledRules, Rule
+from . import persist, recovery
+from .layout import Layout, LeafMeta, build_pieces, make_groups
+from .redundancy import Fetch, Sources, plan_fetches, roll, xor_into
+from .shm import NodeStore, namespace_root
+
+log = logging.getLogger("ucp_jax")
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """What a snapshot of one state structure copies (cached: it is the same every step)."""
+
+    layout: Layout
+    text: str
+    fetches: list[Fetch]
+    rolls: list[tuple[int, int]]
+    gaps: list[tuple[int, int]]
+    nbytes: int
+
+
+@dataclasses.dataclass
+class SnapshotStats:
+    """The last committed snapshot of this process.
+
+    Attributes:
+        step: its step.
+        nbytes: bytes of this node's blob (own pieces + redundancy).
+        copied_bytes: bytes copied device -> shared memory for it.
+        dispatch_s: time `snapshot()` took on the training thread.
+        copy_s: time the background copy into shared memory took.
+        rolls: leaves exchanged with collectives for redundancy.
+    """
+
+    step: int = -1
+    nbytes: int = 0
+    copied_bytes: int = 0
+    dispatch_s: float = 0.0
+    copy_s: float = 0.0
+    rolls: int = 0
+
+
+def _default_namespace(directory: Any) -> str:
+    if directory is None:
+        return "default"
+    text = os.path.abspath(os.fspath(directory)) if "://" not in str(directory) else str(directory)
+    stem = "".join(c if c.isalnum() or c in "-_" else "-" for c in os.path.basename(text))[:32]
+    return f"{stem or 'ckpt'}-{zlib.crc32(text.encode()):08x}"
+
+
+def _agree_run_id() -> int:
+    """A new run id, the same on every process (process 0's clock)."""
+    run = time.time_ns()
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        raw = np.frombuffer(struct.pack("<q", run), np.uint8)
+        raw = np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8)
+        run = struct.unpack("<q", raw.tobytes())[0]
+    return run
+
+
+_copy = jax.jit(jnp.copy)
+
+
+class SnapshotManager:
+    """In-memory snapshots of (params, opt_state), kept in shared memory outside the trainer.
+
+    One manager per process; each process is one node. `snapshot()` returns at once: it dispatches
+    the device-side copies (and, for redundancy without data-parallel replicas, the exchange) and
+    starts the device-to-host copies; a background thread writes this node's share into
+    `<shm_dir>/ucp-<namespace>/<process_index>/step_<n>/` and commits it (COMMIT written last).
+    The newest `keep` committed snapshots are kept; every `persist_every`-th one is also written,
+    in the background, as a universal checkpoint `directory_for_persist/step_<n>` from the host
+    copy. `restore()` takes the newest step complete (or decodable) on every node, onto any mesh,
+    else the newest persisted checkpoint.
+
+    Args:
+        directory_for_persist: folder (or kvstore URL) for persisted universal checkpoints, and the
+            fallback of `restore()`; None: memory only.
+        every: snapshot when `step % every == 0` (other calls return False at once).
+        persist_every: persist every this many snapshots (`step % (every * persist_every) == 0`);
+            None: never.
+        redundancy: None, 'replica' (each node also keeps the previous node of its group's share)
+            or 'xor' (each node keeps one parity lane of its group).
+        namespace: names the job's shared-memory folder; a restarted job with the same namespace
+            reattaches. Default: derived from `directory_for_persist`.
+        shm_dir: where namespaces live (default /dev/shm).
+        keep: committed snapshots kept per node (at least 1).
+        group_size: nodes per redundancy group (default 2 for 'replica', up to 4 for 'xor').
+        donation_safe: True (default): `snapshot()` makes device-side copies of whole shards it
+            copies, so the caller may donate or delete the arrays as soon as it returns (costs up
+            to this node's share of device memory until the host copy is done). False: it holds
+            references only; the caller must not donate them until `wait()`.
+        rules: rules for the persisted universal checkpoints (and for restoring them).
+
+    >>> mgr = ucp.memory.SnapshotManager("/ckpt", persist_every=100, redundancy="replica")  # doctest: +SKIP
+    >>> mgr.snapshot(step, params, opt_state)  # doctest: +SKIP
+    >>> params, opt_state = mgr.restore(params_target, opt_state_target)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        directory_for_persist: Any = None,
+        *,
+        every: int = 1,
+        persist_every: int | None = None,
+        redundancy: str | None = "replica",
+        namespace: str | None = None,
+        shm_dir: str | os.PathLike[str] | None = None,
+        keep: int = 2,
+        group_size: int | None = None,
+        donation_safe: bool = True,
+        rules: tuple[Rule, ...] | list[Rule] = (),
+    ) -> None:
+        if redundancy not in (None, "replica", "xor"):
+            raise ValueError(f"redundancy must be None, 'replica' or 'xor', not {redundancy!r}")
+        if int(every) < 1 or int(keep) < 1:
+            raise ValueError(f"every ({every}) and keep ({keep}) must be at least 1")
+        if persist_every is not None and int(persist_every) < 1:
+            raise ValueError(f"persist_every must be at least 1 or None, not {persist_every}")
+        if persist_every is not None and directory_for_persist is None:
+            raise ValueError("persist_every needs a directory_for_persist")
+        self.directory = directory_for_persist
+        self.every = int(every)
+        self.persist_every = None if persist_every is None else int(persist_every)
+        self.redundancy = redundancy
+        self.namespace = namespace or _default_namespace(directory_for_persist)
+        self.root = namespace_root(self.namespace, shm_dir)
+        self.keep = int(keep)
+        nodes = jax.process_count()
+        if group_size is None:
+            group_size = 2 if redundancy == "replica" else min(max(nodes, 2), 4)
+        self.groups = make_groups(nodes, group_size)
+        self.donation_safe = donation_safe
+        self.rules = tuple(rules)
+        self.node = jax.process_index()
+        self.run = _agree_run_id()
+        self.store = NodeStore(self.root, self.node)
+        self.store.ensure()
+        self.stats = SnapshotStats()
+        self.restored: recovery.RestoreInfo | None = None
+        self._cache: dict[Any, _Prepared] = {}
+        self._lock = threading.Lock()  # the store, pins and errors
+        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ucp-snap")
+        self._persister = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ucp-pers")
+        self._inflight: concurrent.futures.Future[Any] | None = None
+        self._persisting: concurrent.futures.Future[Any] | None = None
+        self._pinned: set[Path] = set()
+        self._error: BaseException | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------------- snapshot
+
+    def snapshot(self, step: int, params: Any, opt_state: Any = None) -> bool:
+        """Snapshot the state of `step` (if `step % every == 0`); returns as soon as it is started.
+
+        Waits first for the previous snapshot's host copy (one in flight at a time). Every process
+        must call it with the same steps (the redundancy exchange is a collective).
+
+        Returns:
+            Whether a snapshot was started.
+
+        Raises:
+            RuntimeError: an earlier background snapshot or persist failed.
+        """
+        self._check_open()
+        step = int(step)
+        if step % self.every:
+            return False
+        self._wait_copy()
+        self._reraise()
+        t0 = time.perf_counter()
+        leaves = jax.tree_util.tree_leaves(params)
+        if opt_state is not None:
+            leaves += jax.tree_util.tree_leaves(opt_state)
+        prep = self._prepare(params, opt_state, leaves)
+        rolled = {(li, s): roll(leaves[li], s, prep.layout) for li, s in prep.rolls}
+        shards: dict[int, dict[Any, Any]] = {}
+        datas = [self._dispatch(f, leaves, rolled, shards) for f in prep.fetches]
+        for d in datas:
+            if isinstance(d, jax.Array):
+                d.copy_to_host_async()
+        job = None
+        if self.persist_every and step % (self.every * self.persist_every) == 0:
+            job = persist.make_job(self.directory, step, params, opt_state, self.rules)
+        dispatch_s = time.perf_counter() - t0
+        self._inflight = self._copier.submit(self._write, step, prep, datas, job, dispatch_s)
+        return True
+
+    def _prepare(self, params: Any, opt_state: Any, leaves: list[Any]) -> _Prepared:
+        sig = (
+            jax.tree_util.tree_structure(params),
+            jax.tree_util.tree_structure(opt_state),
+            tuple(
+                (
+                    type(x),
+                    np.shape(x),
+                    str(getattr(x, "dtype", type(x))),
+                    getattr(x, "sharding", None),
+                )
+                for x in leaves
+            ),
+        )
+        prep = self._cache.get(sig)
+        if prep is None:
+            prep = self._cache[sig] = self._plan(params, opt_state)
+        return prep
+
+    def _plan(self, params: Any, opt_state: Any) -> _Prepared:
+        pbind, obind = bind_state(params, opt_state, CompiledRules(()))
+        bindings = pbind + obind
+        metas, regions, shard_maps = [], [], []
+        writers: dict[tuple[int, Box, int], tuple[Any, Box]] = {}
+        for li, b in enumerate(bindings):
+            metas.append(LeafMeta(b.name, tuple(b.shape), b.dtype, b.kind))
+            regs = []
+            for box, dev, sbox in write_regions(b):
+                node = 0 if dev is None else dev.process_index
+                writers[(li, box, node)] = (dev, sbox)
+                regs.append((box, node))
+            regions.append(regs)
+            if isinstance(b.value, jax.Array):
+                idx = b.value.sharding.devices_indices_map(b.shape)
+                shard_maps.append({d: index_to_box(i, b.shape) for d, i in idx.items()})
+            else:
+                shard_maps.append(None)
+        nodes = jax.process_count()
+        pieces = build_pieces(metas, regions, nodes)
+        layout = Layout(metas, nodes, self.groups, self.redundancy, pieces)
+        fetches, rolls = plan_fetches(
+            layout, Sources(shard_maps, writers), jax.devices(), self.node
+        )
+        return _Prepared(layout, layout.to_json(), fetches, rolls, layout.gaps(self.node),
+                         layout.size(self.node))  # fmt: skip
+
+    def _dispatch(
+        self, f: Fetch, leaves: list[Any], rolled: dict[Any, Any], shards: dict[int, Any]
+    ) -> Any:
+        """Start copying one region: a device array (or host array) holding just that region."""
+        local = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(f.box, f.shard_box))
+        if f.kind == "host":
+            return np.array(np.asarray(leaves[f.leaf])[to_slices(f.box)])
+        if f.kind == "roll":
+            src = rolled[(f.leaf, f.shift)]
+            key = -1 - f.leaf * 64 - f.shift
+            local = (0, *local)
+        else:
+            src, key = leaves[f.leaf], f.leaf
+        if key not in shards:
+            shards[key] = {s.device: s.data for s in src.addressable_shards}
+        data = shards[key][f.device]
+        if f.kind == "orig" and f.box == f.shard_box:
+            return _copy(data) if self.donation_safe else data
+        return data[local]
+
+    def _write(
+        self, step: int, prep: _Prepared, datas: list[Any], job: Any, dispatch_s: float
+    ) -> None:
+        """Background: copy into this node's shared memory, commit, retire, maybe persist."""
+        t0 = time.perf_counter()
+        layout = prep.layout
+        index = {"format": "ucp-mem/1", "step": step, "run": self.run, "plan": layout.digest,
+                 "node": self.node, "nbytes": prep.nbytes}  # fmt: skip
+        with self._lock:
+            self.store.write_plan(layout.digest, prep.text)
+            writer = self.store.begin(step, index, prep.nbytes)
+            self._pinned.add(writer.path)
+        try:
+            copied = self._fill(writer.blob.array, prep, datas)
+            with self._lock:
+                entry = writer.commit()
+        finally:
+            with self._lock:
+                self._pinned.discard(writer.path)
+        self.stats = SnapshotStats(step, prep.nbytes, copied, dispatch_s,
+                                   time.perf_counter() - t0, len(prep.rolls))  # fmt: skip
+        if job is not None:
+            if self._persisting is not None:
+                self._persisting.result()  # one persist at a time, in step order
+            with self._lock:
+                self._pinned.add(entry.path)
+            self._persisting = self._persister.submit(self._persist, job, entry, layout)
+        self._retire()
+
+    def _fill(self, blob: np.ndarray, prep: _Prepared, datas: list[Any]) -> int:
+        """Copy every fetch into the blob (XOR into the parity lane); returns bytes copied."""
+        layout = prep.layout
+        for off, n in prep.gaps:
+            blob[off : off + n] = 0
+        if layout.redundancy == "xor":
+            blob[layout.primary[self.node] :] = 0
+        copied = 0
+        for i, f in enumerate(prep.fetches):
+            raw = np.ascontiguousarray(np.asarray(datas[i])).reshape(-1).view(np.uint8)
+            datas[i] = None  # let the device copy go
+            copied += raw.nbytes
+            for off, lo, hi, x in f.dests:
+                if x:
+                    xor_into(blob[off : off + hi - lo], raw[lo:hi])
+                else:
+                    blob[off : off + hi - lo] = raw[lo:hi]
+        return copied
+
+    def _persist(self, job: Any, entry: Any, layout: Layout) -> None:
+        try:
+            persist.write(job, self.store.live[entry.path], layout, self.node)
+        finally:
+            with self._lock:
+                self._pinned.discard(entry.path)
+            self._retire()
+
+    def _retire(self) -> None:
+        with self._lock:
+            self.store.retire(self.keep, set(self._pinned))
+
+    # ------------------------------------------------------------------------------- control
+
+    def _wait_copy(self) -> None:
+        f, self._inflight = self._inflight, None
+        if f is not None:
+            try:
+                f.result()
+            except BaseException as e:
+                self._error = self._error or e
+
+    def _reraise(self) -> None:
+        if self._persisting is not None and self._persisting.done():
+            f, self._persisting = self._persisting, None
+            try:
+                f.result()
+            except BaseException as e:
+                self._error = self._error or e
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"ucp.memory: a background snapshot/persist failed: {e}") from e
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ucp.memory: this SnapshotManager is closed")
+
+    def wait(self) -> None:
+        """Block until the snapshot in flight is committed and any pending persist is written.
+
+        Raises:
+            RuntimeError: a background snapshot or persist failed (raised once).
+        """
+        self._wait_copy()
+        f, self._persisting = self._persisting, None
+        if f is not None:
+            try:
+                f.result()
+            except BaseException as e:
+                self._error = self._error or e
+        self._reraise()
+
+    def latest_step(self) -> int | None:
+        """The step `restore()` would resume from, as this process sees it (no communication).
+
+        The newest step committed (or decodable) on every node of its job, else the newest
+        persisted checkpoint's step, else None.
+        """
+        cands = recovery.candidates(self.root)
+        if cands:
+            return cands[0].step
+        p = recovery.newest_persisted(self.directory)
+        return None if p is None else p[1]
+
+    def restore(self, params_target: Any, opt_state_target: Any = None) -> tuple[Any, Any]:
+        """Restore the newest recoverable state onto the targets' shardings (any mesh).
+
+        From shared memory if a step is complete or decodable on every node (every process of
+        this job must agree; it is a collective), else from the newest persisted universal
+        checkpoint (logged as a warning). `self.restored` says which step and from where.
+
+        Args:
+            params_target: pytree of jax.ShapeDtypeStruct with `.sharding` (or arrays).
+            opt_state_target: the same for the optax state, or None.
+
+        Returns:
+            (params, opt_state); opt_state is None without a target.
+
+        Raises:
+            NotACheckpointError: nothing in memory and nothing persisted.
+            MismatchError: the targets do not match the snapshot's leaves.
+        """
+        self._check_open()
+        self.wait()
+        params, opt, info = recovery.restore(
+            self.root, self.directory, params_target, opt_state_target, self.rules
+        )
+        self.restored = info
+        return params, opt
+
+    def close(self) -> None:
+        """Finish the snapshot in flight and wait for a pending persist; keep the snapshots.
+
+        Committed snapshots stay in shared memory for a restarted job; `free()` deletes them.
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._copier.shutdown(wait=True)
+            self._persister.shutdown(wait=True)
+            with self._lock:
+                self.store.close()
+
+    def free(self, *, all_nodes: bool = False) -> None:
+        """Close and delete this node's snapshots (all nodes' of the namespace with all_nodes)."""
+        self.close()
+        self.store.free()
+        if all_nodes:
+            import shutil
+
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> SnapshotManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"SnapshotManager({str(self.directory)!r}, namespace={self.namespace!r}, "
+            f"node={self.node}, redundancy={self.redundancy!r}, keep={self.keep})"
+        )

@@ -1,0 +1,230 @@
+"""The snapshot layout: which node keeps which piece of which leaf where, and its redundancy bytes.
+
+Every process of a job computes the same layout without communication (from the leaves' global
+shapes and shardings), and every node stores it next to its snapshots, so that recovery can
+rebuild any node's bytes from the others'.
+
+A node's blob is `[its pieces | its redundancy bytes]`:
+
+- its pieces: the regions `plan.write_regions` gives its devices (each distinct shard once; a
+  shard held by R data-parallel replicas split into R slabs copied by different replicas), each
+  piece C-contiguous in the leaf's layout, at a 64-byte aligned offset, with its global box;
+- `redundancy="replica"`: a byte-exact copy of the pieces part of the previous node of its group
+  (nodes are grouped consecutively; in a group of 2 the two nodes mirror each other);
+- `redundancy="xor"`: one parity lane. Node i's pieces part is cut into G-1 lanes of C bytes, one
+  per other member k of its group; node k keeps the XOR of the lanes the others cut for it. Losing
+  one node of a group loses its data and its parity lane, and its data is the XOR of the others'
+  lanes with the parity lanes they keep (SCR-style, 1/(G-1) extra memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import dtype_name, np_dtype
+from ..patterns import Box, box_size
+
+ALIGN = 64
+LAYOUT_FORMAT = "ucp-mem-layout/1"
+REDUNDANCY = (None, "replica", "xor")
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafMeta:
+    """A leaf of the snapshotted state: its name ('params' and 'opt_state.…' names), shape, dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    kind: str  # 'param' or 'opt'
+
+    @property
+    def nbytes(self) -> int:
+        return box_size(tuple((0, d) for d in self.shape)) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceRec:
+    """One piece: region `box` of leaf `leaf`, kept by `node` at `offset` of its blob."""
+
+    leaf: int
+    box: Box
+    node: int
+    offset: int
+    nbytes: int
+
+
+def make_groups(nodes: int, size: int) -> list[list[int]]:
+    """Consecutive groups of `size` nodes; a trailing group of one joins the previous group."""
+    size = max(1, int(size))
+    groups = [list(range(i, min(i + size, nodes))) for i in range(0, nodes, size)]
+    if len(groups) > 1 and len(groups[-1]) == 1:
+        groups[-2].extend(groups.pop())
+    return groups
+
+
+class Layout:
+    """Where every piece of a snapshot lives, for the whole job.
+
+    Attributes:
+        leaves: the leaves, params first then opt_state, in jax's leaf order.
+        nodes: number of nodes (processes) of the job that wrote it.
+        groups: the redundancy groups (lists of nodes).
+        redundancy: None, 'replica' or 'xor' (None when no group has two nodes).
+        pieces: every piece, by node then blob order.
+        primary: per node, the size of its pieces part (aligned).
+        red_bytes: per node, the size of its redundancy part.
+        digest: a hash of all of it (names the layout in plans/<digest>.json).
+    """
+
+    def __init__(
+        self,
+        leaves: Sequence[LeafMeta],
+        nodes: int,
+        groups: Sequence[Sequence[int]],
+        redundancy: str | None,
+        pieces: Sequence[PieceRec],
+    ) -> None:
+        if redundancy not in REDUNDANCY:
+            raise ValueError(f"redundancy must be one of {REDUNDANCY}, not {redundancy!r}")
+        self.leaves = list(leaves)
+        self.nodes = int(nodes)
+        self.groups = [list(g) for g in groups]
+        if all(len(g) < 2 for g in self.groups):
+            redundancy = None
+        self.redundancy = redundancy
+        self.pieces = list(pieces)
+        self.group_of = {n: g for g in self.groups for n in g}
+        self.by_node: list[list[PieceRec]] = [[] for _ in range(self.nodes)]
+        self.by_leaf: list[list[PieceRec]] = [[] for _ in self.leaves]
+        for p in self.pieces:
+            self.by_node[p.node].append(p)
+            self.by_leaf[p.leaf].append(p)
+        self.primary = [align(max((p.offset + p.nbytes for p in ps), default=0))
+                        for ps in self.by_node]  # fmt: skip
+        self.chunk = {}
+        for g in self.groups:
+            if len(g) > 1:
+                self.chunk[g[0]] = align(-(-max(self.primary[n] for n in g) // (len(g) - 1)))
+        self.red_bytes = [self._red_bytes(n) for n in range(self.nodes)]
+        self.digest = hashlib.sha1(self.to_json().encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------------------ geometry
+
+    def _red_bytes(self, n: int) -> int:
+        g = self.group_of[n]
+        if self.redundancy is None or len(g) < 2:
+            return 0
+        if self.redundancy == "replica":
+            return self.primary[self.backup_of(n)]
+        return self.chunk[g[0]]
+
+    def size(self, n: int) -> int:
+        """Bytes of node n's blob."""
+        return self.primary[n] + self.red_bytes[n]
+
+    def backup_of(self, n: int) -> int:
+        """replica: the node whose pieces node n keeps (the previous one in its group)."""
+        g = self.group_of[n]
+        return g[(g.index(n) - 1) % len(g)]
+
+    def holder_of(self, n: int) -> int:
+        """replica: the node keeping node n's pieces (the next one in its group)."""
+        g = self.group_of[n]
+        return g[(g.index(n) + 1) % len(g)]
+
+    def lane(self, i: int, k: int) -> tuple[int, int]:
+        """xor: the bytes [start, stop) of node i's pieces part that go into node k's parity."""
+        g = self.group_of[i]
+        others = [m for m in g if m != i]
+        c = self.chunk[g[0]]
+        start = others.index(k) * c
+        return start, max(start, min(start + c, self.primary[i]))
+
+    def shift(self, i: int, k: int) -> int:
+        """Ring distance from node i to node k in their group (k = i + shift)."""
+        g = self.group_of[i]
+        return (g.index(k) - g.index(i)) % len(g)
+
+    def gaps(self, n: int) -> list[tuple[int, int]]:
+        """Byte ranges of node n's blob that no piece covers (alignment padding): zero-filled."""
+        out = []
+        pos = 0
+        spans = [(p.offset, p.nbytes) for p in self.by_node[n]]
+        if self.redundancy == "replica" and self.red_bytes[n]:
+            base = self.primary[n]
+            spans += [(base + p.offset, p.nbytes) for p in self.by_node[self.backup_of(n)]]
+        for off, nb in sorted(spans):
+            if off > pos:
+                out.append((pos, off - pos))
+            pos = max(pos, off + nb)
+        if self.redundancy == "replica" or self.redundancy is None:
+            end = self.size(n)
+        else:
+            end = self.primary[n]  # the parity lane is zeroed and XORed as a whole
+        if end > pos:
+            out.append((pos, end - pos))
+        return out
+
+    # ---------------------------------------------------------------------------- (de)serialise
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": LAYOUT_FORMAT,
+                "nodes": self.nodes,
+                "groups": self.groups,
+                "redundancy": self.redundancy,
+                "leaves": [
+                    [m.name, list(m.shape), dtype_name(m.dtype), m.kind] for m in self.leaves
+                ],
+                "pieces": [
+                    [p.leaf, [list(ab) for ab in p.box], p.node, p.offset, p.nbytes]
+                    for p in self.pieces
+                ],
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Layout:
+        d: dict[str, Any] = json.loads(text)
+        if d.get("format") != LAYOUT_FORMAT:
+            raise ValueError(f"not a snapshot layout ({d.get('format')!r})")
+        leaves = [LeafMeta(n, tuple(s), np_dtype(t), k) for n, s, t, k in d["leaves"]]
+        pieces = [
+            PieceRec(leaf, tuple((a, b) for a, b in box), node, off, nb)
+            for leaf, box, node, off, nb in d["pieces"]
+        ]
+        return cls(leaves, d["nodes"], d["groups"], d["redundancy"], pieces)
+
+
+def build_pieces(
+    leaves: Sequence[LeafMeta], regions: Sequence[Sequence[tuple[Box, int]]], nodes: int
+) -> list[PieceRec]:
+    """Pack each node's regions into its blob: leaf order, then region order, 64-byte aligned.
+
+    Args:
+        leaves: the leaves.
+        regions: per leaf, (box, node) of each region (from `plan.write_regions`).
+        nodes: number of nodes.
+    """
+    ends = [0] * nodes
+    out = []
+    for li, (meta, regs) in enumerate(zip(leaves, regions)):
+        for box, node in regs:
+            nb = box_size(box) * meta.dtype.itemsize
+            off = align(ends[node])
+            out.append(PieceRec(li, box, node, off, nb))
+            ends[node] = off + nb
+    return sorted(out, key=lambda p: (p.node, p.offset))

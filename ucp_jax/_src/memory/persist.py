@@ -1,0 +1,61 @@
+"""Persist a snapshot as a universal checkpoint, from its host copy in shared memory.
+
+The save is planned on the training thread (the same `plan.write_regions` as the snapshot, so
+every region a process must write is one of its own pieces) and written later, in the
+background, from the pieces' bytes in shared memory: the devices are never read again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from ..patterns import box_shape
+from ..rules import Rule
+from ..save import DEFAULT_INFLIGHT_BYTES, _SaveJob
+from .layout import Layout
+from .shm import Blob
+
+log = logging.getLogger("ucp_jax")
+
+
+def step_path(directory: Any, step: int) -> str:
+    """Where the persisted checkpoint of `step` goes: `<directory>/step_<step>`."""
+    d = os.fspath(directory)
+    if "://" in d:
+        return f"{d.rstrip('/')}/step_{step}"
+    return os.path.join(d, f"step_{step}")
+
+
+def make_job(
+    directory: Any, step: int, params: Any, opt_state: Any, rules: tuple[Rule, ...]
+) -> _SaveJob:
+    """Plan the universal checkpoint of this step (collective-free; every process plans it)."""
+    return _SaveJob(step_path(directory, step), params, opt_state, step=step, rules=rules,
+                    extra={"source": "ucp.memory"}, overwrite=True,
+                    max_inflight_bytes=DEFAULT_INFLIGHT_BYTES)  # fmt: skip
+
+
+def write(job: _SaveJob, blob: Blob, layout: Layout, node: int) -> None:
+    """Write this process's share of the checkpoint from the snapshot's bytes, then commit."""
+    t0 = time.perf_counter()
+    by_key = {(layout.leaves[p.leaf].name, p.box): p for p in layout.by_node[node]}
+    host = []
+    for t in job.tasks:
+        p = by_key.get((t.binding.name, t.box))
+        if p is None:
+            raise RuntimeError(
+                f"persist: region {t.box} of {t.binding.name!r} is not a piece of node {node}'s "
+                "snapshot; the snapshot and the save were planned differently"
+            )
+        dtype = layout.leaves[p.leaf].dtype
+        host.append(blob.view(p.offset, p.nbytes).view(dtype).reshape(box_shape(p.box)))
+    job.write(host)
+    log.info(
+        "ucp.memory: persisted step %s to %s in %.2f s (from shared memory)",
+        job.manifest.step,
+        job.loc.url,
+        time.perf_counter() - t0,
+    )

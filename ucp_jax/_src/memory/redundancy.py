@@ -1,0 +1,242 @@
+"""Redundancy: what each node copies for its group, where it gets it, and how a lost node decodes.
+
+Each node fills its blob with *fetches*: device regions copied to host. Its own pieces come from
+its own devices. Its redundancy bytes (the previous node's pieces, or the XOR lanes the others cut
+for it) come, per piece, from
+
+- its own devices, when one of them holds that region too (data-parallel replicas hold the same
+  bytes): no communication at all;
+- otherwise a *roll* of the leaf: each device's shard is sent to the device with the same local
+  index on the node `shift` places further in its group (`lax.ppermute` in a `shard_map` over all
+  devices, i.e. the jax collectives the training already uses); the node copies the shard its
+  partner sent. Rolls are dispatched with the snapshot on the training thread, so they are
+  ordered with the training computations and never run from a background thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..patterns import Box
+from .layout import Layout, PieceRec
+
+
+def _inside(a: Box, b: Box) -> bool:
+    return all(b0 <= a0 and a1 <= b1 for (a0, a1), (b0, b1) in zip(a, b))
+
+
+@dataclasses.dataclass
+class Fetch:
+    """One device region this node copies to host, and where its bytes go in the blob.
+
+    Attributes:
+        leaf: leaf index.
+        kind: 'orig' (a shard of the leaf), 'roll' (a shard a partner sent) or 'host' (a host
+            value, the same on every process).
+        shift: for 'roll', the ring shift of the roll.
+        device: the local device holding it (None for 'host').
+        box: the region, in global leaf coordinates.
+        shard_box: the box of the shard it is cut from.
+        dests: (blob offset, first byte, end byte, xor?) of the region's bytes.
+    """
+
+    leaf: int
+    kind: str
+    shift: int
+    device: Any
+    box: Box
+    shard_box: Box
+    dests: list[tuple[int, int, int, bool]] = dataclasses.field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (self.leaf, self.kind, self.shift, getattr(self.device, "id", None), self.box)
+
+
+class Sources:
+    """Per leaf: which device holds which shard box, and which device wrote each piece."""
+
+    def __init__(
+        self,
+        shard_maps: Sequence[dict[Any, Box] | None],
+        writers: dict[tuple[int, Box, int], tuple[Any, Box]],
+    ) -> None:
+        self.shard_maps = shard_maps  # leaf -> {device: shard box} (None for host values)
+        self.writers = writers  # (leaf, box, node) -> (device or None, shard box)
+
+    def local(self, leaf: int, box: Box, node: int) -> tuple[Any, Box] | None:
+        """A device of `node` holding `box` of the leaf, and its shard box."""
+        m = self.shard_maps[leaf]
+        if m is None:
+            return None
+        for dev in sorted((d for d in m if d.process_index == node), key=lambda d: d.id):
+            if _inside(box, m[dev]):
+                return dev, m[dev]
+        return None
+
+
+def _needs(layout: Layout, k: int) -> list[tuple[PieceRec, int, int, int]]:
+    """Redundancy needs of node k: (piece of another node, first byte, end byte, dest offset)."""
+    if layout.redundancy is None or len(layout.group_of[k]) < 2:
+        return []
+    base = layout.primary[k]
+    out = []
+    if layout.redundancy == "replica":
+        for p in layout.by_node[layout.backup_of(k)]:
+            out.append((p, 0, p.nbytes, base + p.offset))
+        return out
+    for i in layout.group_of[k]:
+        if i == k:
+            continue
+        a, b = layout.lane(i, k)
+        for p in layout.by_node[i]:
+            lo, hi = max(a, p.offset), min(b, p.offset + p.nbytes)
+            if lo < hi:
+                out.append((p, lo - p.offset, hi - p.offset, base + lo - a))
+    return out
+
+
+def plan_fetches(
+    layout: Layout, sources: Sources, devices: Any, me: int
+) -> tuple[list[Fetch], list[tuple[int, int]]]:
+    """This node's fetches, and the rolls (leaf, shift) the whole job must dispatch.
+
+    Every process computes the rolls of every node, so all of them dispatch the same
+    collectives in the same order.
+    """
+    fetches: dict[tuple[Any, ...], Fetch] = {}
+
+    def add(f: Fetch, dest: tuple[int, int, int, bool]) -> None:
+        fetches.setdefault(f.key, f).dests.append(dest)
+
+    for p in layout.by_node[me]:
+        dev, sbox = sources.writers[(p.leaf, p.box, me)]
+        kind = "host" if dev is None else "orig"
+        add(Fetch(p.leaf, kind, 0, dev, p.box, sbox), (p.offset, 0, p.nbytes, False))
+    rolls: set[tuple[int, int]] = set()
+    xor = layout.redundancy == "xor"
+    for k in range(layout.nodes):
+        for p, lo, hi, dest in _needs(layout, k):
+            dev, sbox = sources.writers[(p.leaf, p.box, p.node)]
+            if dev is None:
+                f = Fetch(p.leaf, "host", 0, None, p.box, sbox)
+            elif (hit := sources.local(p.leaf, p.box, k)) is not None:
+                f = Fetch(p.leaf, "orig", 0, hit[0], p.box, hit[1])
+            else:
+                s = layout.shift(p.node, k)
+                rolls.add((p.leaf, s))
+                f = Fetch(p.leaf, "roll", s, partner(dev, s, layout, devices), p.box, sbox)
+            if k == me:
+                add(f, (dest, lo, hi, xor))
+    return list(fetches.values()), sorted(rolls)
+
+
+def devices_by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
+    out: dict[int, list[Any]] = {}
+    for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        out.setdefault(d.process_index, []).append(d)
+    return out
+
+
+def partner(dev: Any, shift: int, layout: Layout, devices: Sequence[Any]) -> Any:
+    """The device with `dev`'s local index on the node `shift` places further in its group."""
+    by_proc = devices_by_process(devices)
+    g = layout.group_of[dev.process_index]
+    to = g[(g.index(dev.process_index) + shift) % len(g)]
+    mine, theirs = by_proc[dev.process_index], by_proc[to]
+    if len(mine) != len(theirs):
+        raise ValueError(
+            f"redundancy: process {dev.process_index} has {len(mine)} devices and process {to} "
+            f"{len(theirs)}; exchanging non-replicated shards needs equal device counts per "
+            "process (or use redundancy=None)"
+        )
+    return theirs[mine.index(dev)]
+
+
+@functools.lru_cache(maxsize=64)
+def _roll_fn(devices: tuple[Any, ...], perm: tuple[tuple[int, int], ...]) -> Any:
+    mesh = jax.sharding.Mesh(np.array(devices), ("ucp_nodes",))
+    body = functools.partial(jax.lax.ppermute, axis_name="ucp_nodes", perm=list(perm))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("ucp_nodes"), out_specs=P("ucp_nodes"))
+    return jax.jit(fn), NamedSharding(mesh, P("ucp_nodes"))
+
+
+def roll(x: jax.Array, shift: int, layout: Layout) -> jax.Array:
+    """Send every device's shard of `x` to its partner `shift` nodes on (a collective).
+
+    Returns an array of shape (devices, *shard shape): on each device, the shard its partner
+    sent (index it with `[0]`).
+    """
+    devices = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    shards = {s.device: s for s in x.addressable_shards}
+    if set(x.sharding.device_set) != set(devices):
+        raise ValueError(
+            f"redundancy: a leaf of shape {x.shape} lives on {len(x.sharding.device_set)} of the "
+            f"{len(devices)} devices; exchanging it needs it on all of them (or redundancy=None)"
+        )
+    shapes = {tuple(s.data.shape) for s in x.addressable_shards}
+    if len(shapes) != 1:
+        raise ValueError(f"redundancy: uneven shards {sorted(shapes)} cannot be exchanged")
+    shape = shapes.pop()
+    index = {d: i for i, d in enumerate(devices)}
+    perm = tuple((index[d], index[partner(d, shift, layout, devices)]) for d in devices)
+    fn, sharding = _roll_fn(devices, perm)
+    local = [shards[d].data.reshape((1, *shape)) for d in devices if d in shards]
+    flat = jax.make_array_from_single_device_arrays((len(devices), *shape), sharding, local)
+    return fn(flat)
+
+
+def decode_node(layout: Layout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
+    """Rebuild the pieces part of node `lost` from the other nodes of its group.
+
+    Args:
+        layout: the snapshot layout.
+        lost: the node whose blob is gone.
+        blobs: node -> an object with `.view(offset, nbytes)` for every other node of the group.
+
+    Returns:
+        The lost node's pieces part (layout.primary[lost] bytes).
+    """
+    out = np.zeros(layout.primary[lost], np.uint8)
+    g = layout.group_of[lost]
+    if layout.redundancy == "replica":
+        h = layout.holder_of(lost)
+        out[:] = blobs[h].view(layout.primary[h], layout.primary[lost])
+        return out
+    if layout.redundancy != "xor":
+        raise ValueError(f"node {lost} is lost and the snapshot has no redundancy")
+    for k in g:
+        if k == lost:
+            continue
+        a, b = layout.lane(lost, k)
+        if b <= a:
+            continue
+        lane = np.array(blobs[k].view(layout.primary[k], b - a))
+        for i in g:
+            if i in (lost, k):
+                continue
+            c, d = layout.lane(i, k)
+            n = min(d - c, b - a)
+            if n > 0:
+                np.bitwise_xor(lane[:n], blobs[i].view(c, n), out=lane[:n])
+        out[a:b] = lane
+    return out
+
+
+def xor_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst ^= src (uint8 arrays of equal length), 8 bytes at a time where aligned."""
+    n8 = (len(dst) // 8) * 8
+    if n8 and dst.ctypes.data % 8 == 0 and src.ctypes.data % 8 == 0:
+        d64, s64 = dst[:n8].view(np.uint64), src[:n8].view(np.uint64)
+        np.bitwise_xor(d64, s64, out=d64)
+        np.bitwise_xor(dst[n8:], src[n8:], out=dst[n8:])
+    else:
+        np.bitwise_xor(dst, src, out=dst)

@@ -1,0 +1,287 @@
+"""Per-node shared-memory snapshot store: one folder per node, one blob per step, COMMIT last.
+
+    <shm_dir>/ucp-<namespace>/<node>/          node = jax.process_index() of the job that wrote it
+        plans/<hash>.json      the snapshot layout (every node keeps the whole job's layout)
+        step_<n>/data.bin      this node's bytes: its own pieces, then its redundancy bytes
+        step_<n>/index.json    {"format", "step", "run", "plan", "node", "nbytes"}
+        step_<n>/COMMIT        written last (holds the crc32 of index.json); without it the
+                               folder is a torn snapshot and is ignored
+        .free/                 retired blobs kept for the next snapshot (no fresh page faults)
+
+The files live in tmpfs, outside the trainer: a SIGKILLed trainer's committed snapshots survive,
+and a restarted job reattaches by namespace. Deleting a node folder is how a node is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import mmap
+import os
+import re
+import shutil
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "ucp-mem/1"
+DEFAULT_SHM_DIR = "/dev/shm"
+COMMIT = "COMMIT"
+INDEX = "index.json"
+DATA = "data.bin"
+_STEP_RE = re.compile(r"step_(\d+)")
+
+
+def namespace_root(namespace: str, shm_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The folder holding every node's snapshots of one job namespace."""
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", namespace):
+        raise ValueError(
+            f"namespace {namespace!r} must be letters, digits, '_', '-' or '.' (it names a folder)"
+        )
+    return Path(shm_dir or DEFAULT_SHM_DIR) / f"ucp-{namespace}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A committed snapshot of one node.
+
+    Attributes:
+        node: the process index that wrote it.
+        step: the training step.
+        run: id of the job run that wrote it (newer runs have larger ids).
+        plan: hash of the layout it follows (plans/<hash>.json).
+        nbytes: size of data.bin.
+        path: its folder.
+    """
+
+    node: int
+    step: int
+    run: int
+    plan: str
+    nbytes: int
+    path: Path
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Order of snapshots: newest run first, then newest step."""
+        return (self.run, self.step)
+
+
+def read_entry(path: Path) -> Entry | None:
+    """The committed snapshot in `path`, or None when it is torn (no COMMIT, or a stale one)."""
+    try:
+        commit = (path / COMMIT).read_text().strip()
+        raw = (path / INDEX).read_bytes()
+    except OSError:
+        return None
+    if commit != f"{FORMAT} {zlib.crc32(raw):08x}":
+        return None
+    try:
+        d = json.loads(raw)
+        entry = Entry(int(d["node"]), int(d["step"]), int(d["run"]), str(d["plan"]),
+                      int(d["nbytes"]), path)  # fmt: skip
+    except (ValueError, KeyError, TypeError):
+        return None
+    if d.get("format") != FORMAT:
+        return None
+    try:
+        if (path / DATA).stat().st_size != entry.nbytes:
+            return None
+    except OSError:
+        return None
+    return entry
+
+
+def list_nodes(root: Path) -> list[int]:
+    """Node folders under a namespace root."""
+    try:
+        return sorted(int(n) for n in os.listdir(root) if n.isdigit())
+    except OSError:
+        return []
+
+
+def committed(node_dir: Path) -> list[Entry]:
+    """Committed snapshots of one node folder, newest first."""
+    out = []
+    try:
+        names = os.listdir(node_dir)
+    except OSError:
+        return []
+    for n in names:
+        if _STEP_RE.fullmatch(n):
+            e = read_entry(node_dir / n)
+            if e is not None:
+                out.append(e)
+    return sorted(out, key=lambda e: e.key, reverse=True)
+
+
+class Blob:
+    """A data file mapped into memory, seen as a flat uint8 array."""
+
+    def __init__(self, path: Path, nbytes: int, mm: mmap.mmap | None) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self._mm = mm
+        self.array = np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.zeros(0, np.uint8)
+
+    @classmethod
+    def create(cls, path: Path, nbytes: int) -> Blob:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = None
+            if nbytes:
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, nbytes, mm)
+
+    @classmethod
+    def open(cls, path: Path, *, write: bool = False) -> Blob:
+        fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
+        try:
+            nbytes = os.fstat(fd).st_size
+            mm = None
+            if nbytes:
+                access = mmap.ACCESS_WRITE if write else mmap.ACCESS_READ
+                mm = mmap.mmap(fd, nbytes, access=access)
+        finally:
+            os.close(fd)
+        return cls(path, nbytes, mm)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """Bytes [offset, offset + nbytes) (no copy)."""
+        return self.array[offset : offset + nbytes]
+
+    def close(self) -> None:
+        """Unmap (a no-op while numpy views of it are alive: they keep the mapping)."""
+        self.array = np.zeros(0, np.uint8)
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+
+class Writer:
+    """A snapshot being written into `<node>/step_<n>/`; `commit()` publishes it."""
+
+    def __init__(self, store: NodeStore, path: Path, blob: Blob, index: dict[str, Any]) -> None:
+        self.store, self.path, self.blob, self.index = store, path, blob, index
+
+    def commit(self) -> Entry:
+        """Write index.json, then COMMIT (its crc32): from here on the snapshot counts."""
+        raw = json.dumps(self.index, sort_keys=True).encode()
+        _atomic_write(self.path / INDEX, raw)
+        _atomic_write(self.path / COMMIT, f"{FORMAT} {zlib.crc32(raw):08x}\n".encode())
+        self.store.live[self.path] = self.blob
+        entry = read_entry(self.path)
+        assert entry is not None, self.path
+        return entry
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class NodeStore:
+    """This node's snapshot folder: begin/commit snapshots, retire old ones, recycle blobs."""
+
+    def __init__(self, root: Path, node: int) -> None:
+        self.root = root
+        self.node = node
+        self.dir = root / str(node)
+        self.live: dict[Path, Blob] = {}  # committed snapshots this process mapped
+        self._pool: list[Blob] = []  # retired blobs, mapped, for reuse
+        self._cleaned = False
+
+    def ensure(self) -> None:
+        """Create the node folder; drop spare blobs a killed process left behind."""
+        (self.dir / "plans").mkdir(parents=True, exist_ok=True)
+        if not self._cleaned:
+            self._cleaned = True
+            shutil.rmtree(self.dir / ".free", ignore_errors=True)
+
+    def write_plan(self, digest: str, text: str) -> None:
+        """Store a layout once (every node keeps every layout it wrote snapshots with)."""
+        self.ensure()
+        path = self.dir / "plans" / f"{digest}.json"
+        if not path.exists():
+            _atomic_write(path, text.encode())
+
+    def begin(self, step: int, index: dict[str, Any], nbytes: int) -> Writer:
+        """Start writing step `step` (a previous folder of that step is replaced)."""
+        self.ensure()
+        path = self.dir / f"step_{step}"
+        if path.exists():
+            self._drop(path)
+        path.mkdir()
+        blob = next((b for b in self._pool if b.nbytes == nbytes), None)
+        if blob is not None:
+            self._pool.remove(blob)
+            os.rename(blob.path, path / DATA)
+            blob.path = path / DATA
+        else:
+            blob = Blob.create(path / DATA, nbytes)
+        return Writer(self, path, blob, index)
+
+    def retire(self, keep: int, pinned: set[Path] = frozenset()) -> list[Path]:  # type: ignore[assignment]
+        """Free committed snapshots beyond the newest `keep` (not `pinned` ones) and torn ones.
+
+        Torn folders (no COMMIT) are removed too, except `pinned` (a snapshot being written).
+        Returns the folders removed.
+        """
+        entries = committed(self.dir)
+        gone = [e.path for e in entries[keep:] if e.path not in pinned]
+        good = {e.path for e in entries}
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            names = []
+        for n in names:
+            p = self.dir / n
+            if _STEP_RE.fullmatch(n) and p not in good and p not in pinned:
+                gone.append(p)
+        for p in gone:
+            self._drop(p)
+        return gone
+
+    def _drop(self, path: Path) -> None:
+        """Remove a step folder; keep its blob mapped for reuse (one spare at most)."""
+        blob = self.live.pop(path, None)
+        if blob is not None and not self._pool and blob.nbytes:
+            spare = self.dir / ".free" / f"{uuid.uuid4().hex}.bin"
+            spare.parent.mkdir(exist_ok=True)
+            try:
+                os.rename(blob.path, spare)
+                blob.path = spare
+                self._pool.append(blob)
+            except OSError:
+                blob.close()
+        elif blob is not None:
+            blob.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+    def close(self) -> None:
+        """Unmap everything and delete the spare blobs (committed snapshots stay)."""
+        for b in self._pool:
+            b.close()
+            with contextlib.suppress(OSError):
+                os.unlink(b.path)
+        self._pool.clear()
+        for b in self.live.values():
+            b.close()
+        self.live.clear()
+
+    def free(self) -> None:
+        """Delete this node's whole folder (all its snapshots)."""
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.root.rmdir()  # only when no other node folder is left
