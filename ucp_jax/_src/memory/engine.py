@@ -22,7 +22,7 @@ from ..plan import bind_state, write_regions
 from ..rules import CompiledRules, Rule
 from . import persist, recovery
 from .layout import Layout, LeafMeta, build_pieces, make_groups
-from .redundancy import Fetch, Sources, plan_fetches, roll, xor_into
+from .redundancy import Fetch, Sources, fill, plan_fetches, roll
 from .shm import NodeStore, namespace_root
 
 log = logging.getLogger("ucp_jax")
@@ -288,7 +288,7 @@ class SnapshotManager:
             writer = self.store.begin(step, index, prep.nbytes)
             self._pinned.add(writer.path)
         try:
-            copied = self._fill(writer.blob.array, prep, datas)
+            copied = fill(writer.blob.array, prep.layout, self.node, prep.fetches, prep.gaps, datas)
             with self._lock:
                 entry = writer.commit()
         finally:
@@ -303,25 +303,6 @@ class SnapshotManager:
                 self._pinned.add(entry.path)
             self._persisting = self._persister.submit(self._persist, job, entry, layout)
         self._retire()
-
-    def _fill(self, blob: np.ndarray, prep: _Prepared, datas: list[Any]) -> int:
-        """Copy every fetch into the blob (XOR into the parity lane); returns bytes copied."""
-        layout = prep.layout
-        for off, n in prep.gaps:
-            blob[off : off + n] = 0
-        if layout.redundancy == "xor":
-            blob[layout.primary[self.node] :] = 0
-        copied = 0
-        for i, f in enumerate(prep.fetches):
-            raw = np.ascontiguousarray(np.asarray(datas[i])).reshape(-1).view(np.uint8)
-            datas[i] = None  # let the device copy go
-            copied += raw.nbytes
-            for off, lo, hi, x in f.dests:
-                if x:
-                    xor_into(blob[off : off + hi - lo], raw[lo:hi])
-                else:
-                    blob[off : off + hi - lo] = raw[lo:hi]
-        return copied
 
     def _persist(self, job: Any, entry: Any, layout: Layout) -> None:
         try:

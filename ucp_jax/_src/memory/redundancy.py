@@ -231,6 +231,35 @@ def decode_node(layout: Layout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
     return out
 
 
+def fill(
+    blob: np.ndarray,
+    layout: Layout,
+    node: int,
+    fetches: Sequence[Fetch],
+    gaps: Sequence[tuple[int, int]],
+    datas: list[Any],
+) -> int:
+    """Write a node's blob from its fetches' data (XOR into its parity lane); returns bytes read.
+
+    `datas[i]` (a device or host array of fetch i's region) is released once copied.
+    """
+    for off, n in gaps:
+        blob[off : off + n] = 0
+    if layout.redundancy == "xor":
+        blob[layout.primary[node] :] = 0
+    copied = 0
+    for i, f in enumerate(fetches):
+        raw = np.ascontiguousarray(np.asarray(datas[i])).reshape(-1).view(np.uint8)
+        datas[i] = None  # let the device copy go
+        copied += raw.nbytes
+        for off, lo, hi, x in f.dests:
+            if x:
+                xor_into(blob[off : off + hi - lo], raw[lo:hi])
+            else:
+                blob[off : off + hi - lo] = raw[lo:hi]
+    return copied
+
+
 def xor_into(dst: np.ndarray, src: np.ndarray) -> None:
     """dst ^= src (uint8 arrays of equal length), 8 bytes at a time where aligned."""
     n8 = (len(dst) // 8) * 8
