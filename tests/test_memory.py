@@ -1,0 +1,318 @@
+"""ucp.memory.SnapshotManager in one process (8 CPU devices, the process is one node).
+
+A tiny model trains with donated buffers and a snapshot every step; the snapshots restore bit for
+bit onto the training mesh and onto smaller meshes; only the newest `keep` survive; a torn
+snapshot (no COMMIT, or a COMMIT that does not match its index) is ignored; a new manager with the
+same namespace reattaches; every `persist_every`-th snapshot is also a universal checkpoint, which
+is the fallback once shared memory is gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_tree_bitexact
+from helpers import mesh_of, mixed_params, place, targets
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ucp_jax as ucp
+from ucp_jax._src.memory import shm
+from ucp_jax.memory import SnapshotManager
+
+OPT = optax.adamw(1e-2)
+
+
+def _params(mesh):
+    rng = np.random.default_rng(0)
+    specs = {
+        "kernel": ((16, 24), np.float32, P("a", "b")),
+        "bias": ((24,), np.float32, P("b")),
+        "emb": ((32, 8), jnp.bfloat16, P(None, "b")),
+        "big": ((1024, 1024), np.float32, P()),  # 4 MiB replicated: split among its replicas
+        "scale": ((), np.float32, P()),
+    }
+    out = {}
+    for name, (shape, dtype, spec) in specs.items():
+        ref = (rng.standard_normal(shape) * 0.5).astype(dtype)
+        out[name] = jax.device_put(ref, NamedSharding(mesh, spec))
+    return {"dense": {"kernel": out.pop("kernel"), "bias": out.pop("bias")}, **out}
+
+
+def _loss(p, x):
+    h = jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"])
+    return (
+        jnp.mean(h**2) * p["scale"]
+        + jnp.mean(p["emb"].astype(jnp.float32) ** 2)
+        + jnp.mean(p["big"][:4] ** 2)
+    )
+
+
+def _init(params):
+    """adamw state: moments laid out like their params, the count replicated on the same mesh."""
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    adam, *rest = OPT.init(params)
+    like = functools.partial(jax.tree.map, lambda z, p: jax.device_put(z, p.sharding))
+    adam = adam._replace(
+        count=jax.device_put(adam.count, NamedSharding(mesh, P())),
+        mu=like(adam.mu, params),
+        nu=like(adam.nu, params),
+    )
+    return (adam, *rest)
+
+
+def _step_fn(params, opt_state):
+    shardings = jax.tree.map(lambda a: a.sharding, (params, opt_state))
+
+    def step(p, s, x):
+        g = jax.grad(_loss)(p, x)
+        u, s = OPT.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return jax.jit(step, out_shardings=shardings, donate_argnums=(0, 1))
+
+
+def _train(mgr, steps, mesh=None, start=None):
+    """Train with donated buffers and a snapshot each step; the host copy of every step's state."""
+    mesh = mesh or mesh_of((2, 4))
+    params, opt_state = start[:2] if start else (_params(mesh), None)
+    if opt_state is None:
+        opt_state = _init(params)
+    fn = _step_fn(params, opt_state)
+    history = {}
+    first = 1 if start is None else start[2]
+    for step in range(first, first + steps):
+        x = jnp.asarray(np.random.default_rng(step).standard_normal((8, 16)), jnp.float32)
+        params, opt_state = fn(params, opt_state, x)
+        if mgr is not None:
+            mgr.snapshot(step, params, opt_state)
+        history[step] = jax.device_get((params, opt_state))
+    return params, opt_state, history
+
+
+def _targets(params, opt_state, mesh, style="spread"):
+    return targets(params, mesh, style), targets(opt_state, mesh, style)
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    return tmp_path / "shm"
+
+
+def _mgr(tmp_path, shm_dir, **kw):
+    kw.setdefault("namespace", "t")
+    return SnapshotManager(tmp_path / "ckpt", shm_dir=shm_dir, **kw)
+
+
+def test_snapshot_every_step_restores_bitexact(tmp_path, shm_dir):
+    mgr = _mgr(tmp_path, shm_dir)
+    params, opt_state, hist = _train(mgr, 5)
+    mgr.wait()
+    assert mgr.latest_step() == 5
+    st = mgr.stats
+    assert st.step == 5 and st.copied_bytes >= st.nbytes - 64 * 40 and st.rolls == 0
+    pt, ot = _targets(params, opt_state, mesh_of((2, 4)))
+    p2, o2 = mgr.restore(pt, ot)
+    assert mgr.restored.step == 5 and mgr.restored.source == "memory"
+    assert_tree_bitexact(jax.device_get((p2, o2)), hist[5])
+    assert jax.tree.map(lambda a: a.sharding, p2) == jax.tree.map(lambda t: t.sharding, pt)
+    node = shm_dir / "ucp-t" / "0"
+    assert sorted(n for n in os.listdir(node) if n.startswith("step_")) == ["step_4", "step_5"]
+    mgr.close()
+
+
+@pytest.mark.parametrize(("shape", "style"), [((4,), "spread"), ((2, 2), "fsdp"), ((1,), "spread")])
+def test_restore_onto_a_smaller_mesh(tmp_path, shm_dir, shape, style):
+    mgr = _mgr(tmp_path, shm_dir)
+    params, opt_state, hist = _train(mgr, 3)
+    mesh = mesh_of(shape)
+    pt, ot = _targets(params, opt_state, mesh, style)
+    p2, o2 = mgr.restore(pt, ot)
+    assert_tree_bitexact(jax.device_get((p2, o2)), hist[3])
+    for got, t in zip(jax.tree.leaves(p2), jax.tree.leaves(pt)):
+        assert got.sharding == t.sharding
+    params_only, none = mgr.restore(pt)
+    assert none is None
+    assert_tree_bitexact(jax.device_get(params_only), hist[3][0])
+    mgr.close()
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_keeps_only_the_newest_k(tmp_path, shm_dir, keep):
+    mgr = _mgr(tmp_path, shm_dir, keep=keep)
+    _train(mgr, 5)
+    mgr.wait()
+    node = shm_dir / "ucp-t" / "0"
+    steps = sorted(int(n[5:]) for n in os.listdir(node) if n.startswith("step_"))
+    assert steps == list(range(6 - keep, 6))
+    assert [e.step for e in shm.committed(node)] == steps[::-1]
+    # retired blobs are reused, not piled up: at most one spare
+    assert len(os.listdir(node / ".free")) <= 1
+    mgr.close()
+    assert not (node / ".free").exists() or not os.listdir(node / ".free")
+
+
+def test_every_n_steps(tmp_path, shm_dir):
+    mgr = _mgr(tmp_path, shm_dir, every=2, keep=5)
+    params, opt_state, _ = _train(None, 1)
+    assert mgr.snapshot(1, params, opt_state) is False
+    assert mgr.snapshot(2, params, opt_state) is True
+    assert mgr.snapshot(3, params, opt_state) is False
+    mgr.wait()
+    assert [e.step for e in shm.committed(shm_dir / "ucp-t" / "0")] == [2]
+    mgr.close()
+
+
+def test_torn_snapshots_are_ignored(tmp_path, shm_dir, monkeypatch):
+    mgr = _mgr(tmp_path, shm_dir, keep=3)
+    params, opt_state, hist = _train(mgr, 3)
+    mgr.wait()
+    node = shm_dir / "ucp-t" / "0"
+    # a snapshot killed before its COMMIT: the data is there, the marker is not
+    shutil.copytree(node / "step_3", node / "step_9")
+    (node / "step_9" / "COMMIT").unlink()
+    # a COMMIT that does not belong to its index (index rewritten after the commit)
+    shutil.copytree(node / "step_3", node / "step_8")
+    idx = (node / "step_8" / "index.json").read_text().replace('"step": 3', '"step": 8')
+    (node / "step_8" / "index.json").write_text(idx)
+    assert [e.step for e in shm.committed(node)] == [3, 2, 1]
+    assert mgr.latest_step() == 3
+
+    # a snapshot whose background copy dies midway is never committed
+    def boom(*a, **k):
+        raise OSError("simulated crash while copying")
+
+    monkeypatch.setattr("ucp_jax._src.memory.engine.fill", boom)
+    mgr.snapshot(4, params, opt_state)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        mgr.wait()
+    assert (node / "step_4").is_dir() and not (node / "step_4" / "COMMIT").exists()
+    pt, ot = _targets(params, opt_state, mesh_of((8,)))
+    p2, o2 = mgr.restore(pt, ot)
+    assert mgr.restored.step == 3
+    assert_tree_bitexact(jax.device_get((p2, o2)), hist[3])
+    monkeypatch.undo()
+    mgr.snapshot(4, params, opt_state)  # the next snapshot works and sweeps the torn folders
+    mgr.wait()
+    assert sorted(n for n in os.listdir(node) if n.startswith("step_")) == [
+        "step_2",
+        "step_3",
+        "step_4",
+    ]
+    mgr.close()
+
+
+def test_a_new_manager_reattaches(tmp_path, shm_dir):
+    mgr = _mgr(tmp_path, shm_dir)
+    params, opt_state, hist = _train(mgr, 4)
+    mgr.close()  # keeps the snapshots
+    again = _mgr(tmp_path, shm_dir)
+    assert again.latest_step() == 4
+    pt, ot = _targets(params, opt_state, mesh_of((2, 4)))
+    p2, o2 = again.restore(pt, ot)
+    assert_tree_bitexact(jax.device_get((p2, o2)), hist[4])
+    # the new run goes on from step 4; its snapshots supersede the old run's
+    _, _, hist2 = _train(again, 2, start=(p2, o2, 5))
+    again.wait()
+    node = shm_dir / "ucp-t" / "0"
+    assert [e.step for e in shm.committed(node)] == [6, 5]
+    assert len({e.run for e in shm.committed(node)}) == 1
+    p3, o3 = again.restore(pt, ot)
+    assert again.restored.step == 6
+    assert_tree_bitexact(jax.device_get((p3, o3)), hist2[6])
+    again.free()
+    assert not node.exists()
+
+
+def test_persist_every_and_fallback(tmp_path, shm_dir, caplog):
+    mgr = _mgr(tmp_path, shm_dir, persist_every=2)
+    params, opt_state, hist = _train(mgr, 5)
+    mgr.wait()
+    ckpts = ucp.list_checkpoints(tmp_path / "ckpt")
+    assert [os.path.basename(c) for c in ckpts] == ["step_2", "step_4"]
+    mesh = mesh_of((4, 2))
+    pt, ot = _targets(params, opt_state, mesh)
+    p4, o4 = ucp.restore(tmp_path / "ckpt" / "step_4", pt, ot)
+    assert_tree_bitexact(jax.device_get((p4, o4)), hist[4])
+    assert ucp.open(tmp_path / "ckpt" / "step_4").step == 4
+    mgr.close()
+    shutil.rmtree(shm_dir / "ucp-t" / "0")  # the node's memory is gone
+    again = _mgr(tmp_path, shm_dir, persist_every=2)
+    assert again.latest_step() == 4
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        p5, o5 = again.restore(pt, ot)
+    assert again.restored.source == "persisted" and again.restored.step == 4
+    assert "falling back to the persisted universal checkpoint" in caplog.text
+    assert_tree_bitexact(jax.device_get((p5, o5)), hist[4])
+    again.close()
+
+
+def test_mixed_dtypes_and_host_values(tmp_path, shm_dir):
+    mesh = mesh_of((2, 4))
+    tree = place(mixed_params(), mesh)
+    tree["host"] = np.arange(6, dtype=np.int64).reshape(2, 3)  # a host value, not a jax.Array
+    mgr = _mgr(tmp_path, shm_dir, persist_every=1)
+    mgr.snapshot(1, tree)
+    mgr.wait()
+    tgt = targets({k: v for k, v in tree.items() if k != "host"}, mesh_of((2, 2)))
+    tgt["host"] = np.zeros((2, 3), np.int64)
+    got, none = mgr.restore(tgt)
+    assert none is None
+    assert_tree_bitexact(jax.device_get(got), jax.device_get(tree))
+    mgr.close()
+
+
+def test_default_shm_dir_and_free():
+    ns = f"test-{uuid.uuid4().hex[:8]}"
+    mgr = SnapshotManager(None, namespace=ns)
+    _train(mgr, 2)
+    mgr.wait()
+    root = shm.namespace_root(ns)
+    assert str(root) == f"/dev/shm/ucp-{ns}"
+    assert (root / "0" / "step_2" / "COMMIT").exists()
+    mgr.free(all_nodes=True)
+    assert not root.exists()
+
+
+def test_without_donation_safety_holds_references(tmp_path, shm_dir):
+    mgr = _mgr(tmp_path, shm_dir, donation_safe=False)
+    params = _params(mesh_of((2, 4)))
+    opt_state = _init(params)
+    mgr.snapshot(1, params, opt_state)
+    mgr.wait()  # the caller waits before it donates
+    p2, o2 = mgr.restore(*_targets(params, opt_state, mesh_of((8,))))
+    assert_tree_bitexact(jax.device_get((p2, o2)), jax.device_get((params, opt_state)))
+    mgr.close()
+
+
+def test_errors(tmp_path, shm_dir):
+    with pytest.raises(ValueError, match="redundancy"):
+        SnapshotManager(None, redundancy="raid5", shm_dir=shm_dir)
+    with pytest.raises(ValueError, match="persist_every needs"):
+        SnapshotManager(None, persist_every=2, shm_dir=shm_dir)
+    with pytest.raises(ValueError, match="namespace"):
+        SnapshotManager(None, namespace="a/b", shm_dir=shm_dir)
+    mgr = _mgr(tmp_path, shm_dir)
+    params, opt_state, _ = _train(None, 1)
+    pt, ot = _targets(params, opt_state, mesh_of((8,)))
+    with pytest.raises(ucp.NotACheckpointError, match="nothing to restore"):
+        mgr.restore(pt, ot)
+    mgr.snapshot(1, params, opt_state)
+    bad = dict(pt)
+    bad["emb"] = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16, sharding=pt["emb"].sharding)
+    with pytest.raises(ucp.MismatchError, match="'emb'"):
+        mgr.restore(bad, ot)
+    with pytest.raises(ucp.MismatchError, match="not in the snapshot"):
+        mgr.restore({"other": pt["emb"]})
+    mgr.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        mgr.snapshot(2, params, opt_state)
