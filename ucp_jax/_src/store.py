@@ -186,10 +186,17 @@ def open_array(
     loc: Location, shape: Sequence[int], info: SlotInfo, *, write: bool = False
 ) -> ts.TensorStore:
     """Open a stored array; writers trust the manifest's metadata (no read, no race)."""
+    return open_array_async(loc, shape, info, write=write).result()
+
+
+def open_array_async(
+    loc: Location, shape: Sequence[int], info: SlotInfo, *, write: bool = False
+) -> ts.Future:
+    """`open_array` as a future, so that many arrays open concurrently."""
     spec = array_spec(loc, shape, info)
     if write:
-        return ts.open(spec, assume_metadata=True, context=CONTEXT).result()
-    return ts.open(spec, open=True, context=CONTEXT).result()
+        return ts.open(spec, assume_metadata=True, context=CONTEXT)
+    return ts.open(spec, open=True, context=CONTEXT)
 
 
 def expected_chunk_keys(shape: Sequence[int], info: SlotInfo) -> set[str]:
@@ -210,8 +217,17 @@ def _grid(counts: Sequence[int]) -> Any:
 
 def missing_chunks(loc: Location, shape: Sequence[int], info: SlotInfo) -> list[str]:
     """Chunk files a stored array should have but does not (a missing file would read as zeros)."""
-    kv = loc.child(info.path).kv()
-    present = {k.decode() for k in kv.list().result()}
+    return missing_of(list_chunks_async(loc, info), shape, info)
+
+
+def list_chunks_async(loc: Location, info: SlotInfo) -> ts.Future:
+    """Start listing the files of one stored array (see `missing_of`)."""
+    return loc.child(info.path).kv().list()
+
+
+def missing_of(listing: ts.Future, shape: Sequence[int], info: SlotInfo) -> list[str]:
+    """The chunk files absent from a `list_chunks_async` listing."""
+    present = {k.decode() for k in listing.result()}
     return sorted(expected_chunk_keys(shape, info) - present)
 
 
