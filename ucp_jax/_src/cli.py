@@ -1,4 +1,4 @@
-"""The `ucp` command: inspect and verify universal checkpoints."""
+"""The `ucp` command: inspect and verify universal checkpoints; convert from / export to PyTorch."""
 
 from __future__ import annotations
 
@@ -122,6 +122,84 @@ def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
         yield tuple(slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape))
 
 
+def _add_torch_commands(sub: Any) -> None:
+    """`ucp convert deepspeed|safetensors|dcp SRC DST` and `ucp export deepspeed-universal SRC DST`."""
+    conv = sub.add_parser("convert", help="import a PyTorch checkpoint as a universal checkpoint")
+    kinds = conv.add_subparsers(dest="kind", required=True)
+    p = kinds.add_parser(
+        "deepspeed", help="DeepSpeed ZeRO-1/2/3 folder (or ds_to_universal output)"
+    )
+    p.add_argument("--tag", default=None, help="tag to import (default: the `latest` file)")
+    p = kinds.add_parser("safetensors", help="a .safetensors file, an index.json or their folder")
+    p.add_argument(
+        "--preset", default=None, help="map names/layouts onto a model (e.g. llama-demo)"
+    )
+    p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as stored)")
+    p = kinds.add_parser("dcp", help="a torch.distributed.checkpoint folder (e.g. FSDP2)")
+    p.add_argument("--model-prefix", default="model.", help="prefix stripped from model entries")
+    exp = sub.add_parser("export", help="write a universal checkpoint in a PyTorch format")
+    ekinds = exp.add_subparsers(dest="kind", required=True)
+    ekinds.add_parser("deepspeed-universal", help="a folder DeepSpeed resumes (load_universal)")
+    for parser in (*kinds.choices.values(), *ekinds.choices.values()):
+        parser.add_argument("src")
+        parser.add_argument("dst")
+        parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _torch_command(args: Any) -> int:
+    try:
+        return _run_torch_command(args)
+    except (FileExistsError, FileNotFoundError, NotADirectoryError) as e:
+        print(f"ucp {args.cmd}: {e}", file=sys.stderr)
+        return 1
+
+
+def _run_torch_command(args: Any) -> int:
+    import os
+    import time
+
+    try:
+        from .torch import dcp, deepspeed, export, safetensors
+    except ImportError as e:
+        print(
+            f"ucp {args.cmd}: needs PyTorch ({e}); install it with pip install 'ucp_jax[torch]'",
+            file=sys.stderr,
+        )
+        return 1
+    t0 = time.perf_counter()
+    progress = False if args.no_progress else None
+    if args.cmd == "export":
+        out = export.export_deepspeed_universal(
+            args.src, args.dst, overwrite=args.overwrite, progress=progress
+        )
+        print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (load it with load_universal)")
+        return 0
+    if args.kind == "deepspeed":
+        src = os.fspath(args.src)
+        universal = os.path.isdir(os.path.join(src, "zero")) or os.path.isfile(
+            os.path.join(src, "latest_universal")
+        )
+        fn = deepspeed.import_deepspeed_universal if universal else deepspeed.import_deepspeed
+        out = fn(src, args.dst, tag=args.tag, overwrite=args.overwrite, progress=progress)
+    elif args.kind == "safetensors":
+        out = safetensors.import_safetensors(
+            args.src, args.dst, preset=args.preset, dtype=args.dtype, overwrite=args.overwrite
+        )
+    else:
+        out = dcp.import_dcp(
+            args.src, args.dst, model_prefix=args.model_prefix, overwrite=args.overwrite,
+            progress=progress,
+        )  # fmt: skip
+    ck = Checkpoint(out)
+    total = sum(a.nbytes for a in ck.atoms.values())
+    print(
+        f"wrote {ck.path}: {len(ck.atoms)} atoms, {_mib(total)} MiB, step {ck.step}, "
+        f"in {time.perf_counter() - t0:.2f} s"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ucp` command."""
     ap = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for JAX.")
@@ -131,8 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the manifest as JSON, with sizes")
     p = sub.add_parser("verify", help="read every chunk; check checksums and the manifest")
     p.add_argument("path")
+    _add_torch_commands(sub)
     args = ap.parse_args(argv)
     try:
+        if args.cmd in ("convert", "export"):
+            return _torch_command(args)
         if args.cmd == "inspect":
             return inspect_checkpoint(args.path, args.json)
         return verify_checkpoint(args.path)
