@@ -54,17 +54,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, args: list[str], cwd: str, timeout: int = 600) -> None:
-    """Run tests/ds/train_ds.py under torchrun; raise with its output on failure."""
+def torchrun(
+    nproc: int, args: list[str], cwd: str, timeout: int = 600, script: str = "train_ds.py"
+) -> None:
+    """Run a tests/ds script (train_ds.py) under torchrun; raise with its output on failure."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", os.path.join(HERE, "train_ds.py"), *args]  # fmt: skip
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode:
-        raise RuntimeError(
-            f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-        )
+           f"--master_port={free_port()}", os.path.join(HERE, script), *args]  # fmt: skip
+    first = ""
+    for _ in range(2):  # gloo on a loaded CPU host occasionally aborts a rank: retry once
+        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        if p.returncode == 0:
+            return
+        first = first or p.stderr[-4000:]
+        cmd[4] = f"--master_port={free_port()}"
+    raise RuntimeError(
+        f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+        f"\n--- first attempt ---\n{first}"
+    )
 
 
 def to_universal(pairs: list[tuple[str, str]], cwd: str) -> None:

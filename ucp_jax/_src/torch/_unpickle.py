@@ -296,4 +296,68 @@ def loads(data: bytes, where: str = "<bytes>") -> Any:
         ) from None
 
 
-__all__ = ["UnsafePickleError", "allowed", "check_pickle", "load", "loads", "pickle_globals"]
+# --------------------------------------------------------------- plain pickles (DCP metadata)
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """A `pickle.Unpickler` that resolves only the globals of `allowed` (name -> object).
+
+    `find_class` is the one way a pickle reaches code; with an allow-list of data classes, loading
+    builds data and runs nothing else. Anything else raises UnsafePickleError naming the global.
+    """
+
+    def __init__(self, file: Any, allowed: dict[str, Any], where: str) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full in self._allowed:
+            return self._allowed[full]
+        raise UnsafePickleError(
+            f"{self._where}: refusing to load: the pickle asks for the global {full!r}, which is "
+            "not on ucp_jax's allow-list; nothing of the file was run"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(
+            f"{self._where}: unexpected persistent id {pid!r} in a plain pickle"
+        )
+
+
+def torch_value_globals() -> dict[str, Any]:
+    """torch.Size, dtypes, layouts and memory formats by their pickled names."""
+    out: dict[str, Any] = {
+        "torch.Size": torch.Size,
+        "collections.OrderedDict": __import__("collections").OrderedDict,
+    }
+    for attr in dir(torch):
+        v = getattr(torch, attr, None)
+        if isinstance(v, torch.dtype | torch.layout | torch.memory_format):
+            out[f"torch.{attr}"] = v
+    return out
+
+
+def load_pickle(path: str | os.PathLike[str], allowed: dict[str, Any]) -> Any:
+    """Load a plain pickle file resolving only `allowed` globals (see RestrictedUnpickler)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        try:
+            return RestrictedUnpickler(f, allowed, path).load()
+        except UnsafePickleError:
+            raise
+        except Exception as e:
+            raise UnsafePickleError(f"{path}: not a readable pickle ({e})") from e
+
+
+__all__ = [
+    "RestrictedUnpickler",
+    "UnsafePickleError",
+    "allowed",
+    "check_pickle",
+    "load",
+    "load_pickle",
+    "loads",
+    "pickle_globals",
+]

@@ -1,0 +1,54 @@
+"""`ucp convert deepspeed|safetensors|dcp` and `ucp export deepspeed-universal`."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ds.fixtures import TAG, ds_ckpts  # noqa: E402, F401
+
+import ucp_jax as ucp  # noqa: E402
+from ucp_jax._src.cli import main  # noqa: E402
+
+
+def test_convert_and_export_deepspeed(ds_ckpts, tmp_path, capsys):  # noqa: F811
+    assert main(["convert", "deepspeed", ds_ckpts.zero("z2_bf16"), str(tmp_path / "a")]) == 0
+    assert "29 atoms" in capsys.readouterr().out
+    # a ds_to_universal folder is recognised and imported the same
+    assert main(["convert", "deepspeed", ds_ckpts.universal("z2_bf16"), str(tmp_path / "b")]) == 0
+    a, b = ucp.open(tmp_path / "a"), ucp.open(tmp_path / "b")
+    for atom, info in a.atoms.items():
+        for slot in info.slots:
+            assert a.read(atom, slot).tobytes() == b.read(atom, slot).tobytes()
+    assert main(["verify", str(tmp_path / "a")]) == 0
+    dst = tmp_path / "ds" / TAG
+    assert main(["export", "deepspeed-universal", str(tmp_path / "a"), str(dst)]) == 0
+    assert (tmp_path / "ds" / "latest_universal").read_text() == TAG
+    assert os.path.isfile(dst / "zero" / "emb.weight" / "exp_avg_sq.pt")
+    assert main(["export", "deepspeed-universal", str(tmp_path / "a"), str(dst)]) == 1
+    assert "exists" in capsys.readouterr().err
+
+
+def test_convert_errors_are_one_line(tmp_path, capsys):
+    assert main(["convert", "deepspeed", str(tmp_path), str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ucp convert:") and "no ZeRO optimizer files" in err
+
+
+def test_convert_safetensors_and_dcp(tmp_path, capsys):
+    st = pytest.importorskip("safetensors.torch")
+    st.save_file({"w": torch.arange(6.0).reshape(2, 3)}, tmp_path / "m.safetensors")
+    assert (
+        main(["convert", "safetensors", str(tmp_path / "m.safetensors"), str(tmp_path / "s")]) == 0
+    )
+    np.testing.assert_array_equal(ucp.open(tmp_path / "s").read("w"), np.arange(6.0).reshape(2, 3))
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.warns(UserWarning):
+        dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=tmp_path / "d", no_dist=True)
+    assert main(["convert", "dcp", str(tmp_path / "d"), str(tmp_path / "u")]) == 0
+    np.testing.assert_array_equal(ucp.open(tmp_path / "u").read("w"), np.ones(4))

@@ -1,0 +1,206 @@
+"""safetensors (single, sharded + index, presets) and torch.distributed.checkpoint (FSDP2) imports."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+from ds.fixtures import torchrun  # noqa: E402
+
+import ucp_jax as ucp  # noqa: E402
+from ucp_jax._src.torch.dcp import import_dcp  # noqa: E402
+from ucp_jax._src.torch.safetensors import (  # noqa: E402
+    AtomFrom,
+    SafetensorsError,
+    import_safetensors,
+)
+from ucp_jax.demo.model import GPTConfig, Layout, abstract_params, make_mesh, ucp_rules  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CFG = GPTConfig(vocab_size=50, d_model=16, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=32,
+                vocab_multiple=8)  # fmt: skip
+
+
+def hf_llama(cfg: GPTConfig, tied: bool = False) -> dict[str, torch.Tensor]:
+    """A Llama state dict in Hugging Face names and torch layouts ([out, in] Linears)."""
+    g = torch.Generator().manual_seed(0)
+    d, hd = cfg.d_model, cfg.head_dim
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    sd = {"model.embed_tokens.weight": r(cfg.vocab_size, d), "model.norm.weight": r(d)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        sd |= {
+            p + "input_layernorm.weight": r(d),
+            p + "self_attn.q_proj.weight": r(cfg.n_heads * hd, d),
+            p + "self_attn.k_proj.weight": r(cfg.n_kv_heads * hd, d),
+            p + "self_attn.v_proj.weight": r(cfg.n_kv_heads * hd, d),
+            p + "self_attn.o_proj.weight": r(d, cfg.n_heads * hd),
+            p + "post_attention_layernorm.weight": r(d),
+            p + "mlp.gate_proj.weight": r(cfg.d_ff, d),
+            p + "mlp.up_proj.weight": r(cfg.d_ff, d),
+            p + "mlp.down_proj.weight": r(d, cfg.d_ff),
+            p + "self_attn.rotary_emb.inv_freq": r(hd // 2),
+        }
+    if not tied:
+        sd["lm_head.weight"] = r(cfg.vocab_size, d)
+    return sd
+
+
+def canonical(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, np.ndarray]:
+    """The demo's canonical atoms from HF tensors, by hand (numpy)."""
+    n = {k: v.numpy() for k, v in sd.items()}
+    out = {"embed.embedding": n["model.embed_tokens.weight"], "ln_f.scale": n["model.norm.weight"],
+           "unembed.kernel": n.get("lm_head.weight", n["model.embed_tokens.weight"]).T}  # fmt: skip
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        qkv = [n[p + f"self_attn.{x}_proj.weight"].T for x in "qkv"]
+        out |= {
+            f"blocks.{i}.ln1.scale": n[p + "input_layernorm.weight"],
+            f"blocks.{i}.attn.qkv.kernel": np.concatenate(qkv, axis=1),
+            f"blocks.{i}.attn.out.kernel": n[p + "self_attn.o_proj.weight"].T,
+            f"blocks.{i}.ln2.scale": n[p + "post_attention_layernorm.weight"],
+            f"blocks.{i}.mlp.gate_up.kernel": np.concatenate(
+                [n[p + "mlp.gate_proj.weight"].T, n[p + "mlp.up_proj.weight"].T], axis=1
+            ),
+            f"blocks.{i}.mlp.down.kernel": n[p + "mlp.down_proj.weight"].T,
+        }
+    return out
+
+
+def save_sharded(sd: dict[str, torch.Tensor], folder, parts: int = 2) -> None:
+    names = sorted(sd)
+    wmap = {}
+    for k in range(parts):
+        fname = f"model-{k + 1:05d}-of-{parts:05d}.safetensors"
+        chunk = {n: sd[n].contiguous() for n in names[k::parts]}
+        st.save_file(chunk, os.path.join(folder, fname), metadata={"format": "pt"})
+        wmap |= dict.fromkeys(chunk, fname)
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": wmap}, f)
+
+
+def test_single_file_no_preset_keeps_names_and_dtypes(tmp_path):
+    sd = {"a.weight": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16),
+          "c": torch.arange(6, dtype=torch.int32).reshape(2, 3), "e": torch.zeros(0, 2)}  # fmt: skip
+    st.save_file(sd, tmp_path / "m.safetensors")
+    ck = ucp.open(import_safetensors(tmp_path / "m.safetensors", tmp_path / "u"))
+    assert sorted(ck.atoms) == sorted(sd)
+    for k, t in sd.items():
+        got = ck.read(k)
+        want = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+        assert got.shape == tuple(t.shape)
+        assert (
+            got.view(np.int16).tobytes() == want.tobytes()
+            if t.dtype == torch.bfloat16
+            else (np.array_equal(got, want))
+        )
+    assert ck.atoms["b"].slots["fp32"].dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_preset_onto_demo_atoms(tmp_path, sharded, tied):
+    sd = hf_llama(CFG, tied=tied)
+    if sharded:
+        save_sharded(sd, tmp_path)
+        src = tmp_path
+    else:
+        st.save_file(sd, tmp_path / "model.safetensors")
+        src = tmp_path / "model.safetensors"
+    ck = ucp.open(import_safetensors(src, tmp_path / "u", preset="llama-demo"))
+    want = canonical(sd, CFG)
+    assert sorted(ck.atoms) == sorted(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(ck.read(k), v, err_msg=k)
+    qkv = ck.atoms["blocks.0.attn.qkv.kernel"]
+    assert qkv.fused == [{"sizes": [16, 8, 8], "axis": 1}]
+
+
+@pytest.mark.parametrize("layout", [Layout(data=2, tensor=2), Layout(data=4, tensor=1)])
+def test_llama_preset_restores_into_demo_model(tmp_path, layout):
+    """The demo model restores the import with its own rules, on a TP=2 and a DP-only layout."""
+    from ucp_jax.demo.layouts import from_layout
+
+    sd = hf_llama(CFG)
+    st.save_file(sd, tmp_path / "model.safetensors")
+    path = import_safetensors(tmp_path / "model.safetensors", tmp_path / "u", preset="llama-demo")
+    mesh = make_mesh(layout)
+    params, _ = ucp.restore(path, abstract_params(CFG, layout, mesh), rules=ucp_rules(CFG, layout))
+    got = from_layout(params, CFG, layout)
+    for k, v in canonical(sd, CFG).items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_preset_errors(tmp_path):
+    sd = hf_llama(CFG)
+    sd["extra.weight"] = torch.ones(2)
+    st.save_file(sd, tmp_path / "m.safetensors")
+    with pytest.raises(SafetensorsError, match=r"extra\.weight"):
+        import_safetensors(tmp_path / "m.safetensors", tmp_path / "u", preset="llama-demo")
+    with pytest.raises(SafetensorsError, match="no preset"):
+        import_safetensors(tmp_path / "m.safetensors", tmp_path / "u", preset="nope")
+    custom = {"x": AtomFrom(("missing.weight",))}
+    with pytest.raises(SafetensorsError, match=r"missing\.weight"):
+        import_safetensors(tmp_path / "m.safetensors", tmp_path / "u", preset=custom)
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(SafetensorsError):
+        import_safetensors(tmp_path / "bad.safetensors", tmp_path / "u")
+    assert not os.path.exists(tmp_path / "u")
+
+
+def test_dcp_single_process(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 5))
+    o = torch.optim.AdamW(m.parameters())
+    m(torch.ones(2, 4)).sum().backward()
+    o.step()
+    msd, osd = get_state_dict(m, o)
+    with pytest.warns(UserWarning):
+        dcp.save(
+            {"model": msd, "optim": osd, "step": 5}, checkpoint_id=tmp_path / "d", no_dist=True
+        )
+    ck = ucp.open(import_dcp(tmp_path / "d", tmp_path / "u", progress=False))
+    assert ck.step == 5
+    for k, t in msd.items():
+        np.testing.assert_array_equal(ck.read(k), t.numpy())
+        for f, v in osd["state"][k].items():
+            np.testing.assert_array_equal(ck.read(k, f), v.numpy())
+    assert ck.manifest.source["dcp"]["objects"]["optim.param_groups.0.lr"] == 1e-3
+
+
+def test_dcp_fsdp2_sharded(tmp_path):
+    """A real FSDP2 run on 2 ranks (chunked DTensors) imports equal to its full state dict."""
+    torchrun(2, [str(tmp_path)], str(tmp_path), script="fsdp_dcp.py")
+    ck = ucp.open(import_dcp(tmp_path / "dcp", tmp_path / "u", progress=False))
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert ck.step == 2
+    for k, t in full["model"].items():
+        np.testing.assert_array_equal(ck.read(k), t.numpy(), err_msg=k)
+        for f, v in full["optim"]["state"][k].items():
+            np.testing.assert_array_equal(ck.read(k, f), v.numpy(), err_msg=f"{k} {f}")
+    assert ucp.open(tmp_path / "u").atoms["emb.weight"].shape == (53, 24)
+
+
+def test_dcp_malicious_metadata_refused(tmp_path):
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ucp.UcpError, match="system"):
+        import_dcp(tmp_path / "d", tmp_path / "u")
+    assert not (tmp_path / "pwned").exists()

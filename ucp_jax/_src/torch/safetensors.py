@@ -1,0 +1,302 @@
+"""Hugging Face safetensors (single file, or sharded with `model.safetensors.index.json`) -> atoms.
+
+safetensors files are a JSON header plus raw little-endian tensors: they are memory-mapped and
+read directly (no pickle, no torch needed for the data). Without a preset every tensor becomes an
+atom of its own name and layout (slot `fp32`, the stored dtype kept). A preset builds the atoms of
+a target model instead: each target atom is one source tensor or the concatenation of several,
+optionally transposed (torch Linear `[out, in]` -> flax `[in, out]`); `{i}` in names stands for
+the layer index.
+
+>>> ucp.torch.import_safetensors("llama-tiny/", "/tmp/ucp/llama", preset="llama-demo")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ..errors import MismatchError, NotACheckpointError, UcpError
+from ._writer import AtomWriter
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64,
+    "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}  # fmt: skip
+INDEX = "model.safetensors.index.json"
+MAX_HEADER = 100 << 20
+
+
+class SafetensorsError(UcpError, ValueError):
+    """A safetensors file or index is malformed, or a preset does not fit the tensors."""
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+class SafetensorsFile:
+    """One safetensors file, memory-mapped: `names`, `meta(name)`, `array(name)` (a view)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise SafetensorsError(f"{path}: too short for a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER:
+                raise SafetensorsError(f"{path}: header of {n} bytes; not a safetensors file?")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise SafetensorsError(f"{path}: header is not JSON ({e})") from e
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.header: dict[str, dict[str, Any]] = header
+        self.base = 8 + n
+        size = os.path.getsize(path)
+        self._mm = np.memmap(path, np.uint8, mode="r") if size > self.base else None
+        for name, h in header.items():
+            b, e = h["data_offsets"]
+            dt = self.dtype(name)
+            if self.base + e > size or e - b != int(np.prod(h["shape"])) * dt.itemsize:
+                raise SafetensorsError(f"{path}: tensor {name!r} has inconsistent offsets")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.header)
+
+    def dtype(self, name: str) -> np.dtype:
+        code = self.header[name]["dtype"]
+        if code not in _DTYPES:
+            raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {code}")
+        return np.dtype(_DTYPES[code])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.header[name]["shape"])
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor as a read-only numpy view of the mapped file."""
+        b, e = self.header[name]["data_offsets"]
+        if self._mm is None or e == b:
+            return np.zeros(self.shape(name), self.dtype(name))
+        return (
+            self._mm[self.base + b : self.base + e].view(self.dtype(name)).reshape(self.shape(name))
+        )
+
+
+def open_tensors(src: Any) -> dict[str, SafetensorsFile]:
+    """Tensor name -> its file, for a .safetensors file, an index.json, or a folder of either."""
+    src = os.fspath(src)
+    if os.path.isdir(src):
+        if os.path.isfile(os.path.join(src, INDEX)):
+            src = os.path.join(src, INDEX)
+        else:
+            files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+            if not files:
+                raise NotACheckpointError(f"{src}: no *.safetensors files and no {INDEX}")
+            out: dict[str, SafetensorsFile] = {}
+            for f in files:
+                sf = SafetensorsFile(os.path.join(src, f))
+                for n in sf.names:
+                    if n in out:
+                        raise SafetensorsError(f"{src}: tensor {n!r} is in {f} and in another file")
+                    out[n] = sf
+            return out
+    if not os.path.isfile(src):
+        raise NotACheckpointError(f"{src}: no such file or directory")
+    if src.endswith(".json"):
+        with open(src) as f:
+            index = json.load(f)
+        wmap = index.get("weight_map")
+        if not isinstance(wmap, dict):
+            raise SafetensorsError(f"{src}: an index without a weight_map")
+        files = {
+            f: SafetensorsFile(os.path.join(os.path.dirname(src), f)) for f in set(wmap.values())
+        }
+        out = {}
+        for n, f in wmap.items():
+            if n not in files[f].header:
+                raise SafetensorsError(f"{src}: the index puts {n!r} in {f}, which lacks it")
+            out[n] = files[f]
+        return out
+    sf = SafetensorsFile(src)
+    return dict.fromkeys(sf.names, sf)
+
+
+# ---------------------------------------------------------------------------------- presets
+
+
+@dataclasses.dataclass(frozen=True)
+class AtomFrom:
+    """A target atom built from source tensors: `concat(maybe_T(src_k) for k, axis)`.
+
+    Attributes:
+        sources: source tensor names; `{i}` is the layer index.
+        transpose: transpose each (2-d) source first (torch Linear `[out, in]` -> `[in, out]`).
+        axis: the concatenation axis (after transposing).
+        fallback: sources to use when `sources` are absent (e.g. a tied `lm_head`).
+    """
+
+    sources: tuple[str, ...]
+    transpose: bool = False
+    axis: int = 0
+    fallback: tuple[str, ...] = ()
+
+
+def _llama_demo() -> dict[str, AtomFrom]:
+    lay = "model.layers.{i}."
+    return {
+        "embed.embedding": AtomFrom(("model.embed_tokens.weight",)),
+        "blocks.{i}.ln1.scale": AtomFrom((lay + "input_layernorm.weight",)),
+        "blocks.{i}.attn.qkv.kernel": AtomFrom(
+            tuple(lay + f"self_attn.{p}_proj.weight" for p in "qkv"), transpose=True, axis=1
+        ),
+        "blocks.{i}.attn.out.kernel": AtomFrom((lay + "self_attn.o_proj.weight",), transpose=True),
+        "blocks.{i}.ln2.scale": AtomFrom((lay + "post_attention_layernorm.weight",)),
+        "blocks.{i}.mlp.gate_up.kernel": AtomFrom(
+            (lay + "mlp.gate_proj.weight", lay + "mlp.up_proj.weight"), transpose=True, axis=1
+        ),
+        "blocks.{i}.mlp.down.kernel": AtomFrom((lay + "mlp.down_proj.weight",), transpose=True),
+        "ln_f.scale": AtomFrom(("model.norm.weight",)),
+        "unembed.kernel": AtomFrom(
+            ("lm_head.weight",), transpose=True, fallback=("model.embed_tokens.weight",)
+        ),
+    }
+
+
+# name -> (target atom template -> AtomFrom); "llama-demo": HF Llama names onto ucp_jax.demo's atoms
+PRESETS: dict[str, dict[str, AtomFrom]] = {"llama-demo": _llama_demo()}
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers that are no model weights
+
+
+def _layers(preset: Mapping[str, AtomFrom], names: set[str]) -> list[int]:
+    found: set[int] = set()
+    for spec in preset.values():
+        for s in spec.sources + spec.fallback:
+            if "{i}" in s:
+                rx = re.compile(re.escape(s).replace(r"\{i\}", r"(\d+)"))
+                found |= {int(m[1]) for n in names if (m := rx.fullmatch(n))}
+    return sorted(found)
+
+
+def plan(preset: Mapping[str, AtomFrom], names: set[str]) -> dict[str, tuple[AtomFrom, list[str]]]:
+    """Target atom -> (spec, concrete source names), for every layer found; checks coverage."""
+    out: dict[str, tuple[AtomFrom, list[str]]] = {}
+    layers = _layers(preset, names)
+    for tmpl, spec in preset.items():
+        for i in layers if "{i}" in tmpl else [None]:
+            fill = (lambda s: s) if i is None else (lambda s, i=i: s.replace("{i}", str(i)))
+            srcs = [fill(s) for s in spec.sources]
+            if not all(s in names for s in srcs) and spec.fallback:
+                srcs = [fill(s) for s in spec.fallback]
+            missing = [s for s in srcs if s not in names]
+            if missing:
+                raise SafetensorsError(
+                    f"import: atom {fill(tmpl)!r} needs tensor(s) {missing} which the files lack; "
+                    "wrong preset for this model?"
+                )
+            out[fill(tmpl)] = (spec, srcs)
+    used = {s for _, srcs in out.values() for s in srcs}
+    left = sorted(n for n in names - used if not IGNORED.fullmatch(n))
+    if left:
+        raise SafetensorsError(
+            f"import: the preset uses no atom for tensor(s) {left[:6]}{'...' if len(left) > 6 else ''}"
+            "; extend the preset (or import without one)"
+        )
+    return out
+
+
+def import_safetensors(
+    src: Any,
+    dst: Any,
+    *,
+    preset: str | Mapping[str, AtomFrom] | None = None,
+    dtype: Any = None,
+    overwrite: bool = False,
+    step: int | None = None,
+) -> str:
+    """Import safetensors weights (single file, sharded with an index, or a folder) as atoms.
+
+    Args:
+        src: a `.safetensors` file, a `model.safetensors.index.json`, or a folder with either.
+        dst: where to write the universal checkpoint.
+        preset: a name in `PRESETS` (e.g. "llama-demo": HF Llama names onto the atoms of
+            `ucp_jax.demo`), or a mapping target atom -> AtomFrom; None keeps names and layouts.
+        dtype: store the `fp32` slots in this dtype (default: as stored, e.g. bf16).
+        overwrite: replace an existing checkpoint at `dst`.
+        step: training step to record.
+
+    Returns:
+        The location of the written checkpoint.
+    """
+    tensors = open_tensors(src)
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise SafetensorsError(f"import: no preset {preset!r}; known: {sorted(PRESETS)}")
+        spec_map: Mapping[str, AtomFrom] | None = PRESETS[preset]
+    else:
+        spec_map = preset
+    want = None if dtype is None else np.dtype(dtype)
+    w = AtomWriter(dst, overwrite=overwrite)
+    try:
+        if spec_map is None:
+            for name, sf in tensors.items():
+                a = sf.array(name)
+                w.atom(name, a.shape)
+                w.write(name, "fp32", tuple((0, d) for d in a.shape), _cast(a, want))
+        else:
+            for atom, (spec, srcs) in plan(spec_map, set(tensors)).items():
+                arrays = [tensors[s].array(s) for s in srcs]
+                if spec.transpose:
+                    if any(a.ndim != 2 for a in arrays):
+                        raise SafetensorsError(f"import: atom {atom!r}: only 2-d sources transpose")
+                    arrays = [a.T for a in arrays]
+                shape = list(arrays[0].shape)
+                for a in arrays[1:]:
+                    if a.ndim != len(shape) or any(
+                        x != y for j, (x, y) in enumerate(zip(a.shape, shape)) if j != spec.axis
+                    ):
+                        raise MismatchError(
+                            f"import: atom {atom!r}: sources {srcs} do not concatenate on axis "
+                            f"{spec.axis} ({[x.shape for x in arrays]})"
+                        )
+                shape[spec.axis] = sum(a.shape[spec.axis] for a in arrays)
+                fused = []
+                if len(arrays) > 1:
+                    fused = [{"sizes": [a.shape[spec.axis] for a in arrays], "axis": spec.axis}]
+                w.atom(atom, shape, fused=fused)
+                off = 0
+                for a in arrays:
+                    box = [(0, d) for d in a.shape]
+                    box[spec.axis] = (off, off + a.shape[spec.axis])
+                    off += a.shape[spec.axis]
+                    w.write(atom, "fp32", tuple(box), _cast(a, want))
+                w.flush()
+        files = sorted({os.path.basename(sf.path) for sf in tensors.values()})
+        meta = next(iter(tensors.values())).metadata if tensors else {}
+        source = {
+            "framework": "safetensors",
+            "safetensors": {"path": os.path.abspath(os.fspath(src)), "files": files,
+                            "preset": preset if isinstance(preset, str) or preset is None
+                            else "custom", "metadata": meta},
+        }  # fmt: skip
+        return w.commit(step=step, source=source)
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _cast(a: np.ndarray, want: np.dtype | None) -> np.ndarray:
+    return a if want is None or a.dtype == want else a.astype(want)
+
+
+__all__ = ["PRESETS", "AtomFrom", "SafetensorsError", "import_safetensors", "open_tensors"]

@@ -1,0 +1,36 @@
+"""ucp_jax.torch: PyTorch checkpoints in and out.
+
+>>> import ucp_jax.torch as ucpt  # doctest: +SKIP
+>>> ucpt.import_deepspeed("ds_ckpt", "/tmp/universal/step_3")  # doctest: +SKIP
+>>> ucpt.export_deepspeed_universal("/tmp/universal/step_3", "ds_univ/global_step3")  # doctest: +SKIP
+
+Needs PyTorch (the `[torch]` extra); DeepSpeed itself is never imported.
+"""
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "ucp_jax.torch needs PyTorch, which is not installed; install it with "
+        "pip install 'ucp_jax[torch]'"
+    ) from _e
+
+from ._src.torch._unpickle import UnsafePickleError as UnsafePickleError
+from ._src.torch._unpickle import load as load_weights_only
+from ._src.torch.dcp import import_dcp as import_dcp
+from ._src.torch.deepspeed import import_deepspeed as import_deepspeed
+from ._src.torch.deepspeed import import_deepspeed_universal as import_deepspeed_universal
+from ._src.torch.export import export_deepspeed_universal as export_deepspeed_universal
+from ._src.torch.safetensors import PRESETS as PRESETS
+from ._src.torch.safetensors import import_safetensors as import_safetensors
+
+__all__ = [
+    "PRESETS",
+    "UnsafePickleError",
+    "export_deepspeed_universal",
+    "import_dcp",
+    "import_deepspeed",
+    "import_deepspeed_universal",
+    "import_safetensors",
+    "load_weights_only",
+]
