@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import struct
@@ -82,6 +83,12 @@ def _agree_run_id() -> int:
 
 
 _copy = jax.jit(jnp.copy)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _cut(x: jax.Array, starts: tuple[Any, ...], sizes: tuple[int, ...]) -> jax.Array:
+    """A region of a shard (starts are traced: one compilation per region shape, not per region)."""
+    return jax.lax.dynamic_slice(x, starts, sizes)
 
 
 class SnapshotManager:
@@ -259,13 +266,14 @@ class SnapshotManager:
         self, f: Fetch, leaves: list[Any], rolled: dict[Any, Any], shards: dict[int, Any]
     ) -> Any:
         """Start copying one region: a device array (or host array) holding just that region."""
-        local = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(f.box, f.shard_box))
+        starts = tuple(np.int32(a - s0) for (a, _), (s0, _) in zip(f.box, f.shard_box))
+        sizes = tuple(b - a for a, b in f.box)
         if f.kind == "host":
             return np.array(np.asarray(leaves[f.leaf])[to_slices(f.box)])
         if f.kind == "roll":
             src = rolled[(f.leaf, f.shift)]
             key = -1 - f.leaf * 64 - f.shift
-            local = (0, *local)
+            starts, sizes = (np.int32(0), *starts), (1, *sizes)
         else:
             src, key = leaves[f.leaf], f.leaf
         if key not in shards:
@@ -273,7 +281,7 @@ class SnapshotManager:
         data = shards[key][f.device]
         if f.kind == "orig" and f.box == f.shard_box:
             return _copy(data) if self.donation_safe else data
-        return data[local]
+        return _cut(data, starts, sizes)
 
     def _write(
         self, step: int, prep: _Prepared, datas: list[Any], job: Any, dispatch_s: float
