@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-dev
 XLA     := XLA_FLAGS=--xla_force_host_platform_device_count=8
+SRC     := ucp_jax tests $(wildcard benchmarks)
 
 .PHONY: demo test lint format bench clean
 
@@ -21,12 +22,12 @@ demo: $(STAMP)
 	$(XLA) $(BIN)/python -m ucp_jax.demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check ucp_jax tests benchmarks
-	$(BIN)/ruff format --check ucp_jax tests benchmarks
+	$(BIN)/ruff check $(SRC)
+	$(BIN)/ruff format --check $(SRC)
 
 format: $(STAMP)
-	$(BIN)/ruff format ucp_jax tests benchmarks
-	$(BIN)/ruff check --fix ucp_jax tests benchmarks
+	$(BIN)/ruff format $(SRC)
+	$(BIN)/ruff check --fix $(SRC)
 
 test: lint
 	$(XLA) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
