@@ -160,6 +160,10 @@ class _SaveJob:
         local = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(t.box, t.shard_box))
         if t.box == t.shard_box:
             return shard.data
+        if t.device.platform == "cpu":
+            # The shard is host memory already: slice a view of it instead of running (and
+            # compiling) a device slice that copies. Callers copy it where it must not alias.
+            return np.asarray(shard.data)[local]
         return shard.data[local]
 
     def copy_all_to_host(self) -> list[np.ndarray]:
@@ -169,9 +173,9 @@ class _SaveJob:
             if isinstance(d, jax.Array):
                 d.copy_to_host_async()
         out = []
-        for d in datas:
+        for t, d in zip(self.tasks, datas):
             h = np.asarray(d)
-            if isinstance(d, jax.Array) and not h.flags.owndata:
+            if t.device is not None and not h.flags.owndata:
                 h = h.copy()  # never alias a device buffer the trainer may donate
             out.append(h)
         return out
