@@ -233,6 +233,26 @@ def test_a_new_manager_reattaches(tmp_path, shm_dir):
     assert not node.exists()
 
 
+def test_restored_arrays_never_alias_shared_memory(tmp_path, shm_dir):
+    """Later snapshots reuse retired blobs in place; restored arrays must not change with them."""
+    mgr = _mgr(tmp_path, shm_dir, keep=1)
+    params, opt_state, hist = _train(mgr, 2)
+    mesh = mesh_of((2, 4))
+    pt, ot = _targets(params, opt_state, mesh)
+    p2, o2 = mgr.restore(pt, ot)
+    _train(mgr, 3, start=(params, opt_state, 3))  # step 2's blob is reused for step 4
+    mgr.wait()
+    host = {"h": np.arange(4.0)}
+    mgr.snapshot(6, host)
+    h2, _ = mgr.restore({"h": np.zeros(4)})
+    for step in (7, 8):
+        mgr.snapshot(step, {"h": np.zeros(4)})
+    mgr.wait()
+    assert_tree_bitexact(jax.device_get((p2, o2)), hist[2])
+    assert h2["h"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    mgr.close()
+
+
 def test_persist_every_and_fallback(tmp_path, shm_dir, caplog):
     mgr = _mgr(tmp_path, shm_dir, persist_every=2)
     params, opt_state, hist = _train(mgr, 5)

@@ -177,6 +177,7 @@ class SnapshotManager:
         self._pinned: set[Path] = set()
         self._error: BaseException | None = None
         self._closed = False
+        self._restores = 0
 
     # ------------------------------------------------------------------------------- snapshot
 
@@ -396,8 +397,10 @@ class SnapshotManager:
         """
         self._check_open()
         self.wait()
+        self._restores += 1
+        tag = f"ucp-memory/{self.namespace}/{self.run}/restore-{self._restores}"
         params, opt, info = recovery.restore(
-            self.root, self.directory, params_target, opt_state_target, self.rules
+            self.root, self.directory, params_target, opt_state_target, self.rules, tag
         )
         self.restored = info
         return params, opt

@@ -156,27 +156,40 @@ def newest_persisted(directory: Any) -> tuple[str, int] | None:
     return best
 
 
-def _allgather_json(obj: Any) -> list[Any]:
-    """Every process's `obj` (a collective)."""
+def _allgather_json(obj: Any, tag: str) -> list[Any]:
+    """Every process's `obj`, through the coordination service's key-value store (no compile)."""
     if jax.process_count() == 1:
         return [obj]
-    from jax.experimental import multihost_utils
+    from jax._src import distributed
 
-    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([raw.size], np.int32))).ravel()
-    buf = np.zeros(int(sizes.max()), np.uint8)
-    buf[: raw.size] = raw
-    every = np.asarray(multihost_utils.process_allgather(buf))
-    return [json.loads(every[i, : sizes[i]].tobytes()) for i in range(len(sizes))]
+    from ..sync import BARRIER_TIMEOUT_S
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("several jax processes but no jax.distributed client to agree with")
+    client.key_value_set(f"{tag}/{jax.process_index()}", json.dumps(obj))
+    ms = int(BARRIER_TIMEOUT_S * 1000)
+    return [
+        json.loads(client.blocking_key_value_get(f"{tag}/{i}", ms))
+        for i in range(jax.process_count())
+    ]
 
 
 def restore(
-    root: Path, directory: Any, params_target: Any, opt_state_target: Any, rules: tuple[Rule, ...]
+    root: Path,
+    directory: Any,
+    params_target: Any,
+    opt_state_target: Any,
+    rules: tuple[Rule, ...],
+    tag: str,
 ) -> tuple[Any, Any, RestoreInfo]:
-    """Restore from the newest step every process can recover from memory, else from disk."""
+    """Restore from the newest step every process can recover from memory, else from disk.
+
+    `tag` names this restore in the coordination service (the same on every process, unique).
+    """
     t0 = time.perf_counter()
     cands, why = scan(root)
-    keys = _allgather_json([c.key for c in cands])
+    keys = _allgather_json([c.key for c in cands], tag)
     common = set(map(tuple, keys[0])).intersection(*(map(tuple, k) for k in keys[1:]))
     chosen = next((c for c in cands if tuple(c.key) in common), None)
     if chosen is not None:
@@ -293,20 +306,29 @@ def _read_leaf(b: LeafBinding, lay: Layout, index: dict[str, int], blobs: _Bytes
                 "sharding; give it sharding=NamedSharding(mesh, spec)"
             )
         full = tuple((0, d) for d in meta.shape)
-        host = _assemble(full, li, lay, blobs)
+        host = np.array(_assemble(full, li, lay, blobs))  # never a view of shared memory
         return host if isinstance(b.value, np.ndarray) or meta.shape else host[()]
     groups: dict[Box, list[Any]] = {}
     for dev, idx in b.sharding.addressable_devices_indices_map(b.shape).items():
         groups.setdefault(index_to_box(idx, b.shape), []).append(dev)
-    shards = []
+    hosts, devices = [], []
     for box, devs in groups.items():
         host = _assemble(box, li, lay, blobs)
-        shards.extend(jax.device_put(host, d) for d in devs)
+        if not host.flags.owndata and any(d.platform == "cpu" for d in devs):
+            # a CPU device_put may alias a page-aligned buffer: never let an array alias the
+            # shared-memory file (a later snapshot may reuse it)
+            host = np.array(host)
+        hosts.extend([host] * len(devs))
+        devices.extend(devs)
+    shards = jax.device_put(hosts, devices)
     return jax.make_array_from_single_device_arrays(b.shape, b.sharding, shards)
 
 
 def _assemble(box: Box, li: int, lay: Layout, blobs: _Bytes) -> np.ndarray:
     meta = lay.leaves[li]
+    for p in lay.by_leaf[li]:
+        if p.box == box:  # the region is one piece: its bytes as they are (no copy)
+            return blobs[p.node].view(p.offset, p.nbytes).view(meta.dtype).reshape(box_shape(box))
     out = np.empty(box_shape(box), meta.dtype)
     covered = 0
     for p in lay.by_leaf[li]:
