@@ -156,11 +156,15 @@ def _torch_command(args: Any) -> int:
 
 
 def _run_torch_command(args: Any) -> int:
+    import importlib
     import os
     import time
 
-    try:
-        from .torch import dcp, deepspeed, export, safetensors
+    module = {"deepspeed": "deepspeed", "safetensors": "safetensors", "dcp": "dcp"}.get(
+        args.kind, "export"
+    )
+    try:  # DeepSpeed and safetensors imports need no torch; DCP and the export do
+        mod = importlib.import_module(f"ucp_jax._src.torch.{module}")
     except ImportError as e:
         print(
             f"ucp {args.cmd}: needs PyTorch ({e}); install it with pip install 'ucp_jax[torch]'",
@@ -170,7 +174,7 @@ def _run_torch_command(args: Any) -> int:
     t0 = time.perf_counter()
     progress = False if args.no_progress else None
     if args.cmd == "export":
-        out = export.export_deepspeed_universal(
+        out = mod.export_deepspeed_universal(
             args.src, args.dst, overwrite=args.overwrite, progress=progress
         )
         print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (load it with load_universal)")
@@ -180,14 +184,14 @@ def _run_torch_command(args: Any) -> int:
         universal = os.path.isdir(os.path.join(src, "zero")) or os.path.isfile(
             os.path.join(src, "latest_universal")
         )
-        fn = deepspeed.import_deepspeed_universal if universal else deepspeed.import_deepspeed
+        fn = mod.import_deepspeed_universal if universal else mod.import_deepspeed
         out = fn(src, args.dst, tag=args.tag, overwrite=args.overwrite, progress=progress)
     elif args.kind == "safetensors":
-        out = safetensors.import_safetensors(
+        out = mod.import_safetensors(
             args.src, args.dst, preset=args.preset, dtype=args.dtype, overwrite=args.overwrite
         )
     else:
-        out = dcp.import_dcp(
+        out = mod.import_dcp(
             args.src, args.dst, model_prefix=args.model_prefix, overwrite=args.overwrite,
             progress=progress,
         )  # fmt: skip
