@@ -24,11 +24,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..errors import MismatchError, NotACheckpointError, UcpError
-from ._unpickle import load
-from ._writer import AtomWriter, to_numpy
+from ._unpickle import LazyTensor
+from ._unpickle import load_lazy as load
+from ._writer import AtomWriter
 
 _OPTIM_RE = re.compile(
     r"^(?:bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_?optim_states\.pt$"
@@ -58,11 +58,11 @@ def jsonable(x: Any) -> Any:
         return x
     if isinstance(x, enum.Enum):
         return jsonable(x.value)
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, LazyTensor) or (hasattr(x, "numel") and hasattr(x, "item")):
         return jsonable(x.item()) if x.numel() == 1 else f"<tensor {tuple(x.shape)}>"
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple | torch.Size):
+    if isinstance(x, list | tuple):
         return [jsonable(v) for v in x]
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return {f.name: jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
@@ -136,8 +136,8 @@ def _read_step(state: dict[str, Any]) -> Any:
     step = state.get("step")
     if step is None:
         return None
-    if isinstance(step, torch.Tensor):
-        return to_numpy(step.reshape(()))
+    if isinstance(step, LazyTensor):
+        return step.numpy().reshape(())
     return np.asarray(step)
 
 
@@ -467,7 +467,7 @@ def _source(lay: _Layout, kind: str) -> dict[str, Any]:
 
 def _fragments_z12(
     lay: _Layout, osd: dict[str, Any], pp_index: int, uc: dict[str, Any]
-) -> Iterator[tuple[str, str, torch.Tensor, Any]]:
+) -> Iterator[tuple[str, str, LazyTensor, Any]]:
     """(param, slot, flat fragment, step) of one ZeRO-1/2 rank file, in file order."""
     skip = (uc or {}).get("pipeline_replicated_parameter_patterns", []) or []
     states = osd["base_optimizer_state"]["state"]
@@ -476,7 +476,7 @@ def _fragments_z12(
         st = states.get(g, states.get(str(g), {})) if isinstance(states, dict) else states[g]
         flats = {"fp32": fp32[g]}
         for key, val in st.items():
-            if key != "step" and isinstance(val, torch.Tensor) and val.dim() > 0:
+            if key != "step" and isinstance(val, LazyTensor) and val.dim() > 0:
                 flats[key] = val
         step = _read_step(st)
         for name, frag in mapping.items():
@@ -488,7 +488,7 @@ def _fragments_z12(
 
 def _fragments_z3(
     osd: dict[str, Any], shapes: list[dict[str, Any]], dp_rank: int, dp: int
-) -> Iterator[tuple[str, str, torch.Tensor, int, Any]]:
+) -> Iterator[tuple[str, str, LazyTensor, int, Any]]:
     """(param, slot, flat fragment, start in the param, step) of one ZeRO-3 rank file."""
     inner = osd[OSD]["state"]
     groups = osd.get("ds_zero_partition_groups") or []
@@ -496,7 +496,7 @@ def _fragments_z3(
         st = inner.get(idx, {}) if isinstance(inner, dict) else inner[idx]
         flats = {"fp32": osd["fp32_flat_groups"][idx]}
         for key, val in st.items():
-            if key != "step" and isinstance(val, torch.Tensor) and val.dim() > 0:
+            if key != "step" and isinstance(val, LazyTensor) and val.dim() > 0:
                 flats[key] = val
         step = _read_step(st)
         meta = groups[idx] if idx < len(groups) else {}
@@ -565,38 +565,97 @@ def _import_zero(lay: _Layout, w: AtomWriter, progress: bool | None) -> None:
     shapes = _per_tp_shapes(lay)
     merger = _Merger(w, uc, lay.tp, shapes)
     files = [(d, m, lay.optim[(d, m)]) for d in range(lay.dp) for m in range(lay.tp * lay.pp)]
+    _precreate(lay, merger)
     bar = _progress(progress, sum(os.path.getsize(f) for *_, f in files), "ucp import")
     pos: dict[tuple[str, int, str], int] = {}
     z3_shapes: dict[int, list[dict[str, Any]]] = {}
-    try:
+
+    def fragments() -> Iterator[tuple[str, int, str, LazyTensor, int, Any]]:
+        """(param, TP rank, slot, fragment, start in the TP slice, step), file after file."""
         for d, m, path in files:
             pp_index, t = divmod(m, lay.tp)
-            sd = load(path)
-            osd = sd[OSD]
+            osd = load(path)[OSD]
             if lay.stage <= 2:
                 for name, slot, frag, step in _fragments_z12(lay, osd, pp_index, uc):
                     key = (name, t, slot)
                     start = pos.get(key, 0)
                     pos[key] = start + frag.numel()
-                    merger.put(name, t, slot, to_numpy(frag), start, keep=frag)
-                    merger.step(name, step)
+                    yield name, t, slot, frag, start, step
             else:
                 if t not in z3_shapes:
                     z3_shapes[t] = (lay.meta if m == min(lay.model) else load(lay.model[m]))[
                         "param_shapes"
                     ]
                 for name, slot, frag, start, step in _fragments_z3(osd, z3_shapes[t], d, lay.dp):
-                    merger.put(name, t, slot, to_numpy(frag), start, keep=frag)
-                    merger.step(name, step)
+                    yield name, t, slot, frag, start, step
                 _frozen_z3(lay, merger, d, m, t)
-            w.flush()
-            del sd, osd
             _advance(bar, os.path.getsize(path))
+
+    try:
+        # Reads run ahead on threads (bounded in bytes) while the writes of earlier fragments
+        # proceed in TensorStore's threads: disk reads and writes overlap.
+        for (name, t, slot, _, start, step), data in _read_ahead(fragments(), w.budget):
+            merger.put(name, t, slot, data, start, keep=None)
+            merger.step(name, step)
         merger.check_done()
         _module_fallback(lay, merger)
         w.flush()
     finally:
         bar.stop()
+
+
+def _read_ahead(items: Iterator[tuple[Any, ...]], budget: int, threads: int = 4) -> Iterator[Any]:
+    """(item, item[3].numpy()) in order, reading up to `budget` bytes ahead on a thread pool."""
+    import collections
+    from concurrent.futures import ThreadPoolExecutor
+
+    window: collections.deque[tuple[Any, Any, int]] = collections.deque()
+    ahead = 0
+    with ThreadPoolExecutor(threads, thread_name_prefix="ucp-read") as pool:
+        for item in items:
+            n = item[3].nbytes
+            window.append((item, pool.submit(item[3].numpy), n))
+            ahead += n
+            while window and ahead > budget:
+                it, fut, nb = window.popleft()
+                ahead -= nb
+                yield it, fut.result()
+        while window:
+            it, fut, _ = window.popleft()
+            yield it, fut.result()
+
+
+def _precreate(lay: _Layout, merger: _Merger) -> None:
+    """Declare every atom and create all its slots concurrently (dtypes from the first file)."""
+    osd = load(lay.optim[(0, 0)])[OSD]
+    if lay.stage <= 2:
+        states = osd["base_optimizer_state"]["state"]
+        st = next(iter(states.values()), {}) if isinstance(states, dict) else states[0]
+        fp32 = osd["single_partition_of_fp32_groups"][0]
+    else:
+        inner = osd[OSD]["state"]
+        st = next(iter(inner.values()), {}) if isinstance(inner, dict) else inner[0]
+        fp32 = osd["fp32_flat_groups"][0]
+    slots: list[tuple[str, Any, Any]] = [("fp32", fp32.dtype, None)]
+    for key, val in st.items():
+        if isinstance(val, LazyTensor) and val.dim() > 0:
+            slots.append((key, val.dtype, None))
+    step = _read_step(st)
+    if step is not None:
+        slots.append(("step", step.dtype, ()))
+    frozen = set()
+    for mp in lay.model:
+        sd = lay.meta if mp == min(lay.model) else None
+        if sd is not None:
+            frozen |= set((sd.get("frozen_param_shapes") or {}).keys())
+    todo = []
+    for name in merger.shapes:
+        if any(s is None for s in merger.shapes[name]):
+            continue
+        merger.declare(name)
+        for slot, dtype, shape in slots if name not in frozen else slots[:1]:
+            todo.append((name, slot, dtype, shape))
+    merger.w.create_many(todo)
 
 
 def _frozen_z3(lay: _Layout, merger: _Merger, d: int, m: int, t: int) -> None:
@@ -611,8 +670,8 @@ def _frozen_z3(lay: _Layout, merger: _Merger, d: int, m: int, t: int) -> None:
         part = -(-numel // lay.dp)
         n = max(0, min(part, numel - d * part))
         if n:
-            flat = frag.reshape(-1)[:n].float()
-            merger.put(name, t, "fp32", to_numpy(flat), d * part, keep=flat)
+            flat = frag.reshape(-1).narrow(0, 0, n).numpy().astype(np.float32)
+            merger.put(name, t, "fp32", flat, d * part, keep=None)
 
 
 def _module_fallback(lay: _Layout, merger: _Merger) -> None:
@@ -626,7 +685,7 @@ def _module_fallback(lay: _Layout, merger: _Merger) -> None:
         if not module:
             continue
         for name, tensor in module.items():
-            if name in sd.get("buffer_names", []) or not isinstance(tensor, torch.Tensor):
+            if name in sd.get("buffer_names", []) or not isinstance(tensor, LazyTensor):
                 continue
             if merger.w.has(name, "fp32"):
                 continue
@@ -634,8 +693,8 @@ def _module_fallback(lay: _Layout, merger: _Merger) -> None:
                 merger.shapes[name] = [None] * lay.tp
             if merger.shapes[name][t] is None:
                 merger.shapes[name][t] = tuple(tensor.shape)
-            flat = tensor.detach().float().reshape(-1)
-            merger.put(name, t, "fp32", to_numpy(flat), 0, keep=flat)
+            flat = tensor.numpy().astype(np.float32).reshape(-1)
+            merger.put(name, t, "fp32", flat, 0, keep=None)
     merger.check_done()
 
 
@@ -711,8 +770,8 @@ def import_deepspeed_universal(
                     if isinstance(obj, dict) and obj.get("cat_dim", 0) and len(shape) > 1:
                         pattern.append({"type": "Partitioned", "axis": int(obj["cat_dim"])})
                     w.atom(name, shape, pattern=pattern)
-                    arr = to_numpy(t.reshape(shape))
-                    w.write(name, slot, tuple((0, d) for d in shape), arr, keep=t)
+                    arr = t.reshape(shape).numpy()
+                    w.write(name, slot, tuple((0, d) for d in shape), arr)
                 _advance(bar, os.path.getsize(path))
             if z3_step is not None and "step" not in slots:
                 w.write_scalar(name, "step", z3_step)

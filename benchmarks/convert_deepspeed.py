@@ -1,0 +1,227 @@
+"""DeepSpeed ZeRO checkpoint -> universal: DeepSpeed's ds_to_universal vs `ucp convert deepspeed`.
+
+Builds (once, cached in --workdir) a real DeepSpeed ZeRO checkpoint of a GPT-2-sized model (12
+layers, d=768, vocab 32000: 110M params, 150 tensors, 1.2 GiB of fp32 master weights + Adam
+moments) on DP=2 ranks (CPU, gloo, torchrun), then converts the same
+checkpoint with both tools in fresh processes, measuring wall time and the peak resident memory
+of the whole process tree (sampled every 20 ms), and checks that both give the same tensors.
+
+    python benchmarks/convert_deepspeed.py [--layers 12] [--dp 2] [--workdir /tmp/ucp_bench_ds]
+
+Needs torch and deepspeed (pip install torch==2.13.0 deepspeed==0.19.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.abspath(__file__)
+
+
+# ------------------------------------------------------------------------ the training worker
+
+
+def gpt(vocab: int, dim: int, layers: int, seq: int) -> torch.nn.Module:  # noqa: F821
+    """A GPT-2-like torch model (embeddings, pre-LN blocks with biases, untied head)."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+            self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(self.ln1(x)).split(dim, -1)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a)
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]
+            for b in self.blocks:
+                x = b(x)
+            logits = self.head(self.ln_f(x[:, :-1])).float()
+            return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    return GPT()
+
+
+def worker(out: str, layers: int, stage: int) -> None:
+    """Under torchrun: one AdamW step of a GPT-2-sized model with DeepSpeed ZeRO, then save."""
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = gpt(vocab=32000, dim=768, layers=layers, seq=1024)
+    cfg = {
+        "train_batch_size": dist.get_world_size(),
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    loss = engine(torch.randint(0, 32000, (1, 16)))
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(out, client_state={"universal_checkpoint_info": {}})
+    dist.barrier()
+
+
+# ---------------------------------------------------------------------------- measurement
+
+
+def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS of the process tree in bytes, output tail) of one command."""
+    import psutil
+
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    peak = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        try:
+            root = psutil.Process(p.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not stop.is_set():
+            total = 0
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            for q in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    total += q.memory_info().rss
+            peak = max(peak, total)
+            stop.wait(0.02)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    out, _ = p.communicate()
+    wall = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    if p.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.decode()[-4000:]}")
+    return wall, peak, out.decode()[-400:]
+
+
+def build(workdir: str, layers: int, dp: int, stage: int) -> str:
+    """The checkpoint's tag folder, built once."""
+    ck = os.path.join(workdir, f"ds_gpt{layers}_z{stage}_dp{dp}")
+    tag = os.path.join(ck, "global_step1")
+    if os.path.isdir(tag) and os.path.isfile(os.path.join(ck, "latest")):
+        return tag
+    shutil.rmtree(ck, ignore_errors=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dp}", HERE,
+           "--worker", ck, "--layers", str(layers), "--stage", str(stage)]  # fmt: skip
+    print(f"building the DeepSpeed checkpoint (GPT, {layers} layers, ZeRO-{stage}, DP={dp}) ...")
+    subprocess.run(cmd, check=True, env=env, capture_output=True)
+    return tag
+
+
+def compare(ds_out: str, ucp_out: str, sample: int = 6) -> int:
+    """Check a few params, all slots, are bit-identical between the two conversions."""
+    import numpy as np
+
+    import ucp_jax as ucp
+    from ucp_jax._src.torch._unpickle import load
+    from ucp_jax._src.torch._writer import to_numpy
+
+    ck = ucp.open(ucp_out)
+    zero = os.path.join(ds_out, "zero")
+    names = sorted(d for d in os.listdir(zero) if os.path.isdir(os.path.join(zero, d)))
+    assert sorted(names) == sorted(ck.atoms), "different parameter sets"
+    n = 0
+    for name in names[:: max(1, len(names) // sample)]:
+        for f in os.listdir(os.path.join(zero, name)):
+            obj = load(os.path.join(zero, name, f))
+            want = to_numpy(obj["param"] if isinstance(obj, dict) else obj).reshape(-1)
+            got = np.asarray(ck.read(name, f[:-3])).reshape(-1)
+            assert got.tobytes() == want.tobytes(), (name, f)
+            n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--layers", type=int, default=12, help="transformer blocks (d=768)")
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--stage", type=int, default=1)
+    ap.add_argument("--workdir", default="/tmp/ucp_bench_ds")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.layers, args.stage)
+        return
+    os.makedirs(args.workdir, exist_ok=True)
+    tag = build(args.workdir, args.layers, args.dp, args.stage)
+    files = sorted(os.listdir(tag))
+    sizes = {f: os.path.getsize(os.path.join(tag, f)) for f in files}
+    optim = {f: s for f, s in sizes.items() if "optim_states" in f}
+    largest = max(optim.values())
+    ds_out = os.path.join(args.workdir, "ds_universal", "global_step1")
+    ucp_out = os.path.join(args.workdir, "ucp_universal")
+    for d in (os.path.dirname(ds_out), ucp_out):
+        shutil.rmtree(d, ignore_errors=True)
+    subprocess.run(["sync"], check=False)
+    ds_cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+              "--input_folder", tag, "--output_folder", ds_out]  # fmt: skip
+    ucp_cmd = [shutil.which("ucp") or "ucp", "convert", "deepspeed", tag, ucp_out, "--no-progress"]
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    results = {}
+    for name, cmd in (("ds_to_universal", ds_cmd), ("ucp convert deepspeed", ucp_cmd)):
+        wall, peak, _ = run_measured(cmd, env)
+        results[name] = {"wall_s": wall, "peak_rss_bytes": peak}
+        print(f"{name}: {wall:.1f} s, peak RSS {peak / 2**20:.0f} MiB")
+    checked = compare(ds_out, ucp_out)
+    n_atoms = len(os.listdir(os.path.join(ds_out, "zero"))) - 1
+    total_state = sum(optim.values())
+    a, b = results["ds_to_universal"], results["ucp convert deepspeed"]
+    rows = [
+        ("checkpoint", f"GPT ({args.layers} layers), ZeRO-{args.stage}, DP={args.dp}, "
+                       f"{n_atoms} tensors, {total_state / 2**30:.2f} GiB of fp32+moments in "
+                       f"{len(optim)} rank files"),
+        ("largest rank file", f"{largest / 2**20:.0f} MiB"),
+        ("ds_to_universal", f"{a['wall_s']:.1f} s, peak RSS {a['peak_rss_bytes'] / 2**20:.0f} MiB"),
+        ("ucp convert deepspeed", f"{b['wall_s']:.1f} s, peak RSS "
+                                  f"{b['peak_rss_bytes'] / 2**20:.0f} MiB"),
+        ("speed-up", f"{a['wall_s'] / b['wall_s']:.1f}x"),
+        ("ucp peak RSS / largest rank file", f"{b['peak_rss_bytes'] / largest:.2f}"),
+        ("identical tensors (sampled)", f"{checked} files"),
+    ]  # fmt: skip
+    print()
+    print("| | |\n|---|---|")
+    for k, v in rows:
+        print(f"| {k} | {v} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "largest_rank_file": largest, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
