@@ -9,17 +9,20 @@ import subprocess
 import sys
 import zipfile
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from ucp_jax._src.torch._unpickle import (  # noqa: E402
     FragmentAddress,
+    LazyTensor,
     LossScaler,
     UnsafePickleError,
     ZeroStageEnum,
     allowed,
     load,
+    load_lazy,
     loads,
     pickle_globals,
 )
@@ -144,3 +147,48 @@ def test_ucp_jax_torch_without_torch_says_how_to_install():
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "pip install 'ucp_jax[torch]'" in p.stdout, p.stdout + p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("evil_cls", [_Evil, _EvalEvil])
+def test_lazy_loader_refuses_and_runs_nothing(tmp_path, evil_cls):
+    """The torch-free reader used by import_deepspeed has the same gate."""
+    marker = tmp_path / "pwned"
+    torch.save({"w": torch.ones(2), "x": evil_cls(str(marker))}, tmp_path / "e.pt")
+    with pytest.raises(UnsafePickleError, match="allow-list"):
+        load_lazy(tmp_path / "e.pt")
+    (tmp_path / "z.pt").write_bytes(_torch_zip(pickle.dumps(evil_cls(str(marker)), protocol=4)))
+    with pytest.raises(UnsafePickleError):
+        load_lazy(tmp_path / "z.pt")
+    assert not marker.exists()
+
+
+def test_lazy_loader_reads_tensors_like_torch(tmp_path):
+    base = torch.arange(24.0).reshape(4, 6)
+    obj = {"a": base, "nc": base[:, 1:4], "bf": torch.ones(3, dtype=torch.bfloat16),
+           "p": torch.nn.Parameter(torch.full((2,), 3.0)), "s": torch.Size([2, 3]),
+           "view": torch.arange(10)[2:7], "scalar": torch.tensor(3.0)}  # fmt: skip
+    torch.save(obj, tmp_path / "t.pt")
+    got = load_lazy(tmp_path / "t.pt")
+    for k in ("a", "nc", "view", "scalar"):
+        assert isinstance(got[k], LazyTensor)
+        np.testing.assert_array_equal(got[k].numpy(), obj[k].numpy())
+    assert got["bf"].numpy().dtype.name == "bfloat16"
+    np.testing.assert_array_equal(got["p"].numpy(), [3.0, 3.0])
+    assert tuple(got["s"]) == (2, 3) and got["scalar"].item() == 3.0
+    np.testing.assert_array_equal(got["a"].reshape(-1).narrow(0, 5, 4).numpy(), [5, 6, 7, 8])
+
+
+def test_import_deepspeed_refuses_a_poisoned_rank_file(tmp_path):
+    """A DeepSpeed folder whose rank file carries a payload is refused before anything runs."""
+    from ucp_jax._src.torch.deepspeed import import_deepspeed
+
+    marker = tmp_path / "pwned"
+    ck = tmp_path / "ck" / "global_step1"
+    ck.mkdir(parents=True)
+    (tmp_path / "ck" / "latest").write_text("global_step1")
+    torch.save({"optimizer_state_dict": {"zero_stage": 1, "x": _Evil(str(marker))}},
+               ck / "zero_pp_rank_0_mp_rank_00_optim_states.pt")  # fmt: skip
+    torch.save({"module": {}}, ck / "mp_rank_00_model_states.pt")
+    with pytest.raises(UnsafePickleError, match="system"):
+        import_deepspeed(tmp_path / "ck", tmp_path / "out")
+    assert not marker.exists() and not (tmp_path / "out").exists()
