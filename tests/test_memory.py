@@ -242,6 +242,11 @@ def test_restored_arrays_never_alias_shared_memory(tmp_path, shm_dir):
     p2, o2 = mgr.restore(pt, ot)
     _train(mgr, 3, start=(params, opt_state, 3))  # step 2's blob is reused for step 4
     mgr.wait()
+    # replicated targets: every device gets a buffer of its own
+    p3, _ = mgr.restore(targets(params, mesh_of((2, 2)), "replicated"))
+    for leaf in jax.tree.leaves(p3):
+        ptrs = {s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards}
+        assert len(ptrs) == len(leaf.addressable_shards) == 4
     host = {"h": np.arange(4.0)}
     mgr.snapshot(6, host)
     h2, _ = mgr.restore({"h": np.zeros(4)})

@@ -306,30 +306,49 @@ def _read_leaf(b: LeafBinding, lay: Layout, index: dict[str, int], blobs: _Bytes
                 "sharding; give it sharding=NamedSharding(mesh, spec)"
             )
         full = tuple((0, d) for d in meta.shape)
-        host = np.array(_assemble(full, li, lay, blobs))  # never a view of shared memory
+        host = _assemble(full, li, lay, blobs, private=True)  # never a view of shared memory
         return host if isinstance(b.value, np.ndarray) or meta.shape else host[()]
     groups: dict[Box, list[Any]] = {}
     for dev, idx in b.sharding.addressable_devices_indices_map(b.shape).items():
         groups.setdefault(index_to_box(idx, b.shape), []).append(dev)
     hosts, devices = [], []
     for box, devs in groups.items():
-        host = _assemble(box, li, lay, blobs)
-        if not host.flags.owndata and any(d.platform == "cpu" for d in devs):
-            # a CPU device_put may alias a page-aligned buffer: never let an array alias the
-            # shared-memory file (a later snapshot may reuse it)
-            host = np.array(host)
-        hosts.extend([host] * len(devs))
-        devices.extend(devs)
+        # On CPU a device_put may alias a 64-byte aligned buffer: hand it a private aligned copy
+        # (one memcpy, no second copy), never the shared-memory file (a later snapshot reuses it).
+        # Each CPU device gets its own buffer (two devices aliasing one would race).
+        cpu = any(d.platform == "cpu" for d in devs)
+        host = _assemble(box, li, lay, blobs, private=cpu)
+        for k, d in enumerate(devs):
+            hosts.append(_private_copy(host) if cpu and k else host)
+            devices.append(d)
     shards = jax.device_put(hosts, devices)
     return jax.make_array_from_single_device_arrays(b.shape, b.sharding, shards)
 
 
-def _assemble(box: Box, li: int, lay: Layout, blobs: _Bytes) -> np.ndarray:
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary."""
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = np.empty(n + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    return buf[off : off + n].view(dtype).reshape(shape)
+
+
+def _private_copy(a: np.ndarray) -> np.ndarray:
+    out = _aligned_empty(a.shape, a.dtype)
+    np.copyto(out, a)
+    return out
+
+
+def _assemble(box: Box, li: int, lay: Layout, blobs: _Bytes, *, private: bool) -> np.ndarray:
+    """Region `box` of leaf `li` from its pieces; `private`: a fresh aligned array, never a view."""
     meta = lay.leaves[li]
     for p in lay.by_leaf[li]:
-        if p.box == box:  # the region is one piece: its bytes as they are (no copy)
-            return blobs[p.node].view(p.offset, p.nbytes).view(meta.dtype).reshape(box_shape(box))
-    out = np.empty(box_shape(box), meta.dtype)
+        if p.box == box:  # the region is one piece
+            view = blobs[p.node].view(p.offset, p.nbytes).view(meta.dtype).reshape(box_shape(box))
+            if not private:
+                return view
+            return _private_copy(view)
+    out = _aligned_empty(box_shape(box), meta.dtype)
     covered = 0
     for p in lay.by_leaf[li]:
         inter = _intersect(p.box, box)
