@@ -4,15 +4,18 @@ Builds a transformer-like train state (params + `optax.adam` state, params ~1/3 
 `--gib` GiB on 8 forced CPU devices, sharded Megatron-style over a (2, 4) ('data', 'model') mesh,
 and times in one run, into temporary directories on the same disk:
 
-* save (blocking until durable/committed) with Orbax `StandardSave` and `ucp.save`;
-* restore onto the same mesh and shardings (Orbax `StandardRestore`, `ucp.restore`);
+* save (until durable and committed) with Orbax `ocp.StandardCheckpointer` (whose `save` wraps
+  the state in `ocp.args.StandardSave`; timed until `wait_until_finished`) and `ucp.save`;
+* restore onto the same mesh and shardings (`StandardRestore` of abstract targets with
+  shardings; `ucp.restore`);
 * restore onto a different mesh, (4, 2) with other specs (a reshard), with both tools.
 
 Each measurement is repeated `--repeats` times (tools interleaved, order alternating) and the
 median is reported. Restores are timed with a warm page cache (the checkpoint was just written)
 and, when this process may write /proc/sys/vm/drop_caches, also cold (caches dropped before every
 restore of either tool). Restored states are checked bit-exact against the original once per tool
-and target. Results go to a table on stdout and to JSON (`--out`).
+and target. Results go to a Markdown table on stdout and to JSON (`--out`), with the CPU seconds
+of each operation and the machine's load average, since other work may share a small machine.
 
 Usage::
 
