@@ -26,12 +26,7 @@ from ..manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir
 from ..patterns import Box, box_shape, to_slices
 from ..version import __version__
 
-DEFAULT_INFLIGHT_BYTES = int(os.environ.get("UCP_IMPORT_INFLIGHT_BYTES", str(128 << 20)))
-# Local files are written without a sync per chunk and synced all at once before COMMIT (same
-# durability, about twice the throughput); other kvstores ignore the option.
-_CONTEXT = ts.Context(
-    {"file_io_concurrency": {"limit": 64}, "data_copy_concurrency": {}, "file_io_sync": False}
-)
+DEFAULT_INFLIGHT_BYTES = int(os.environ.get("UCP_IMPORT_INFLIGHT_BYTES", str(64 << 20)))
 
 
 def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Box, int]]:
@@ -128,7 +123,7 @@ class AtomWriter:
         own = None if shape == a["shape"] else shape
         info = SlotInfo(dtype_name(dt), f"{atom_dir(atom)}/{slot}", chunks, inner, own)
         spec = store.array_spec(self.staging.target, shape, info)
-        arr = ts.open(spec, create=True, context=_CONTEXT).result()
+        arr = ts.open(spec, create=True, context=store.CONTEXT).result()
         a["slots"][slot] = info
         self._arrays[key] = arr
         return arr
@@ -150,7 +145,7 @@ class AtomWriter:
             own = None if shape == a["shape"] else shape
             info = SlotInfo(dtype_name(dt), f"{atom_dir(atom)}/{slot}", chunks, inner, own)
             spec = store.array_spec(self.staging.target, shape, info)
-            futs.append((atom, slot, info, ts.open(spec, create=True, context=_CONTEXT)))
+            futs.append((atom, slot, info, ts.open(spec, create=True, context=store.CONTEXT)))
         for atom, slot, info, fut in futs:
             self._arrays[(atom, slot)] = fut.result()
             self.atoms[atom]["slots"][slot] = info
@@ -225,7 +220,6 @@ class AtomWriter:
     def commit(self, *, step: int | None, source: dict[str, Any], extra: Any = None) -> str:
         """Write the manifest and COMMIT; returns the checkpoint's location."""
         self.flush()
-        self._sync_files()
         atoms = {}
         for name, a in self.atoms.items():
             if not a["slots"]:
@@ -243,27 +237,6 @@ class AtomWriter:
         }
         self.staging.commit(Manifest(step=step, atoms=atoms, source=src, extra=extra))
         return self.loc.url
-
-    def _sync_files(self) -> None:
-        """fsync every written file (local staging only), in parallel, before COMMIT."""
-        root = self.staging.target.local_path
-        if root is None or not os.path.isdir(root):
-            return
-        from concurrent.futures import ThreadPoolExecutor
-
-        paths = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
-
-        def sync(path: str) -> None:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(sync, paths))
-        for d, _, _ in os.walk(root):
-            store._fsync_dir(d)
 
     def abort(self) -> None:
         """Drop what was written (the destination is left as it was)."""
