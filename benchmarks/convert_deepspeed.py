@@ -4,7 +4,8 @@ Builds (once, cached in --workdir) a real DeepSpeed ZeRO checkpoint of a GPT-2-s
 layers, d=768, vocab 32000: 110M params, 150 tensors, 1.2 GiB of fp32 master weights + Adam
 moments) on DP=2 ranks (CPU, gloo, torchrun), then converts the same
 checkpoint with both tools in fresh processes, measuring wall time and the peak resident memory
-of the whole process tree (sampled every 20 ms), and checks that both give the same tensors.
+of the whole process tree (sampled every 20 ms; --repeat runs each, alternating, median wall
+time), and checks that both give the same tensors.
 
     python benchmarks/convert_deepspeed.py [--layers 12] [--dp 2] [--workdir /tmp/ucp_bench_ds]
 
@@ -18,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -172,6 +174,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--stage", type=int, default=1)
     ap.add_argument("--workdir", default="/tmp/ucp_bench_ds")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per tool (median wall time)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -193,11 +196,19 @@ def main() -> None:
               "--input_folder", tag, "--output_folder", ds_out]  # fmt: skip
     ucp_cmd = [shutil.which("ucp") or "ucp", "convert", "deepspeed", tag, ucp_out, "--no-progress"]
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
-    results = {}
-    for name, cmd in (("ds_to_universal", ds_cmd), ("ucp convert deepspeed", ucp_cmd)):
-        wall, peak, _ = run_measured(cmd, env)
-        results[name] = {"wall_s": wall, "peak_rss_bytes": peak}
-        print(f"{name}: {wall:.1f} s, peak RSS {peak / 2**20:.0f} MiB")
+    runs: dict[str, list[tuple[float, int]]] = {"ds_to_universal": [], "ucp convert deepspeed": []}
+    for i in range(args.repeat):  # alternate the tools, so that a busy moment hits both
+        for name, cmd in (("ds_to_universal", ds_cmd), ("ucp convert deepspeed", ucp_cmd)):
+            shutil.rmtree(os.path.dirname(ds_out) if name == "ds_to_universal" else ucp_out,
+                          ignore_errors=True)  # fmt: skip
+            wall, peak, _ = run_measured(cmd, env)
+            runs[name].append((wall, peak))
+            print(f"run {i + 1}: {name}: {wall:.1f} s, peak RSS {peak / 2**20:.0f} MiB")
+    results = {
+        name: {"wall_s": statistics.median(w for w, _ in r), "peak_rss_bytes": max(p for _, p in r),
+               "runs": r}
+        for name, r in runs.items()
+    }  # fmt: skip
     checked = compare(ds_out, ucp_out)
     n_atoms = len(os.listdir(os.path.join(ds_out, "zero"))) - 1
     total_state = sum(optim.values())
@@ -207,9 +218,10 @@ def main() -> None:
                        f"{n_atoms} tensors, {total_state / 2**30:.2f} GiB of fp32+moments in "
                        f"{len(optim)} rank files"),
         ("largest rank file", f"{largest / 2**20:.0f} MiB"),
-        ("ds_to_universal", f"{a['wall_s']:.1f} s, peak RSS {a['peak_rss_bytes'] / 2**20:.0f} MiB"),
-        ("ucp convert deepspeed", f"{b['wall_s']:.1f} s, peak RSS "
-                                  f"{b['peak_rss_bytes'] / 2**20:.0f} MiB"),
+        ("ds_to_universal (median wall, max RSS)",
+         f"{a['wall_s']:.1f} s, peak RSS {a['peak_rss_bytes'] / 2**20:.0f} MiB"),
+        ("ucp convert deepspeed (median wall, max RSS)",
+         f"{b['wall_s']:.1f} s, peak RSS {b['peak_rss_bytes'] / 2**20:.0f} MiB"),
         ("speed-up", f"{a['wall_s'] / b['wall_s']:.1f}x"),
         ("ucp peak RSS / largest rank file", f"{b['peak_rss_bytes'] / largest:.2f}"),
         ("identical tensors (sampled)", f"{checked} files"),
