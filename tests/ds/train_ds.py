@@ -27,6 +27,8 @@ def config(stage: int, dtype: str, world: int, universal: bool) -> dict:
     zero: dict = {"stage": stage}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0)
+        if world == 3:  # several optimizer sub-groups (each its own flat fp32 partition)
+            zero.update(sub_group_size=2000)
     cfg = {
         "train_batch_size": BATCH,
         "train_micro_batch_size_per_gpu": BATCH // world,
