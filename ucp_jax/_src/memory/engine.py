@@ -36,9 +36,30 @@ class _Prepared:
     layout: Layout
     text: str
     fetches: list[Fetch]
-    rolls: list[tuple[int, int]]
+    rolls: dict[int, list[int]]  # shift -> leaves rolled by it
     gaps: list[tuple[int, int]]
     nbytes: int
+    groups: list[_DeviceCopies]
+
+
+@dataclasses.dataclass
+class _DeviceCopies:
+    """The copies one device makes for a snapshot, as one computation (not one per region).
+
+    Attributes:
+        device: the device.
+        sources: (kind, leaf, shift) of each source shard it reads.
+        plan: per output, (source index, start, limit) of the slice, or (source index, None, None)
+            for a copy of the whole shard.
+        fetches: the fetch each output belongs to.
+        direct: fetches served by a shard as it is (no copy needed).
+    """
+
+    device: Any
+    sources: list[tuple[str, int, int]]
+    plan: tuple[tuple[int, Any, Any], ...]
+    fetches: list[int]
+    direct: list[tuple[int, int]]  # (fetch, source index)
 
 
 @dataclasses.dataclass
@@ -82,13 +103,44 @@ def _agree_run_id() -> int:
     return run
 
 
-_copy = jax.jit(jnp.copy)
+@functools.partial(jax.jit, static_argnums=1)
+def _copies(srcs: tuple[jax.Array, ...], plan: tuple[tuple[int, Any, Any], ...]) -> tuple[Any, ...]:
+    """All of one device's snapshot copies in one computation (whole shards, or slices of them).
+
+    One computation per device and snapshot: dispatching one per region would stall the caller
+    once a device has more computations in flight than the runtime queues.
+    """
+    return tuple(
+        jnp.copy(srcs[i]) if start is None else jax.lax.slice(srcs[i], start, limit)
+        for i, start, limit in plan
+    )
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _cut(x: jax.Array, starts: tuple[Any, ...], sizes: tuple[int, ...]) -> jax.Array:
-    """A region of a shard (starts are traced: one compilation per region shape, not per region)."""
-    return jax.lax.dynamic_slice(x, starts, sizes)
+def _group_by_device(fetches: list[Fetch], donation_safe: bool) -> list[_DeviceCopies]:
+    groups: dict[Any, _DeviceCopies] = {}
+    plans: dict[Any, list[tuple[int, Any, Any]]] = {}
+    for fi, f in enumerate(fetches):
+        if f.kind == "host":
+            continue
+        g = groups.setdefault(f.device, _DeviceCopies(f.device, [], (), [], []))
+        src = (f.kind, f.leaf, f.shift)
+        if src not in g.sources:
+            g.sources.append(src)
+        si = g.sources.index(src)
+        whole = f.box == f.shard_box
+        if whole and (f.kind == "roll" or not donation_safe):
+            g.direct.append((fi, si))  # a rolled shard is already a private copy
+            continue
+        if whole:
+            plans.setdefault(f.device, []).append((si, None, None))
+        else:
+            start = tuple(a - s0 for (a, _), (s0, _) in zip(f.box, f.shard_box))
+            limit = tuple(b - s0 for (_, b), (s0, _) in zip(f.box, f.shard_box))
+            plans.setdefault(f.device, []).append((si, start, limit))
+        g.fetches.append(fi)
+    for dev, g in groups.items():
+        g.plan = tuple(plans.get(dev, ()))
+    return sorted(groups.values(), key=lambda g: g.device.id)
 
 
 class SnapshotManager:
@@ -204,9 +256,15 @@ class SnapshotManager:
         if opt_state is not None:
             leaves += jax.tree_util.tree_leaves(opt_state)
         prep = self._prepare(params, opt_state, leaves)
-        rolled = {(li, s): roll(leaves[li], s, prep.layout) for li, s in prep.rolls}
-        shards: dict[int, dict[Any, Any]] = {}
-        datas = [self._dispatch(f, leaves, rolled, shards) for f in prep.fetches]
+        rolled: dict[tuple[int, int], jax.Array] = {}
+        for shift, lis in prep.rolls.items():
+            rolled.update(
+                zip(
+                    [(li, shift) for li in lis],
+                    roll([leaves[li] for li in lis], shift, prep.layout),
+                )
+            )
+        datas = self._dispatch(prep, leaves, rolled)
         for d in datas:
             if isinstance(d, jax.Array):
                 d.copy_to_host_async()
@@ -260,29 +318,35 @@ class SnapshotManager:
         fetches, rolls = plan_fetches(
             layout, Sources(shard_maps, writers), jax.devices(), self.node
         )
-        return _Prepared(layout, layout.to_json(), fetches, rolls, layout.gaps(self.node),
-                         layout.size(self.node))  # fmt: skip
+        by_shift: dict[int, list[int]] = {}
+        for li, shift in rolls:
+            by_shift.setdefault(shift, []).append(li)
+        return _Prepared(layout, layout.to_json(), fetches, by_shift, layout.gaps(self.node),
+                         layout.size(self.node), _group_by_device(fetches, self.donation_safe))  # fmt: skip
 
-    def _dispatch(
-        self, f: Fetch, leaves: list[Any], rolled: dict[Any, Any], shards: dict[int, Any]
-    ) -> Any:
-        """Start copying one region: a device array (or host array) holding just that region."""
-        starts = tuple(np.int32(a - s0) for (a, _), (s0, _) in zip(f.box, f.shard_box))
-        sizes = tuple(b - a for a, b in f.box)
-        if f.kind == "host":
-            return np.array(np.asarray(leaves[f.leaf])[to_slices(f.box)])
-        if f.kind == "roll":
-            src = rolled[(f.leaf, f.shift)]
-            key = -1 - f.leaf * 64 - f.shift
-            starts, sizes = (np.int32(0), *starts), (1, *sizes)
-        else:
-            src, key = leaves[f.leaf], f.leaf
-        if key not in shards:
-            shards[key] = {s.device: s.data for s in src.addressable_shards}
-        data = shards[key][f.device]
-        if f.kind == "orig" and f.box == f.shard_box:
-            return _copy(data) if self.donation_safe else data
-        return _cut(data, starts, sizes)
+    def _dispatch(self, prep: _Prepared, leaves: list[Any], rolled: dict[Any, Any]) -> list[Any]:
+        """Start every copy of this snapshot: one computation per device, host values copied."""
+        datas: list[Any] = [None] * len(prep.fetches)
+        shards: dict[tuple[str, int, int], dict[Any, Any]] = {}
+
+        def shard(kind: str, leaf: int, shift: int, device: Any) -> Any:
+            key = (kind, leaf, shift)
+            if key not in shards:
+                src = rolled[(leaf, shift)] if kind == "roll" else leaves[leaf]
+                shards[key] = {s.device: s.data for s in src.addressable_shards}
+            return shards[key][device]
+
+        for fi, f in enumerate(prep.fetches):
+            if f.kind == "host":
+                datas[fi] = np.array(np.asarray(leaves[f.leaf])[to_slices(f.box)])
+        for g in prep.groups:
+            srcs = tuple(shard(*src, g.device) for src in g.sources)
+            for fi, si in g.direct:
+                datas[fi] = srcs[si]
+            if g.plan:
+                for fi, out in zip(g.fetches, _copies(srcs, g.plan)):
+                    datas[fi] = out
+        return datas
 
     def _write(
         self, step: int, prep: _Prepared, datas: list[Any], job: Any, dispatch_s: float
@@ -304,7 +368,7 @@ class SnapshotManager:
             with self._lock:
                 self._pinned.discard(writer.path)
         self.stats = SnapshotStats(step, prep.nbytes, copied, dispatch_s,
-                                   time.perf_counter() - t0, len(prep.rolls))  # fmt: skip
+                                   time.perf_counter() - t0, sum(map(len, prep.rolls.values())))  # fmt: skip
         if job is not None:
             if self._persisting is not None:
                 self._persisting.result()  # one persist at a time, in step order

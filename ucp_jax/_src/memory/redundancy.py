@@ -162,36 +162,45 @@ def partner(dev: Any, shift: int, layout: Layout, devices: Sequence[Any]) -> Any
 
 
 @functools.lru_cache(maxsize=64)
-def _roll_fn(devices: tuple[Any, ...], perm: tuple[tuple[int, int], ...]) -> Any:
+def _roll_fn(devices: tuple[Any, ...], perm: tuple[tuple[int, int], ...], n: int) -> Any:
     mesh = jax.sharding.Mesh(np.array(devices), ("ucp_nodes",))
-    body = functools.partial(jax.lax.ppermute, axis_name="ucp_nodes", perm=list(perm))
-    fn = jax.shard_map(body, mesh=mesh, in_specs=P("ucp_nodes"), out_specs=P("ucp_nodes"))
+
+    def body(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(jax.lax.ppermute(x, "ucp_nodes", list(perm)) for x in xs)
+
+    spec = (P("ucp_nodes"),) * n
+    fn = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
     return jax.jit(fn), NamedSharding(mesh, P("ucp_nodes"))
 
 
-def roll(x: jax.Array, shift: int, layout: Layout) -> jax.Array:
-    """Send every device's shard of `x` to its partner `shift` nodes on (a collective).
+def roll(xs: Sequence[jax.Array], shift: int, layout: Layout) -> list[jax.Array]:
+    """Send every device's shard of each of `xs` to its partner `shift` nodes on (one collective).
 
-    Returns an array of shape (devices, *shard shape): on each device, the shard its partner
-    sent (index it with `[0]`).
+    Returns one array per input, of shape (devices * shard rows, *shard shape[1:]): on each device,
+    the shard its partner sent, in the shard's own shape.
     """
     devices = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
-    shards = {s.device: s for s in x.addressable_shards}
-    if set(x.sharding.device_set) != set(devices):
-        raise ValueError(
-            f"redundancy: a leaf of shape {x.shape} lives on {len(x.sharding.device_set)} of the "
-            f"{len(devices)} devices; exchanging it needs it on all of them (or redundancy=None)"
-        )
-    shapes = {tuple(s.data.shape) for s in x.addressable_shards}
-    if len(shapes) != 1:
-        raise ValueError(f"redundancy: uneven shards {sorted(shapes)} cannot be exchanged")
-    shape = shapes.pop()
     index = {d: i for i, d in enumerate(devices)}
     perm = tuple((index[d], index[partner(d, shift, layout, devices)]) for d in devices)
-    fn, sharding = _roll_fn(devices, perm)
-    local = [shards[d].data.reshape((1, *shape)) for d in devices if d in shards]
-    flat = jax.make_array_from_single_device_arrays((len(devices), *shape), sharding, local)
-    return fn(flat)
+    fn, sharding = _roll_fn(devices, perm, len(xs))
+    flats = []
+    for x in xs:
+        if set(x.sharding.device_set) != set(devices):
+            raise ValueError(
+                f"redundancy: a leaf of shape {x.shape} lives on {len(x.sharding.device_set)} of "
+                f"the {len(devices)} devices; exchanging it needs all of them (or redundancy=None)"
+            )
+        shards = {s.device: s.data for s in x.addressable_shards}
+        shapes = {tuple(a.shape) for a in shards.values()}
+        if len(shapes) != 1 or not x.ndim:
+            raise ValueError(
+                f"redundancy: shards {sorted(shapes)} of {x.shape} cannot be exchanged"
+            )
+        shape = shapes.pop()
+        glob = (len(devices) * shape[0], *shape[1:])  # shards stacked along axis 0: no reshape
+        local = [shards[d] for d in devices if d in shards]
+        flats.append(jax.make_array_from_single_device_arrays(glob, sharding, local))
+    return list(fn(*flats))
 
 
 def decode_node(layout: Layout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
