@@ -34,18 +34,37 @@ class ReadStats:
         bytes_read: bytes requested from storage (padding is never read).
         bytes_padding: bytes filled with zeros by VocabPadded.
         reads: number of region reads issued.
+        bytes_chunks: bytes of the stored chunks those reads touch (storage reads whole chunks;
+            more than bytes_read when a region cuts through chunks).
     """
 
     bytes_needed: int = 0
     bytes_read: int = 0
     bytes_padding: int = 0
     reads: int = 0
+    bytes_chunks: int = 0
 
     @property
     def amplification(self) -> float:
         """bytes_read / (bytes_needed - padding): 1.00 means every needed byte was read once."""
         want = self.bytes_needed - self.bytes_padding
         return self.bytes_read / want if want else 1.0
+
+    @property
+    def chunk_amplification(self) -> float:
+        """bytes_chunks / bytes_read: 1.00 means every chunk touched was wholly needed."""
+        return self.bytes_chunks / self.bytes_read if self.bytes_read else 1.0
+
+
+def chunk_bytes_touched(box: Sequence[tuple[int, int]], shape: Sequence[int], chunk: Sequence[int],
+                        itemsize: int) -> int:  # fmt: skip
+    """Bytes of the whole chunks of a regular grid that a box touches."""
+    n = itemsize
+    for (lo, hi), dim, c in zip(box, shape, chunk):
+        if hi <= lo:
+            return 0
+        n *= min(-(-hi // c) * c, dim) - (lo // c) * c
+    return n
 
 
 _last_stats = ReadStats()
@@ -437,8 +456,13 @@ def _issue(
             continue
         name, slot = r.atom_of[p.atom], r.slot_of[p.atom]
         arr = ckpt.array(name, slot, leaf=b.name)
-        stats.bytes_read += box_size(p.atom_box) * arr.dtype.numpy_dtype.itemsize
+        itemsize = arr.dtype.numpy_dtype.itemsize
+        stats.bytes_read += box_size(p.atom_box) * itemsize
         stats.reads += 1
+        sinfo = ckpt.atoms[name].slots[slot]
+        stats.bytes_chunks += chunk_bytes_touched(
+            p.atom_box, arr.shape, sinfo.inner_chunks or sinfo.chunks, itemsize
+        )
         src = arr[to_slices(p.atom_box)]
         if arr.dtype.numpy_dtype == b.dtype:
             dst = p.leaf_to_atom(out[(*rel, ...)])

@@ -20,7 +20,9 @@ from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo
 CONTEXT = ts.Context({"file_io_concurrency": {"limit": 64}, "data_copy_concurrency": {}})
 
 MAX_SHARD_BYTES = 256 << 20  # one file never holds more than this
-INNER_CHUNK_BYTES = 1 << 20  # unit of partial reads and of checksums
+INNER_CHUNK_BYTES = 1 << 20  # inner chunks (unit of partial reads and checksums) hold at most this
+MIN_INNER_CHUNK_BYTES = 64 << 10  # ... and, when they split a shard at all, at least this
+RESTORE_SPLITS = (8, 4, 2)  # a restore that splits any axis by one of these reads whole chunks
 _BYTES = [{"name": "bytes", "configuration": {"endian": "little"}}]
 _CODECS = [*_BYTES, {"name": "crc32c"}]
 
@@ -111,9 +113,10 @@ def choose_chunks(
     """Pick the zarr3 shard shape and inner chunk shape of one stored array.
 
     Shard files never straddle the boundaries of the regions that different writers own (so no
-    two processes ever write one file), and hold at most MAX_SHARD_BYTES. Inner chunks halve the
-    largest extent until they hold at most INNER_CHUNK_BYTES, so restores that split an axis by 2,
-    4 or 8 read whole inner chunks.
+    two processes ever write one file), and hold at most MAX_SHARD_BYTES. Inner chunks cut every
+    axis at the multiples of dim/8 (or dim/4, dim/2: the largest that divides it), so a restore
+    that splits any axis by 1, 2, 4 or 8 reads whole inner chunks; they are merged back while
+    smaller than MIN_INNER_CHUNK_BYTES and halved while bigger than INNER_CHUNK_BYTES.
 
     Args:
         shape: the array's shape.
@@ -132,9 +135,25 @@ def choose_chunks(
             g = math.gcd(g, int(c))
         outer.append(max(g, 1))
     _halve(outer, itemsize, MAX_SHARD_BYTES)
-    inner = list(outer)
+    if math.prod(outer) * itemsize <= MIN_INNER_CHUNK_BYTES:
+        return tuple(outer), None
+    inner = []
+    for dim, o in zip(shape, outer):
+        split = next((k for k in RESTORE_SPLITS if dim % k == 0), 1)
+        inner.append(math.gcd(o, int(dim) // split))
+    _merge_up(inner, outer, itemsize, MIN_INNER_CHUNK_BYTES)
     _halve(inner, itemsize, INNER_CHUNK_BYTES)
     return tuple(outer), (tuple(inner) if inner != outer else None)
+
+
+def _merge_up(chunk: list[int], outer: Sequence[int], itemsize: int, floor: int) -> None:
+    """Double the least-cut axis while the chunk is under `floor` bytes (staying a divisor)."""
+    while math.prod(chunk) * itemsize < floor:
+        grow = [j for j, c in enumerate(chunk) if outer[j] % (2 * c) == 0]
+        if not grow:
+            return
+        j = min(grow, key=lambda a: outer[a] // chunk[a])
+        chunk[j] *= 2
 
 
 def _halve(chunk: list[int], itemsize: int, limit: int) -> None:
