@@ -62,8 +62,10 @@ def tp_slices(name: str, full: np.ndarray, r: int, slot: str) -> np.ndarray:
     raise AssertionError(name)
 
 
-def write_tp_checkpoint(folder: str, full: dict[str, dict[str, np.ndarray]]) -> None:
-    """DeepSpeed ZeRO-1 files for TP=2 x DP=2 (fp32), with uneven partitions and padding."""
+def write_zero1(folder: str, ranks: dict[int, dict[str, dict[str, np.ndarray]]], uc: dict,
+                tp: int, pp: int) -> None:  # fmt: skip
+    """DeepSpeed ZeRO-1 files (fp32, DP=2, uneven partitions, padded last rank) for a grid of
+    model-parallel ranks mp = pp_index * tp + tp_index, each holding `ranks[mp]` (name -> slots)."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -72,21 +74,20 @@ def write_tp_checkpoint(folder: str, full: dict[str, dict[str, np.ndarray]]) -> 
     os.makedirs(tag)
     with open(os.path.join(folder, "latest"), "w") as f:
         f.write("global_step3")
-    names = list(full)
     cfg = {"train_batch_size": 4, "zero_optimization": {"stage": 1}}
-    for r in range(TP):
-        sl = {n: {s: tp_slices(n, a, r, s) for s, a in full[n].items()} for n in names}
+    for r, sl in ranks.items():
+        names = list(sl)
         shapes = collections.OrderedDict((n, torch.Size(sl[n]["fp32"].shape)) for n in names)
         torch.save({
             "module": collections.OrderedDict((n, torch.from_numpy(sl[n]["fp32"])) for n in names),
             "buffer_names": [], "optimizer": None, "param_shapes": [shapes],
             "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
             "lr_scheduler": None, "data_sampler": None, "random_ltd": None, "skipped_steps": 0,
-            "global_steps": 3, "global_samples": 12, "dp_world_size": DP, "mp_world_size": TP,
-            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": TP},
-            "ds_config": cfg, "ds_version": "0.19.8", "universal_checkpoint_info": UC,
+            "global_steps": 3, "global_samples": 12, "dp_world_size": DP, "mp_world_size": tp * pp,
+            "checkpoint_parallel_dimensions": {"pp_degree": pp, "tp_degree": tp},
+            "ds_config": cfg, "ds_version": "0.19.8", "universal_checkpoint_info": uc,
         }, os.path.join(tag, f"mp_rank_{r:02d}_model_states.pt"))  # fmt: skip
-        flat = {s: np.concatenate([sl[n][s].reshape(-1) for n in names]) for s in full[names[0]]}
+        flat = {s: np.concatenate([sl[n][s].reshape(-1) for n in names]) for s in sl[names[0]]}
         total = flat["fp32"].size
         part = 2 * math.ceil(total / (2 * DP))  # aligned partitions; the last one is padded
         starts = np.cumsum([0] + [sl[n]["fp32"].size for n in names])
@@ -120,16 +121,27 @@ def write_tp_checkpoint(folder: str, full: dict[str, dict[str, np.ndarray]]) -> 
                        os.path.join(tag, f"zero_pp_rank_{d}_mp_rank_{r:02d}_optim_states.pt"))  # fmt: skip
 
 
+def write_tp_checkpoint(folder: str, full: dict[str, dict[str, np.ndarray]]) -> None:
+    """TP=2 x DP=2, every parameter split the Megatron way."""
+    ranks = {r: {n: {s: tp_slices(n, a, r, s) for s, a in full[n].items()} for n in full}
+             for r in range(TP)}  # fmt: skip
+    write_zero1(folder, ranks, UC, tp=TP, pp=1)
+
+
+def full_tensors(ds_ckpts) -> dict[str, dict[str, np.ndarray]]:  # noqa: F811
+    from ds.tiny_model import TinyGPT
+
+    ref = ds_universal_tensors(ds_ckpts.universal("z1_fp32"))
+    m = TinyGPT()
+    return {n: {s: ref[n][s].reshape(m.get_parameter(n).shape)
+                for s in ("fp32", "exp_avg", "exp_avg_sq")} for n, _ in m.named_parameters()}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tp_ckpt(ds_ckpts, tmp_path_factory):  # noqa: F811
     """A TP=2 x DP=2 checkpoint, its ds_to_universal conversion and our import."""
     root = tmp_path_factory.mktemp("tp")
-    ref = ds_universal_tensors(ds_ckpts.universal("z1_fp32"))
-    from ds.tiny_model import TinyGPT
-
-    order = [n for n, _ in TinyGPT().named_parameters()]
-    full = {n: {s: ref[n][s].reshape(-1).reshape(TinyGPT().get_parameter(n).shape)
-                for s in ("fp32", "exp_avg", "exp_avg_sq")} for n in order}  # fmt: skip
+    full = full_tensors(ds_ckpts)
     write_tp_checkpoint(str(root / "tp"), full)
     to_universal([(str(root / "tp" / "global_step3"), str(root / "u" / "global_step3"))], str(root))
     ours = import_deepspeed(root / "tp", root / "ours", progress=False)
@@ -163,3 +175,29 @@ def test_tp_merge_recovers_the_full_parameters(tp_ckpt):
     assert ck.atoms["blocks.0.proj.weight"].pattern[0]["axis"] == 1
     assert pats["blocks.0.ln1.weight"] == ["Replicated"]
     assert pats["blocks.1.fc2.bias"] == ["Averaged"]
+
+
+def test_pipeline_stages_with_a_tied_embedding(ds_ckpts, tmp_path):  # noqa: F811
+    """PP=2 x DP=2 (mp_rank_00 = stage 0, mp_rank_01 = stage 1): stage 1 also holds the tied
+    embedding, which `pipeline_replicated_parameter_patterns` says to take from stage 0 only."""
+    full = full_tensors(ds_ckpts)
+    stage0 = [n for n in full if n in ("emb.weight", "pos") or n.startswith("blocks.0.")]
+    stage1 = [n for n in full if n not in stage0]
+    tied = {s: (a + 100).astype(a.dtype) for s, a in full["emb.weight"].items()}  # a stale copy
+    ranks = {
+        0: {n: full[n] for n in stage0},
+        1: {"emb.weight": tied, **{n: full[n] for n in stage1}},
+    }
+    uc = {"pipeline_replicated_parameter_patterns": [r"emb\.weight"]}
+    write_zero1(str(tmp_path / "pp"), ranks, uc, tp=1, pp=2)
+    to_universal([(str(tmp_path / "pp" / "global_step3"), str(tmp_path / "u" / "global_step3"))],
+                 str(tmp_path))  # fmt: skip
+    ref = ds_universal_tensors(str(tmp_path / "u" / "global_step3"))
+    ck = ucp.open(import_deepspeed(tmp_path / "pp", tmp_path / "ours", progress=False))
+    assert sorted(ref) == sorted(ck.atoms) == sorted(full)
+    assert ck.manifest.source["deepspeed"]["pp_degree"] == 2
+    for name, slots in ref.items():
+        for slot, want in slots.items():
+            assert ck.read(name, slot).tobytes() == want.tobytes(), (name, slot)
+        for slot, want in full[name].items():
+            np.testing.assert_array_equal(ck.read(name, slot), want, err_msg=f"{name} {slot}")
