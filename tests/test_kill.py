@@ -10,17 +10,13 @@ to the same path succeeds.
 from __future__ import annotations
 
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import uuid
 from pathlib import Path
 
 import pytest
 from conftest import assert_tree_bitexact
 from helpers import float_params, mesh_of, place, targets
+from mp.runner import run_and_kill
 
 import ucp_jax as ucp
 from ucp_jax._src import save as save_mod
@@ -31,50 +27,8 @@ TIMEOUT_S = 120
 
 def _run_and_kill(mode: str, root: Path, log: Path) -> None:
     """Start the trainer, SIGKILL it when it says so; fail with its output if it never does."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["UCP_INFLIGHT_BYTES"] = str(8 << 20)
-    with open(log, "w") as err:
-        p = subprocess.Popen(
-            [sys.executable, str(KILL_WORKER), mode, str(root)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-        lines: queue.Queue[str | None] = queue.Queue()
-
-        def pump() -> None:
-            assert p.stdout is not None
-            for line in p.stdout:
-                lines.put(line.strip())
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        seen = []
-        try:
-            while True:
-                try:
-                    line = lines.get(timeout=TIMEOUT_S)
-                except queue.Empty:
-                    line = None
-                if line == "KILL ME":
-                    os.kill(p.pid, signal.SIGKILL)
-                    break
-                if line is None:
-                    break
-                seen.append(line)
-        finally:
-            if p.poll() is None and line != "KILL ME":
-                p.kill()
-            p.wait(timeout=30)
-    if line != "KILL ME":
-        pytest.fail(
-            f"trainer never reached the kill point (exit {p.returncode}); stdout: {seen}\n"
-            f"stderr:\n{log.read_text()[-6000:]}"
-        )
-    assert seen == ["STEP1 DONE"], seen
-    assert p.returncode == -signal.SIGKILL, p.returncode
+    run_and_kill([str(KILL_WORKER), mode, str(root)], log, TIMEOUT_S, ["STEP1 DONE"],
+                 UCP_INFLIGHT_BYTES=str(8 << 20))  # fmt: skip
 
 
 def _small_state(seed: int = 0):

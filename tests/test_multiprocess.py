@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import mesh_of
 from mp import state
+from mp.runner import run_job
 
 import ucp_jax as ucp
 
@@ -26,57 +23,9 @@ WORKER = Path(__file__).parent / "mp" / "worker.py"
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["UCP_BARRIER_TIMEOUT_S"] = "120"
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).parents[1]), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    return env
-
-
 def _run_job(root: Path) -> list[dict]:
     """Run the 2 workers to completion; fail with both processes' output otherwise."""
-    addr = f"127.0.0.1:{_free_port()}"
-    env = _worker_env()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), addr, str(root)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=TIMEOUT_S))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                outs.append(p.communicate())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode != 0 for p in procs):
-        text = "\n".join(
-            f"--- process {i} (exit {p.returncode}) stdout:\n{o}\n--- stderr:\n{e[-6000:]}"
-            for i, (p, (o, e)) in enumerate(zip(procs, outs))
-        )
-        pytest.fail(f"multi-process job failed:\n{text}")
+    run_job(lambda i, addr: [str(WORKER), str(i), addr, str(root)], 2, TIMEOUT_S)
     return [json.loads((root / f"report_{i}.json").read_text()) for i in range(2)]
 
 

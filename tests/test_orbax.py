@@ -11,12 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import queue
-import signal
-import socket
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import jax
@@ -29,6 +23,7 @@ from helpers import float_params, mesh_of, place, targets, trained_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mp import state
+from mp.runner import run_and_kill, run_job
 
 import ucp_jax as ucp
 import ucp_jax.orbax as uo
@@ -266,51 +261,8 @@ def test_restore_with_rules_when_tp_changes(tmp_path):
 
 def _run_and_kill(mode: str, root: Path, log: Path) -> None:
     """Start the trainer, SIGKILL it when it says so; fail with its output if it never does."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["UCP_INFLIGHT_BYTES"] = str(8 << 20)
-    with open(log, "w") as err:
-        p = subprocess.Popen(
-            [sys.executable, str(WORKER), "kill", mode, str(root)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-        lines: queue.Queue[str | None] = queue.Queue()
-
-        def pump() -> None:
-            assert p.stdout is not None
-            for line in p.stdout:
-                lines.put(line.strip())
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        seen: list[str] = []
-        line: str | None = None
-        try:
-            while True:
-                try:
-                    line = lines.get(timeout=TIMEOUT_S)
-                except queue.Empty:
-                    line = None
-                if line == "KILL ME":
-                    os.kill(p.pid, signal.SIGKILL)
-                    break
-                if line is None:
-                    break
-                seen.append(line)
-        finally:
-            if p.poll() is None and line != "KILL ME":
-                p.kill()
-            p.wait(timeout=30)
-    if line != "KILL ME":
-        pytest.fail(
-            f"trainer never reached the kill point (exit {p.returncode}); stdout: {seen}\n"
-            f"stderr:\n{log.read_text()[-6000:]}"
-        )
-    assert seen == ["STEP1 DONE"], seen
-    assert p.returncode == -signal.SIGKILL, p.returncode
+    run_and_kill([str(WORKER), "kill", mode, str(root)], log, TIMEOUT_S, ["STEP1 DONE"],
+                 UCP_INFLIGHT_BYTES=str(8 << 20))  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["writing", "finalize"])
@@ -345,48 +297,8 @@ def test_sigkilled_save_never_becomes_latest(tmp_path, mode):
 # -------------------------------------------------------------------------- 2 processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_save_2x4_restore_4x2(tmp_path):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["UCP_BARRIER_TIMEOUT_S"] = "120"
-    addr = f"127.0.0.1:{_free_port()}"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), "job", str(i), addr, str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=TIMEOUT_S))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                outs.append(p.communicate())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode != 0 for p in procs):
-        text = "\n".join(
-            f"--- process {i} (exit {p.returncode}) stdout:\n{o}\n--- stderr:\n{e[-6000:]}"
-            for i, (p, (o, e)) in enumerate(zip(procs, outs))
-        )
-        pytest.fail(f"multi-process job failed:\n{text}")
+    run_job(lambda i, addr: [str(WORKER), "job", str(i), addr, str(tmp_path)], 2, TIMEOUT_S)
     reports = [json.loads((tmp_path / f"report_{i}.json").read_text()) for i in range(2)]
     for r in reports:
         assert r["shards_checked"] > 0 and r["steps"] == [1, 2]
