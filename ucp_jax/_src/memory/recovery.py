@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import mmap
 import os
 import re
 import time
@@ -69,6 +70,7 @@ class RestoreInfo:
         lost: nodes decoded from redundancy.
         seconds: wall time of the restore.
         reason: why memory was not used (for 'persisted').
+        files: the snapshot files read (restored arrays may map them).
     """
 
     step: int | None
@@ -77,6 +79,7 @@ class RestoreInfo:
     lost: list[int] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     reason: str = ""
+    files: list[str] = dataclasses.field(default_factory=list)
 
 
 _layouts: dict[tuple[str, str], Layout] = {}
@@ -193,9 +196,10 @@ def restore(
     common = set(map(tuple, keys[0])).intersection(*(map(tuple, k) for k in keys[1:]))
     chosen = next((c for c in cands if tuple(c.key) in common), None)
     if chosen is not None:
-        params, opt = _read(chosen, params_target, opt_state_target)
+        params, opt, files = _read(chosen, params_target, opt_state_target)
         source = "redundancy" if chosen.lost else "memory"
         info = RestoreInfo(chosen.step, source, str(root), chosen.lost, time.perf_counter() - t0)
+        info.files = [str(f) for f in files]
         detail = f", node(s) {chosen.lost} decoded from {chosen.layout.redundancy}" * bool(
             chosen.lost
         )
@@ -230,10 +234,12 @@ class _Bytes:
     def __init__(self, cand: Candidate) -> None:
         self.cand = cand
         self._open: dict[int, Any] = {}
+        self.files: list[Path] = []
 
     def __getitem__(self, node: int) -> Any:
         if node not in self._open:
             if node in self.cand.entries:
+                self.files.append(self.cand.entries[node].path / DATA)
                 self._open[node] = Blob.open(self.cand.entries[node].path / DATA)
             else:
                 group = self.cand.layout.group_of[node]
@@ -264,7 +270,9 @@ def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
 
 
-def _read(cand: Candidate, params_target: Any, opt_state_target: Any) -> tuple[Any, Any]:
+def _read(
+    cand: Candidate, params_target: Any, opt_state_target: Any
+) -> tuple[Any, Any, list[Path]]:
     lay = cand.layout
     pbind, obind = bind_state(params_target, opt_state_target, CompiledRules(()))
     index = {m.name: i for i, m in enumerate(lay.leaves)}
@@ -280,7 +288,7 @@ def _read(cand: Candidate, params_target: Any, opt_state_target: Any) -> tuple[A
         opt = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(opt_state_target), values[n:]
         )
-    return params, opt
+    return params, opt, blobs.files
 
 
 def _read_leaf(b: LeafBinding, lay: Layout, index: dict[str, int], blobs: _Bytes) -> Any:
@@ -306,48 +314,42 @@ def _read_leaf(b: LeafBinding, lay: Layout, index: dict[str, int], blobs: _Bytes
                 "sharding; give it sharding=NamedSharding(mesh, spec)"
             )
         full = tuple((0, d) for d in meta.shape)
-        host = _assemble(full, li, lay, blobs, private=True)  # never a view of shared memory
+        host = np.array(_assemble(full, li, lay, blobs))  # a host value: never a view
         return host if isinstance(b.value, np.ndarray) or meta.shape else host[()]
     groups: dict[Box, list[Any]] = {}
     for dev, idx in b.sharding.addressable_devices_indices_map(b.shape).items():
         groups.setdefault(index_to_box(idx, b.shape), []).append(dev)
     hosts, devices = [], []
     for box, devs in groups.items():
-        # On CPU a device_put may alias a 64-byte aligned buffer: hand it a private aligned copy
-        # (one memcpy, no second copy), never the shared-memory file (a later snapshot reuses it).
-        # Each CPU device gets its own buffer (two devices aliasing one would race).
-        cpu = any(d.platform == "cpu" for d in devs)
-        host = _assemble(box, li, lay, blobs, private=cpu)
-        for k, d in enumerate(devs):
-            hosts.append(_private_copy(host) if cpu and k else host)
-            devices.append(d)
+        # A region that is one piece is handed over as a view of the snapshot's mapping: on CPU,
+        # device_put aliases it (no copy at all; the pages are read-only and never rewritten in
+        # place while mapped, see SnapshotManager.restore), elsewhere it is the source of the
+        # host-to-device copy.
+        host = _assemble(box, li, lay, blobs)
+        hosts.extend([host] * len(devs))
+        devices.extend(devs)
     shards = jax.device_put(hosts, devices)
     return jax.make_array_from_single_device_arrays(b.shape, b.sharding, shards)
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary."""
+    """An uninitialised array whose data starts on a 64-byte boundary (big ones pre-faulted)."""
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if n >= 1 << 20 and hasattr(mmap, "MAP_POPULATE"):
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+        mm = mmap.mmap(-1, n, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return np.frombuffer(mm, np.uint8).view(dtype).reshape(shape)  # page aligned
     buf = np.empty(n + 64, np.uint8)
     off = -buf.ctypes.data % 64
     return buf[off : off + n].view(dtype).reshape(shape)
 
 
-def _private_copy(a: np.ndarray) -> np.ndarray:
-    out = _aligned_empty(a.shape, a.dtype)
-    np.copyto(out, a)
-    return out
-
-
-def _assemble(box: Box, li: int, lay: Layout, blobs: _Bytes, *, private: bool) -> np.ndarray:
-    """Region `box` of leaf `li` from its pieces; `private`: a fresh aligned array, never a view."""
+def _assemble(box: Box, li: int, lay: Layout, blobs: _Bytes) -> np.ndarray:
+    """Region `box` of leaf `li`: a view of its piece, or assembled from several pieces."""
     meta = lay.leaves[li]
     for p in lay.by_leaf[li]:
         if p.box == box:  # the region is one piece
-            view = blobs[p.node].view(p.offset, p.nbytes).view(meta.dtype).reshape(box_shape(box))
-            if not private:
-                return view
-            return _private_copy(view)
+            return blobs[p.node].view(p.offset, p.nbytes).view(meta.dtype).reshape(box_shape(box))
     out = _aligned_empty(box_shape(box), meta.dtype)
     covered = 0
     for p in lay.by_leaf[li]:

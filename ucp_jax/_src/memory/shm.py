@@ -148,8 +148,9 @@ class Blob:
             nbytes = os.fstat(fd).st_size
             mm = None
             if nbytes:
-                access = mmap.ACCESS_WRITE if write else mmap.ACCESS_READ
-                mm = mmap.mmap(fd, nbytes, access=access)
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # map pages in bulk
+                mm = mmap.mmap(fd, nbytes, flags=flags, prot=prot)
         finally:
             os.close(fd)
         return cls(path, nbytes, mm)
@@ -199,6 +200,7 @@ class NodeStore:
         self.dir = root / str(node)
         self.live: dict[Path, Blob] = {}  # committed snapshots this process mapped
         self._pool: list[Blob] = []  # retired blobs, mapped, for reuse
+        self.intact: set[Path] = set()  # data files never to be rewritten in place (restored from)
         self._cleaned = False
 
     def ensure(self) -> None:
@@ -255,7 +257,9 @@ class NodeStore:
     def _drop(self, path: Path) -> None:
         """Remove a step folder; keep its blob mapped for reuse (one spare at most)."""
         blob = self.live.pop(path, None)
-        if blob is not None and not self._pool and blob.nbytes:
+        if blob is not None and blob.path in self.intact:
+            blob.close()  # unlinked below; mappings of it stay valid
+        elif blob is not None and not self._pool and blob.nbytes:
             spare = self.dir / ".free" / f"{uuid.uuid4().hex}.bin"
             spare.parent.mkdir(exist_ok=True)
             try:
