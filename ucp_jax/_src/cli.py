@@ -171,6 +171,10 @@ def _run_torch_command(args: Any) -> int:
             file=sys.stderr,
         )
         return 1
+    if "MALLOC_ARENA_MAX" not in os.environ:  # bounded memory: see limit_malloc_arenas
+        from .torch._writer import limit_malloc_arenas
+
+        limit_malloc_arenas(2)
     t0 = time.perf_counter()
     progress = False if args.no_progress else None
     if args.cmd == "export":
