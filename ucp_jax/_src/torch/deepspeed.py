@@ -570,6 +570,20 @@ def _import_zero(lay: _Layout, w: AtomWriter, progress: bool | None) -> None:
     pos: dict[tuple[str, int, str], int] = {}
     z3_shapes: dict[int, list[dict[str, Any]]] = {}
 
+    def split(item: tuple[str, int, str, LazyTensor, int, Any]) -> Iterator[tuple[Any, ...]]:
+        """Cut a fragment at shard boundaries of its atom: each shard is then written whole."""
+        name, t, slot, frag, start, step = item
+        block = w.flat_block(name, slot) if lay.tp == 1 else None
+        n = frag.numel()
+        if not block or n <= block:
+            yield item
+            return
+        off = 0
+        while off < n:
+            nxt = min(n, ((start + off) // block + 1) * block - start)
+            yield name, t, slot, frag.narrow(0, off, nxt - off), start + off, step
+            off = nxt
+
     def fragments() -> Iterator[tuple[str, int, str, LazyTensor, int, Any]]:
         """(param, TP rank, slot, fragment, start in the TP slice, step), file after file."""
         for d, m, path in files:
@@ -580,14 +594,14 @@ def _import_zero(lay: _Layout, w: AtomWriter, progress: bool | None) -> None:
                     key = (name, t, slot)
                     start = pos.get(key, 0)
                     pos[key] = start + frag.numel()
-                    yield name, t, slot, frag, start, step
+                    yield from split((name, t, slot, frag, start, step))
             else:
                 if t not in z3_shapes:
                     z3_shapes[t] = (lay.meta if m == min(lay.model) else load(lay.model[m]))[
                         "param_shapes"
                     ]
                 for name, slot, frag, start, step in _fragments_z3(osd, z3_shapes[t], d, lay.dp):
-                    yield name, t, slot, frag, start, step
+                    yield from split((name, t, slot, frag, start, step))
                 _frozen_z3(lay, merger, d, m, t)
             _advance(bar, os.path.getsize(path))
 
