@@ -9,8 +9,10 @@ A node's blob is `[its pieces | its redundancy bytes]`:
 - its pieces: the regions `plan.write_regions` gives its devices (each distinct shard once; a
   shard held by R data-parallel replicas split into R slabs copied by different replicas), each
   piece C-contiguous in the leaf's layout, at a 64-byte aligned offset, with its global box;
-- `redundancy="replica"`: a byte-exact copy of the pieces part of the previous node of its group
-  (nodes are grouped consecutively; in a group of 2 the two nodes mirror each other);
+- `redundancy="replica"`: also every piece of the previous node of its group (nodes are grouped
+  consecutively; in a group of 2 the two nodes mirror each other), merged with its own pieces in
+  (leaf, box) order, so that the slabs of a shard split between the two are adjacent: the node's
+  blob holds whole shards a restore can hand over without assembling them;
 - `redundancy="xor"`: one parity lane. Node i's pieces part is cut into G-1 lanes of C bytes, one
   per other member k of its group; node k keeps the XOR of the lanes the others cut for it. Losing
   one node of a group loses its data and its parity lane, and its data is the XOR of the others'
@@ -81,9 +83,11 @@ class Layout:
         nodes: number of nodes (processes) of the job that wrote it.
         groups: the redundancy groups (lists of nodes).
         redundancy: None, 'replica' or 'xor' (None when no group has two nodes).
-        pieces: every piece, by node then blob order.
-        primary: per node, the size of its pieces part (aligned).
-        red_bytes: per node, the size of its redundancy part.
+        pieces: every piece with its offset in its node's blob, in the order given.
+        backup_offset: replica: piece -> its offset in the blob of the node keeping a copy.
+        primary: per node, the size of its pieces part (aligned; with replica, its own pieces
+            and the copies it keeps).
+        red_bytes: per node, the size of its parity lane (xor; 0 otherwise).
         digest: a hash of all of it (names the layout in plans/<digest>.json).
     """
 
@@ -103,15 +107,41 @@ class Layout:
         if all(len(g) < 2 for g in self.groups):
             redundancy = None
         self.redundancy = redundancy
-        self.pieces = list(pieces)
         self.group_of = {n: g for g in self.groups for n in g}
+        # Offsets are assigned here, deterministically: a node's own pieces (and, for replica,
+        # the pieces it keeps for the previous node) in the order given (leaf by leaf, shard by
+        # shard, a shard's slabs in order: `plan.write_regions`'s order), 64-byte aligned.
+        ranked = list(pieces)
+        rank = {(p.leaf, p.box, p.node): i for i, p in enumerate(ranked)}
+        own: list[list[PieceRec]] = [[] for _ in range(self.nodes)]
+        for p in ranked:
+            own[p.node].append(p)
+        self.backup_offset: dict[PieceRec, int] = {}
+        self.primary = []
+        placed: dict[tuple[int, Box, int, bool], int] = {}
+        for n in range(self.nodes):
+            slots = [(p, False) for p in own[n]]
+            if self.redundancy == "replica" and len(self.group_of[n]) > 1:
+                slots += [(p, True) for p in own[self.backup_of(n)]]
+                slots.sort(key=lambda s: rank[(s[0].leaf, s[0].box, s[0].node)])
+            end = 0
+            for p, backup in slots:
+                off = align(end)
+                end = off + p.nbytes
+                placed[(p.leaf, p.box, p.node, backup)] = off
+            self.primary.append(align(end))
+        self.pieces: list[PieceRec] = [
+            dataclasses.replace(p, offset=placed[(p.leaf, p.box, p.node, False)]) for p in ranked
+        ]
+        if self.redundancy == "replica":
+            for p in self.pieces:
+                if self.holder_of(p.node) != p.node:
+                    self.backup_offset[p] = placed[(p.leaf, p.box, p.node, True)]
         self.by_node: list[list[PieceRec]] = [[] for _ in range(self.nodes)]
         self.by_leaf: list[list[PieceRec]] = [[] for _ in self.leaves]
         for p in self.pieces:
             self.by_node[p.node].append(p)
             self.by_leaf[p.leaf].append(p)
-        self.primary = [align(max((p.offset + p.nbytes for p in ps), default=0))
-                        for ps in self.by_node]  # fmt: skip
         self.chunk = {}
         for g in self.groups:
             if len(g) > 1:
@@ -123,10 +153,8 @@ class Layout:
 
     def _red_bytes(self, n: int) -> int:
         g = self.group_of[n]
-        if self.redundancy is None or len(g) < 2:
+        if self.redundancy != "xor" or len(g) < 2:
             return 0
-        if self.redundancy == "replica":
-            return self.primary[self.backup_of(n)]
         return self.chunk[g[0]]
 
     def size(self, n: int) -> int:
@@ -151,29 +179,35 @@ class Layout:
         start = others.index(k) * c
         return start, max(start, min(start + c, self.primary[i]))
 
+    def locations(self, p: PieceRec) -> list[tuple[int, int]]:
+        """(node, offset) of every copy of a piece: its own node's, then a replica's."""
+        out = [(p.node, p.offset)]
+        if p in self.backup_offset:
+            out.append((self.holder_of(p.node), self.backup_offset[p]))
+        return out
+
     def shift(self, i: int, k: int) -> int:
         """Ring distance from node i to node k in their group (k = i + shift)."""
         g = self.group_of[i]
         return (g.index(k) - g.index(i)) % len(g)
 
     def gaps(self, n: int) -> list[tuple[int, int]]:
-        """Byte ranges of node n's blob that no piece covers (alignment padding): zero-filled."""
+        """Byte ranges of node n's pieces part that no piece covers (alignment padding).
+
+        They are zero-filled (the parity lane of xor is zeroed as a whole).
+        """
         out = []
         pos = 0
         spans = [(p.offset, p.nbytes) for p in self.by_node[n]]
-        if self.redundancy == "replica" and self.red_bytes[n]:
-            base = self.primary[n]
-            spans += [(base + p.offset, p.nbytes) for p in self.by_node[self.backup_of(n)]]
+        if self.redundancy == "replica":
+            spans += [(off, p.nbytes) for p, off in self.backup_offset.items()
+                      if self.holder_of(p.node) == n]  # fmt: skip
         for off, nb in sorted(spans):
             if off > pos:
                 out.append((pos, off - pos))
             pos = max(pos, off + nb)
-        if self.redundancy == "replica" or self.redundancy is None:
-            end = self.size(n)
-        else:
-            end = self.primary[n]  # the parity lane is zeroed and XORed as a whole
-        if end > pos:
-            out.append((pos, end - pos))
+        if self.primary[n] > pos:
+            out.append((pos, self.primary[n] - pos))
         return out
 
     # ---------------------------------------------------------------------------- (de)serialise
@@ -189,9 +223,8 @@ class Layout:
                     [m.name, list(m.shape), dtype_name(m.dtype), m.kind] for m in self.leaves
                 ],
                 "pieces": [
-                    [p.leaf, [list(ab) for ab in p.box], p.node, p.offset, p.nbytes]
-                    for p in self.pieces
-                ],
+                    [p.leaf, [list(ab) for ab in p.box], p.node, p.nbytes] for p in self.pieces
+                ],  # offsets follow from the order (see __init__)
             },
             separators=(",", ":"),
         )
@@ -203,8 +236,8 @@ class Layout:
             raise ValueError(f"not a snapshot layout ({d.get('format')!r})")
         leaves = [LeafMeta(n, tuple(s), np_dtype(t), k) for n, s, t, k in d["leaves"]]
         pieces = [
-            PieceRec(leaf, tuple((a, b) for a, b in box), node, off, nb)
-            for leaf, box, node, off, nb in d["pieces"]
+            PieceRec(leaf, tuple((a, b) for a, b in box), node, 0, nb)
+            for leaf, box, node, nb in d["pieces"]
         ]
         return cls(leaves, d["nodes"], d["groups"], d["redundancy"], pieces)
 
@@ -212,19 +245,17 @@ class Layout:
 def build_pieces(
     leaves: Sequence[LeafMeta], regions: Sequence[Sequence[tuple[Box, int]]], nodes: int
 ) -> list[PieceRec]:
-    """Pack each node's regions into its blob: leaf order, then region order, 64-byte aligned.
+    """The pieces of every node (their offsets are assigned by `Layout`).
 
     Args:
         leaves: the leaves.
         regions: per leaf, (box, node) of each region (from `plan.write_regions`).
         nodes: number of nodes.
     """
-    ends = [0] * nodes
     out = []
     for li, (meta, regs) in enumerate(zip(leaves, regions)):
         for box, node in regs:
-            nb = box_size(box) * meta.dtype.itemsize
-            off = align(ends[node])
-            out.append(PieceRec(li, box, node, off, nb))
-            ends[node] = off + nb
-    return sorted(out, key=lambda p: (p.node, p.offset))
+            if not 0 <= node < nodes:
+                raise ValueError(f"region {box} of {meta.name!r} on node {node} of {nodes}")
+            out.append(PieceRec(li, box, node, 0, box_size(box) * meta.dtype.itemsize))
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import json
 import logging
 import mmap
@@ -30,7 +31,7 @@ from ..errors import MismatchError, NotACheckpointError
 from ..patterns import Box, box_shape, box_size, index_to_box
 from ..plan import LeafBinding, bind_state
 from ..rules import CompiledRules, Rule
-from .layout import Layout
+from .layout import Layout, PieceRec
 from .redundancy import decode_node
 from .shm import DATA, Blob, Entry, committed, list_nodes
 
@@ -247,6 +248,25 @@ class _Bytes:
                 self._open[node] = _Decoded(decode_node(self.cand.layout, node, others))
         return self._open[node]
 
+    def homes(self, p: PieceRec) -> list[tuple[int, int]]:
+        """(node, offset) where a piece can be read, best first.
+
+        This process's own node first (on a cluster, the only shared memory it can see), then
+        the piece's node, then the node keeping its replica; a lost node's pieces come from its
+        decoded bytes last.
+        """
+        here = jax.process_index()
+        ents = self.cand.entries
+        locs = [loc for loc in self.cand.layout.locations(p) if loc[0] in ents]
+        locs.sort(key=lambda loc: (loc[0] != here, loc[0] != p.node))
+        if p.node not in ents:
+            locs.append((p.node, p.offset))  # decoded from its group
+        return locs
+
+    def read(self, p: PieceRec) -> np.ndarray:
+        node, off = self.homes(p)[0]
+        return self[node].view(off, p.nbytes)
+
     def close(self) -> None:
         for b in self._open.values():
             if isinstance(b, Blob):
@@ -344,19 +364,45 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return buf[off : off + n].view(dtype).reshape(shape)
 
 
-def _assemble(box: Box, li: int, lay: Layout, blobs: _Bytes) -> np.ndarray:
-    """Region `box` of leaf `li`: a view of its piece, or assembled from several pieces."""
-    meta = lay.leaves[li]
-    for p in lay.by_leaf[li]:
-        if p.box == box:  # the region is one piece
-            return blobs[p.node].view(p.offset, p.nbytes).view(meta.dtype).reshape(box_shape(box))
-    out = _aligned_empty(box_shape(box), meta.dtype)
-    covered = 0
-    for p in lay.by_leaf[li]:
-        inter = _intersect(p.box, box)
-        if inter is None:
+def _contiguous(box: Box, pieces: list[PieceRec], blobs: _Bytes) -> np.ndarray | None:
+    """The region as one view when its pieces are consecutive slabs of it stored back to back.
+
+    (A shard split between replicas is stored so by the node that keeps both halves.)
+    """
+    pieces = sorted(pieces, key=lambda p: p.box)
+    for p, q in itertools.pairwise(pieces):
+        if p.box[0][1] != q.box[0][0] or p.box[1:] != box[1:] or q.box[1:] != box[1:]:
+            return None
+    if pieces[0].box[0][0] != box[0][0] or pieces[-1].box[0][1] != box[0][1]:
+        return None
+    homes = [dict(blobs.homes(p)) for p in pieces]
+    for node, first in blobs.homes(pieces[0]):
+        offs = [h.get(node) for h in homes]
+        if None in offs:
             continue
-        src = blobs[p.node].view(p.offset, p.nbytes).view(meta.dtype).reshape(box_shape(p.box))
+        if all(o + p.nbytes == n for o, p, n in zip(offs, pieces, offs[1:])):
+            return blobs[node].view(first, sum(p.nbytes for p in pieces))
+    return None
+
+
+def _assemble(box: Box, li: int, lay: Layout, blobs: _Bytes) -> np.ndarray:
+    """Region `box` of leaf `li`: a view of the snapshot's bytes when it is stored in one piece
+    (or in consecutive slabs back to back), else assembled from its pieces."""
+    meta = lay.leaves[li]
+    shape = box_shape(box)
+    covering = [p for p in lay.by_leaf[li] if _intersect(p.box, box) is not None]
+    exact = [p for p in covering if p.box == box]
+    if exact:
+        return blobs.read(exact[0]).view(meta.dtype).reshape(shape)
+    if box and covering and sum(box_size(p.box) for p in covering) == box_size(box):
+        view = _contiguous(box, covering, blobs)
+        if view is not None:
+            return view.view(meta.dtype).reshape(shape)
+    out = _aligned_empty(shape, meta.dtype)
+    covered = 0
+    for p in covering:
+        inter = _intersect(p.box, box)
+        src = blobs.read(p).view(meta.dtype).reshape(box_shape(p.box))
         out[_rel(inter, box)] = src[_rel(inter, p.box)]
         covered += box_size(inter)
     if covered != box_size(box):

@@ -87,12 +87,12 @@ def _needs(layout: Layout, k: int) -> list[tuple[PieceRec, int, int, int]]:
     """Redundancy needs of node k: (piece of another node, first byte, end byte, dest offset)."""
     if layout.redundancy is None or len(layout.group_of[k]) < 2:
         return []
-    base = layout.primary[k]
     out = []
     if layout.redundancy == "replica":
         for p in layout.by_node[layout.backup_of(k)]:
-            out.append((p, 0, p.nbytes, base + p.offset))
+            out.append((p, 0, p.nbytes, layout.backup_offset[p]))
         return out
+    base = layout.primary[k]
     for i in layout.group_of[k]:
         if i == k:
             continue
@@ -212,13 +212,15 @@ def decode_node(layout: Layout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
         blobs: node -> an object with `.view(offset, nbytes)` for every other node of the group.
 
     Returns:
-        The lost node's pieces part (layout.primary[lost] bytes).
+        The lost node's pieces part (layout.primary[lost] bytes; with replica, its own pieces
+        at their offsets, the copies it kept for another node left zero).
     """
     out = np.zeros(layout.primary[lost], np.uint8)
     g = layout.group_of[lost]
     if layout.redundancy == "replica":
         h = layout.holder_of(lost)
-        out[:] = blobs[h].view(layout.primary[h], layout.primary[lost])
+        for p in layout.by_node[lost]:
+            out[p.offset : p.offset + p.nbytes] = blobs[h].view(layout.backup_offset[p], p.nbytes)
         return out
     if layout.redundancy != "xor":
         raise ValueError(f"node {lost} is lost and the snapshot has no redundancy")
