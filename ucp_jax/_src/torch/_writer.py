@@ -77,7 +77,7 @@ def import_chunks(
     """
     if not shape:
         return (), None
-    outer = [int(d) for d in shape]
+    outer = [max(int(d), 1) for d in shape]
     for j in range(len(outer)):
         while math.prod(outer) * itemsize > IMPORT_SHARD_BYTES and outer[j] > 1:
             outer[j] = -(-outer[j] // 2)
