@@ -22,7 +22,7 @@ from . import store
 from .dtypes import dtype_name
 from .errors import MismatchError
 from .manifest import AtomInfo, Manifest, SlotInfo, atom_dir
-from .patterns import box_shape, to_slices
+from .patterns import to_slices
 from .plan import (
     LeafBinding,
     WriteTask,
@@ -402,13 +402,3 @@ def async_save(
     with _lock:
         _pending = handle
     return handle
-
-
-def pending_save() -> SaveHandle | None:
-    """The save in flight, if any."""
-    return _pending
-
-
-def leaf_shape_of(t: WriteTask) -> tuple[int, ...]:
-    """Shape of a write task's region (for progress/metrics)."""
-    return box_shape(t.box)
