@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--stage", type=int, default=1)
     ap.add_argument("--workdir", default="/tmp/ucp_bench_ds")
     ap.add_argument("--repeat", type=int, default=3, help="runs per tool (median wall time)")
-    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--json", default="bench_out/convert_deepspeed.json", help="results as JSON")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -231,6 +231,7 @@ def main() -> None:
     for k, v in rows:
         print(f"| {k} | {v} |")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"results": results, "largest_rank_file": largest, "rows": rows}, f, indent=1)
 
