@@ -40,6 +40,8 @@ def _job(nodes: int, redundancy: str | None, group_size: int):
         # replicated within each node only: a node holds its own half of the columns
         "cols": rng.standard_normal((3, 2 * nodes)).astype(np.float16),
         "scalar": np.array(7.5, np.float32),
+        # data-parallel: every device holds it, split into one row slab per node
+        "dp": rng.standard_normal((4 * nodes, 5)).astype(np.float32),
     }
     metas, regions, shard_maps, writers = [], [], [], {}
     for li, (name, arr) in enumerate(leaves.items()):
@@ -55,6 +57,14 @@ def _job(nodes: int, redundancy: str | None, group_size: int):
             smap[d] = box
         shard_maps.append(smap)
         regs = []
+        if name == "dp":
+            for n in range(nodes):
+                box = ((4 * n, 4 * n + 4), (0, 5))
+                dev = devices[2 * n]
+                writers[(li, box, n)] = (dev, smap[dev])
+                regs.append((box, n))
+            regions.append(regs)
+            continue
         for box in sorted(set(smap.values())):
             holders = [d for d in devices if smap[d] == box]
             dev = holders[(li + len(regs)) % len(holders)]  # spread the writers
@@ -66,12 +76,16 @@ def _job(nodes: int, redundancy: str | None, group_size: int):
     sources = Sources(shard_maps, writers)
     arrays = list(leaves.values())
     blobs = {}
+    merged = []
     for k in range(nodes):
         fetches, _ = plan_fetches(layout, sources, devices, k)
+        merged += [f for f in fetches if f.leaf == 4 and f.box == f.shard_box]
         datas = [np.ascontiguousarray(arrays[f.leaf][to_slices(f.box)]) for f in fetches]
         blob = np.full(layout.size(k), 0xAB, np.uint8)  # stale bytes: fill must overwrite all
         fill(blob, layout, k, fetches, layout.gaps(k), datas)
         blobs[k] = blob
+    if nodes == 2 and redundancy == "replica":  # both halves of "dp" from one device, uncut
+        assert len(merged) == 2, merged
     return layout, arrays, blobs
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,7 +137,45 @@ def plan_fetches(
                 f = Fetch(p.leaf, "roll", s, partner(dev, s, layout, devices), p.box, sbox)
             if k == me:
                 add(f, (dest, lo, hi, xor))
-    return list(fetches.values()), sorted(rolls)
+    return _merge_rows(list(fetches.values()), layout), sorted(rolls)
+
+
+def _merge_rows(fetches: list[Fetch], layout: Layout) -> list[Fetch]:
+    """One fetch per shard when this node needs all of it in row slabs (e.g. its own half of a
+    data-parallel shard and, for its neighbour, the other half): the whole shard is copied once,
+    without cutting it on the device, and each slab is a byte range of it."""
+    groups: dict[tuple[Any, ...], list[Fetch]] = {}
+    for f in fetches:
+        if f.kind != "host" and f.box and f.box != f.shard_box:
+            key = (f.leaf, f.kind, f.shift, f.device.id, f.shard_box)
+            groups.setdefault(key, []).append(f)
+    merged: dict[int, Fetch] = {}
+    drop: set[int] = set()
+    for fs in groups.values():
+        sb = fs[0].shard_box
+        if len(fs) < 2 or any(f.box[1:] != sb[1:] for f in fs):
+            continue
+        rows = sorted(f.box[0] for f in fs)
+        if rows[0][0] != sb[0][0] or rows[-1][1] != sb[0][1]:
+            continue
+        if any(a[1] != b[0] for a, b in itertools.pairwise(rows)):
+            continue
+        row_bytes = layout.leaves[fs[0].leaf].dtype.itemsize * int(
+            np.prod([b - a for a, b in sb[1:]], dtype=np.int64)
+        )
+        whole = Fetch(fs[0].leaf, fs[0].kind, fs[0].shift, fs[0].device, sb, sb)
+        for f in fs:
+            skip = (f.box[0][0] - sb[0][0]) * row_bytes
+            whole.dests.extend((off, lo + skip, hi + skip, x) for off, lo, hi, x in f.dests)
+            drop.add(id(f))
+        merged[id(fs[0])] = whole
+    out = []
+    for f in fetches:
+        if id(f) in merged:
+            out.append(merged[id(f)])
+        elif id(f) not in drop:
+            out.append(f)
+    return out
 
 
 def devices_by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
