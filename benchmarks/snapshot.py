@@ -363,8 +363,12 @@ def table(r: dict[str, Any]) -> str:
         f"{'  snapshot() call (dispatch)':34}{r['snapshot_dispatch_s']['median']:>9.3f}s"
         f"{r['snapshot_dispatch_s']['p99']:>9.3f}s",
         "",
-        f"snapshot per node: {r['node_snapshot_bytes'] / 2**30:.2f} GiB "
-        "(own pieces + the neighbour's, from the node's own replica)",
+        f"snapshot per node: {r['node_snapshot_bytes'] / 2**30:.2f} GiB"
+        + (
+            " (own pieces + the neighbour's, copied from the node's own replica)"
+            if c["redundancy"] == "replica"
+            else ""
+        ),
     ]
     if r.get("snapshot_Bps"):
         lines.append(
@@ -406,7 +410,7 @@ def main() -> None:
         help="train without donating the state; the manager holds references (donation_safe=False)",
     )
     ap.add_argument("--disk", default=None, help="folder for the on-disk checkpoint")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "snapshot.json"))
+    ap.add_argument("--out", default="bench_out/snapshot.json", help="JSON results file")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
