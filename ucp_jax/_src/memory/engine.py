@@ -171,11 +171,18 @@ class SnapshotManager:
         shm_dir: where namespaces live (default /dev/shm).
         keep: committed snapshots kept per node (at least 1).
         group_size: nodes per redundancy group (default 2 for 'replica', up to 4 for 'xor').
-        donation_safe: True (default): `snapshot()` makes device-side copies of whole shards it
-            copies, so the caller may donate or delete the arrays as soon as it returns (costs up
-            to this node's share of device memory until the host copy is done). False: it holds
-            references only; the caller must not donate them until `wait()`.
+        donation_safe: True (default): `snapshot()` makes device-side copies of what it copies
+            (one computation per device), so the caller may donate or delete the arrays as soon
+            as it returns; costs up to this node's share of device memory until the host copy is
+            done. False: it holds references only; the caller must not donate or delete them
+            before `wait()` or the next `snapshot()` returns (for training steps that do not
+            donate their state); no device work at all for whole shards.
         rules: rules for the persisted universal checkpoints (and for restoring them).
+
+    On CPU devices the device-side copies and the copy into shared memory are memcpys on the
+    cores that train; on accelerators the device copy is cheap and the host copy is a DMA that
+    overlaps the next steps. On CPU, restored arrays may map the snapshot's pages directly (no
+    copy); such snapshot files are never rewritten in place.
 
     >>> mgr = ucp.memory.SnapshotManager("/ckpt", persist_every=100, redundancy="replica")  # doctest: +SKIP
     >>> mgr.snapshot(step, params, opt_state)  # doctest: +SKIP
