@@ -22,7 +22,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,15 +30,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from mp.runner import free_port, worker_env
 
 WORKER = Path(__file__).parent / "mp" / "mem_worker.py"
 TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:
@@ -47,13 +41,8 @@ class Job:
 
     def __init__(self, root: Path, name: str, nprocs: int, devices: int, **cfg) -> None:
         self.root, self.name, self.nprocs = root, name, nprocs
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-        env["JAX_PLATFORMS"] = "cpu"
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(Path(__file__).parents[1]), *filter(None, [env.get("PYTHONPATH")])]
-        )
-        addr = f"127.0.0.1:{_free_port()}"
+        env = worker_env(devices)
+        addr = f"127.0.0.1:{free_port()}"
         self.lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
         self.procs = []
         for i in range(nprocs):
