@@ -129,8 +129,8 @@ def test_restore_into_jax_loss_equals_torch(name, mesh_shape, ds_ckpts, imported
     )
 
 
-def test_restore_optax_state_count_from_step(imported):
-    """mu/nu come from exp_avg/exp_avg_sq, and adamw's count from the per-atom step slots."""
+def jax_state(path):
+    """Restore an imported checkpoint into the JAX model on a (2, 4) mesh: (optax, params, state)."""
     mesh = ucp.make_mesh(data=2, model=4)
     opt = optax.adamw(1e-2, **ADAMW)
     abstract = abstract_params()
@@ -140,7 +140,13 @@ def test_restore_optax_state_count_from_step(imported):
         lambda n, x: jax_tiny.spec_for(n, x.shape, mesh),
         opt_state=jax.eval_shape(opt.init, abstract),
     )
-    _params, state = ucp.restore(imported["z1_fp32"], pt, ot, rules=jax_tiny.RULES)
+    params, state = ucp.restore(path, pt, ot, rules=jax_tiny.RULES)
+    return opt, params, state
+
+
+def test_restore_optax_state_count_from_step(imported):
+    """mu/nu come from exp_avg/exp_avg_sq, and adamw's count from the per-atom step slots."""
+    _opt, _params, state = jax_state(imported["z1_fp32"])
     adam = state[0]
     assert int(adam.count) == STEPS and adam.count.dtype == jnp.int32
     ck = ucp.open(imported["z1_fp32"])
@@ -152,16 +158,7 @@ def test_restore_optax_state_count_from_step(imported):
 
 def test_jax_continues_like_deepspeed(imported, ds_ckpts):  # noqa: F811
     """One optax adamw step from the imported state gives DeepSpeed's next master weights."""
-    mesh = ucp.make_mesh(data=2, model=4)
-    opt = optax.adamw(1e-2, **ADAMW)
-    abstract = abstract_params()
-    pt, ot = ucp.targets(
-        abstract,
-        mesh,
-        lambda n, x: jax_tiny.spec_for(n, x.shape, mesh),
-        opt_state=jax.eval_shape(opt.init, abstract),
-    )
-    params, state = ucp.restore(imported["z1_fp32"], pt, ot, rules=jax_tiny.RULES)
+    opt, params, state = jax_state(imported["z1_fp32"])
     tokens = jnp.asarray(tiny_model.batch(STEPS).numpy())
 
     @jax.jit

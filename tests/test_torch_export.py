@@ -16,26 +16,12 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from ds import jax_tiny, tiny_model  # noqa: E402
 from ds.fixtures import STEPS, TAG, ds_ckpts, torchrun  # noqa: E402, F401
-from test_torch_deepspeed import ADAMW, abstract_params, ds_universal_tensors  # noqa: E402
+from test_torch_deepspeed import ds_universal_tensors, jax_state  # noqa: E402
 
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.torch._unpickle import load  # noqa: E402
 from ucp_jax._src.torch.deepspeed import import_deepspeed  # noqa: E402
 from ucp_jax._src.torch.export import export_deepspeed_universal  # noqa: E402
-
-
-def jax_state(path):
-    mesh = ucp.make_mesh(data=2, model=4)
-    opt = optax.adamw(1e-2, **ADAMW)
-    abstract = abstract_params()
-    pt, ot = ucp.targets(
-        abstract,
-        mesh,
-        lambda n, x: jax_tiny.spec_for(n, x.shape, mesh),
-        opt_state=jax.eval_shape(opt.init, abstract),
-    )
-    params, state = ucp.restore(path, pt, ot, rules=jax_tiny.RULES)
-    return opt, params, state
 
 
 @pytest.fixture(scope="module")

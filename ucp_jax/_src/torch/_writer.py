@@ -133,21 +133,21 @@ class AtomWriter:
         self, atom: str, slot: str, dtype: Any, *, slot_shape: Sequence[int] | None = None
     ) -> Any:
         """The TensorStore array of one slot, created on first use."""
-        key = (atom, slot)
-        arr = self._arrays.get(key)
-        if arr is not None:
-            return arr
+        if (atom, slot) not in self._arrays:
+            self.create_many([(atom, slot, dtype, slot_shape)])
+        return self._arrays[(atom, slot)]
+
+    def _slot_spec(
+        self, atom: str, slot: str, dtype: Any, slot_shape: Sequence[int] | None
+    ) -> tuple[SlotInfo, dict[str, Any]]:
+        """The SlotInfo and TensorStore spec of one slot (its own shape, or the atom's)."""
         a = self.atoms[atom]
         shape = a["shape"] if slot_shape is None else tuple(int(d) for d in slot_shape)
         dt = np.dtype(dtype)
         chunks, inner = import_chunks(shape, dt.itemsize)
         own = None if shape == a["shape"] else shape
         info = SlotInfo(dtype_name(dt), f"{atom_dir(atom)}/{slot}", chunks, inner, own)
-        spec = store.array_spec(self.staging.target, shape, info)
-        arr = ts.open(spec, create=True, context=store.CONTEXT).result()
-        a["slots"][slot] = info
-        self._arrays[key] = arr
-        return arr
+        return info, store.array_spec(self.staging.target, shape, info)
 
     def create_many(self, slots: Sequence[tuple[str, str, Any, Sequence[int] | None]]) -> None:
         """Create many slots at once, concurrently: (atom, slot, dtype, slot shape or None).
@@ -159,13 +159,7 @@ class AtomWriter:
         for atom, slot, dtype, slot_shape in slots:
             if (atom, slot) in self._arrays:
                 continue
-            a = self.atoms[atom]
-            shape = a["shape"] if slot_shape is None else tuple(int(d) for d in slot_shape)
-            dt = np.dtype(dtype)
-            chunks, inner = import_chunks(shape, dt.itemsize)
-            own = None if shape == a["shape"] else shape
-            info = SlotInfo(dtype_name(dt), f"{atom_dir(atom)}/{slot}", chunks, inner, own)
-            spec = store.array_spec(self.staging.target, shape, info)
+            info, spec = self._slot_spec(atom, slot, dtype, slot_shape)
             futs.append((atom, slot, info, ts.open(spec, create=True, context=store.CONTEXT)))
         for atom, slot, info, fut in futs:
             self._arrays[(atom, slot)] = fut.result()
