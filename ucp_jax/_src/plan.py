@@ -131,6 +131,18 @@ def bind_state(
     return pbind, obind
 
 
+def unbind_state(
+    params_target: Any, opt_state_target: Any, values: Sequence[Any]
+) -> tuple[Any, Any]:
+    """The inverse of `bind_state`: (params, opt_state) trees from values in binding order."""
+    n = jax.tree_util.tree_structure(params_target).num_leaves
+    params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params_target), values[:n])
+    if opt_state_target is None:
+        return params, None
+    opt_def = jax.tree_util.tree_structure(opt_state_target)
+    return params, jax.tree_util.tree_unflatten(opt_def, values[n:])
+
+
 # ----------------------------------------------------------------------------------------- save
 
 

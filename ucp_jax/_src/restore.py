@@ -19,7 +19,7 @@ from .dtypes import np_dtype
 from .errors import ChecksumError, MismatchError, NotACheckpointError, PatternError
 from .manifest import STEP_SLOT, AtomInfo, Manifest
 from .patterns import box_shape, box_size, index_to_box, to_slices
-from .plan import LeafBinding, ReadGroup, bind_state, read_groups
+from .plan import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
 from .rules import CompiledRules, Rule
 
 DEFAULT_READ_BYTES = int(os.environ.get("UCP_INFLIGHT_BYTES", str(1 << 30)))
@@ -389,14 +389,7 @@ def restore(
     stats = ReadStats()
     values = _read_all(ckpt, resolved, stats, max_inflight_bytes)
     _last_stats = stats
-    n = len(pbind)
-    params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params_target), values[:n])
-    opt = None
-    if opt_state_target is not None:
-        opt = jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(opt_state_target), values[n:]
-        )
-    return params, opt
+    return unbind_state(params_target, opt_state_target, values)
 
 
 def _read_all(

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import MismatchError, NotACheckpointError
 from ..patterns import Box, box_shape, box_size, index_to_box
-from ..plan import LeafBinding, bind_state
+from ..plan import LeafBinding, bind_state, unbind_state
 from ..rules import CompiledRules, Rule
 from .layout import Layout, PieceRec
 from .redundancy import decode_node
@@ -301,13 +301,7 @@ def _read(
         values = [_read_leaf(b, lay, index, blobs) for b in pbind + obind]
     finally:
         blobs.close()
-    n = len(pbind)
-    params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params_target), values[:n])
-    opt = None
-    if opt_state_target is not None:
-        opt = jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(opt_state_target), values[n:]
-        )
+    params, opt = unbind_state(params_target, opt_state_target, values)
     return params, opt, blobs.files
 
 
