@@ -53,12 +53,7 @@ def job(pid: int, coordinator: str, root: Path) -> None:
 
     import ucp_jax.orbax as uo
 
-    ref_params, ref_opt = state.reference_state()
-    save_mesh = mesh_of((2, 4))
-    assert {d.process_index for d in save_mesh.devices[pid]} == {pid}
-    params = state.globalize(ref_params, save_mesh)
-    opt_state = state.globalize(ref_opt, save_mesh)
-    assert not params["dense"]["kernel"].is_fully_addressable
+    ref_params, ref_opt, params, opt_state = state.global_state(pid)
 
     options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
     mngr = ocp.CheckpointManager(root / "ckpt", options=options)

@@ -89,3 +89,22 @@ def check_shards(restored: Any, ref: Any, targets: Any, what: str) -> int:
             assert data.tobytes() == expect.tobytes(), f"{where}: shard {s.index} differs"
             n += 1
     return n
+
+
+def global_state(pid: int) -> tuple[Any, Any, Any, Any]:
+    """The reference state as global arrays on the 2-process (2, 4) save mesh.
+
+    Process `pid` holds mesh row `pid`, so arrays sharded on 'a' are split between processes.
+
+    Returns:
+        (reference params, reference opt state, params, opt state), numpy then jax.Array trees.
+    """
+    from helpers import mesh_of
+
+    ref_params, ref_opt = reference_state()
+    save_mesh = mesh_of((2, 4))
+    assert {d.process_index for d in save_mesh.devices[pid]} == {pid}
+    params = globalize(ref_params, save_mesh)
+    opt_state = globalize(ref_opt, save_mesh)
+    assert not params["dense"]["kernel"].is_fully_addressable
+    return ref_params, ref_opt, params, opt_state

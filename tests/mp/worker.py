@@ -106,13 +106,8 @@ def main() -> None:
     import ucp_jax as ucp
 
     _instrument()
-    ref_params, ref_opt = state.reference_state()
-    save_mesh = mesh_of((2, 4))
-    # Process 0 holds mesh row 0, process 1 row 1: arrays sharded on 'a' are split between them.
-    assert {d.process_index for d in save_mesh.devices[pid]} == {pid}
-    params = state.globalize(ref_params, save_mesh)
-    opt_state = state.globalize(ref_opt, save_mesh)
-    assert not params["dense"]["kernel"].is_fully_addressable
+    ref_params, ref_opt, params, opt_state = state.global_state(pid)
+    save_mesh = params["dense"]["kernel"].sharding.mesh
 
     report: dict[str, Any] = {"process": pid, "checkpoints": {}}
     WRITES.clear()
