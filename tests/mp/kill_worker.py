@@ -36,12 +36,21 @@ def _say(msg: str) -> None:
     sys.stdout.flush()
 
 
+def is_chunk_file(name: str) -> bool:
+    """A shard file TensorStore has renamed into place (not metadata, not its `.__lock` temp file).
+
+    A lock file is transient: it is renamed onto the shard, or removed, so only a shard file
+    proves that data survives the kill.
+    """
+    return name != "zarr.json" and not name.endswith(".__lock")
+
+
 def _watch_staging(staging: Path) -> None:
     """Say `KILL ME` once a chunk data file exists under the staging folder."""
     while True:
         if staging.is_dir():
             for _, _, files in os.walk(staging / "atoms"):
-                if any(f != "zarr.json" for f in files):
+                if any(is_chunk_file(f) for f in files):
                     _say("KILL ME")
                     return
         time.sleep(0.002)
