@@ -194,7 +194,9 @@ def main() -> None:
     subprocess.run(["sync"], check=False)
     ds_cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
               "--input_folder", tag, "--output_folder", ds_out]  # fmt: skip
-    ucp_cmd = [shutil.which("ucp") or "ucp", "convert", "deepspeed", tag, ucp_out, "--no-progress"]
+    beside = os.path.join(os.path.dirname(sys.executable), "ucp")  # the venv's, unactivated
+    ucp_exe = beside if os.path.exists(beside) else shutil.which("ucp") or "ucp"
+    ucp_cmd = [ucp_exe, "convert", "deepspeed", tag, ucp_out, "--no-progress"]
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     runs: dict[str, list[tuple[float, int]]] = {"ds_to_universal": [], "ucp convert deepspeed": []}
     for i in range(args.repeat):  # alternate the tools, so that a busy moment hits both

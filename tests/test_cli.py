@@ -70,3 +70,21 @@ def test_entry_point_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "layer.kernel" in r.stdout
     assert np.isfinite(len(r.stdout))
+
+
+def test_file_only_commands_do_not_import_jax(tmp_path):
+    """`ucp inspect`/`verify`, `ucp.open` and the importers start without JAX (~0.4 s saved)."""
+    path = _ckpt(tmp_path)
+    code = (
+        "import sys, ucp_jax as ucp\n"
+        "from ucp_jax._src.cli import main\n"
+        "import ucp_jax._src.torch.deepspeed, ucp_jax._src.torch.safetensors\n"
+        f"assert main(['inspect', {str(path)!r}]) == 0\n"
+        f"assert main(['verify', {str(path)!r}]) == 0\n"
+        f"assert ucp.open({str(path)!r}).read('layer.kernel')[1, 2] == 8.0\n"
+        "assert 'jax' not in sys.modules, 'a file-only command imported jax'\n"
+        "assert callable(ucp.save) and 'jax' in sys.modules  # JAX names load on first use\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "restore" in dir(ucp) and "memory" in dir(ucp)

@@ -5,7 +5,13 @@ Save a train state once as universal atoms; restore it onto any mesh.
 >>> import ucp_jax as ucp
 >>> ucp.save("/tmp/ckpt/step_10", params, opt_state, step=10)  # doctest: +SKIP
 >>> params, opt_state = ucp.restore("/tmp/ckpt/step_10", params_target, opt_state_target)  # doctest: +SKIP
+
+The names that need JAX (save, restore, targets, ...) and the submodules `orbax`, `torch` and
+`memory` are imported on first use, so that tools that only read or write files (`ucp convert`,
+`ucp inspect`) start without importing JAX.
 """
+
+from typing import TYPE_CHECKING
 
 from ._src.errors import ChecksumError as ChecksumError
 from ._src.errors import FormatVersionError as FormatVersionError
@@ -23,23 +29,46 @@ from ._src.patterns import Replicated as Replicated
 from ._src.patterns import Stacked as Stacked
 from ._src.patterns import Transposed as Transposed
 from ._src.patterns import VocabPadded as VocabPadded
-from ._src.restore import Checkpoint as Checkpoint
-from ._src.restore import list_checkpoints as list_checkpoints
-from ._src.restore import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
-from ._src.restore import restore as restore
-from ._src.save import SaveHandle as SaveHandle
-from ._src.save import async_save as async_save
-from ._src.save import save as save
-from ._src.targets import make_mesh as make_mesh
-from ._src.targets import targets as targets
 from ._src.version import __version__ as __version__
 
+if TYPE_CHECKING:
+    from ._src.checkpoint import Checkpoint as Checkpoint
+    from ._src.checkpoint import list_checkpoints as list_checkpoints
+    from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
+    from ._src.restore import restore as restore
+    from ._src.save import SaveHandle as SaveHandle
+    from ._src.save import async_save as async_save
+    from ._src.save import save as save
+    from ._src.targets import make_mesh as make_mesh
+    from ._src.targets import targets as targets
+
+# public name -> (module under ucp_jax, attribute)
+_LAZY = {
+    "Checkpoint": ("._src.checkpoint", "Checkpoint"),
+    "list_checkpoints": ("._src.checkpoint", "list_checkpoints"),
+    "open": ("._src.checkpoint", "open_checkpoint"),
+    "restore": ("._src.restore", "restore"),
+    "SaveHandle": ("._src.save", "SaveHandle"),
+    "async_save": ("._src.save", "async_save"),
+    "save": ("._src.save", "save"),
+    "make_mesh": ("._src.targets", "make_mesh"),
+    "targets": ("._src.targets", "targets"),
+}
 _SUBMODULES = ("orbax", "torch", "memory")
 
 
-def __getattr__(name: str):  # lazy submodules: `import ucp_jax` never imports torch
-    if name in _SUBMODULES:
-        import importlib
+def __getattr__(name: str):  # PEP 562: JAX and torch are imported on first use
+    import importlib
 
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module, __name__), attr)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})

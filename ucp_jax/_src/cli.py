@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import store
+from .checkpoint import Checkpoint
 from .dtypes import np_dtype
 from .errors import UcpError
-from .restore import Checkpoint
 
 
 def _mib(n: int) -> str:

@@ -56,9 +56,9 @@ import orbax.checkpoint as ocp
 
 from . import save as save_mod
 from . import store
+from .checkpoint import Checkpoint
 from .errors import NotACheckpointError
 from .manifest import COMMIT, MANIFEST, Manifest
-from .restore import Checkpoint
 from .restore import restore as ucp_restore
 from .rules import Rule
 

@@ -144,7 +144,7 @@ def newest_persisted(directory: Any) -> tuple[str, int] | None:
     """(path, step) of the newest committed universal checkpoint under `directory`."""
     if directory is None:
         return None
-    from ..restore import list_checkpoints, open_checkpoint
+    from ..checkpoint import list_checkpoints, open_checkpoint
 
     best = None
     for path in list_checkpoints(directory):
