@@ -204,3 +204,36 @@ def test_dcp_malicious_metadata_refused(tmp_path):
     with pytest.raises(ucp.UcpError, match="system"):
         import_dcp(tmp_path / "d", tmp_path / "u")
     assert not (tmp_path / "pwned").exists()
+
+
+def test_import_is_durable_before_commit(tmp_path, monkeypatch):
+    """Imports write files without a sync each, then fsync every file and folder before COMMIT."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    from ucp_jax._src import store
+
+    at_commit: list[int] = []
+    commit = store.Staging.commit
+
+    def recording_commit(self, manifest):  # type: ignore[no-untyped-def]
+        at_commit.append(len(synced))  # the manifest and COMMIT are written from here on
+        return commit(self, manifest)
+
+    monkeypatch.setattr(store.Staging, "commit", recording_commit)
+    sd = {f"w{i}": torch.randn(64, 48) for i in range(5)} | {"s": torch.tensor(3.0)}
+    st.save_file(sd, tmp_path / "m.safetensors")
+    out = import_safetensors(tmp_path / "m.safetensors", tmp_path / "u")
+    staging = str(tmp_path / ".u.ucp-tmp")
+    data = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
+    # every data file was fsynced, at its staging path, before the manifest and COMMIT were written
+    before = {p.replace(staging, out) for p in synced[: at_commit[0]]}
+    chunk_files = [p for p in data if "/atoms/" in p]
+    assert len(chunk_files) >= 12  # 6 atoms: zarr.json + one chunk file each
+    assert set(chunk_files) <= before, sorted(set(chunk_files) - before)[:3]
+    assert ucp.open(out).read("w3").tobytes() == sd["w3"].numpy().tobytes()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import math
 import os
 import time
@@ -101,9 +102,14 @@ class AtomWriter:
         self.staging.check()
         self.staging.prepare()
         self.budget = max(int(max_inflight_bytes), 1)
+        # Local files: written without a sync each, their writeback started as each completes,
+        # all fsynced once before COMMIT (see store.sync_tree): durable, without a blocking
+        # fsync per file.
+        self._local = self.staging.target.local_path
+        self._context = store.CONTEXT if self._local is None else store.DEFERRED_SYNC_CONTEXT
         self.atoms: dict[str, dict[str, Any]] = {}
         self._arrays: dict[tuple[str, str], Any] = {}
-        self._inflight: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        self._inflight: collections.deque[tuple[int, Any, Any, Any]] = collections.deque()
         self._pending = 0
         self.bytes_written = 0
 
@@ -160,7 +166,7 @@ class AtomWriter:
             if (atom, slot) in self._arrays:
                 continue
             info, spec = self._slot_spec(atom, slot, dtype, slot_shape)
-            futs.append((atom, slot, info, ts.open(spec, create=True, context=store.CONTEXT)))
+            futs.append((atom, slot, info, ts.open(spec, create=True, context=self._context)))
         for atom, slot, info, fut in futs:
             self._arrays[(atom, slot)] = fut.result()
             self.atoms[atom]["slots"][slot] = info
@@ -186,7 +192,7 @@ class AtomWriter:
         arr = self.array(atom, slot, data.dtype)
         data = np.asarray(data).reshape(box_shape(box))
         fut = arr[to_slices(box)].write(data)
-        self._inflight.append((data.nbytes, fut, (data, keep)))
+        self._inflight.append((data.nbytes, fut, (data, keep), (atom, slot, box)))
         self._pending += data.nbytes
         self.bytes_written += data.nbytes
         while self._pending > self.budget and self._inflight:
@@ -232,9 +238,23 @@ class AtomWriter:
             self.write(atom, slot, tuple(target), piece[tuple(cut)], keep=keep)
 
     def _retire(self) -> None:
-        n, fut, _ = self._inflight.popleft()
+        n, fut, _, (atom, slot, box) = self._inflight.popleft()
         fut.commit.result()
         self._pending -= n
+        if self._local is not None:
+            for path in self._shard_files(atom, slot, box):
+                store.start_writeback(path)
+
+    def _shard_files(self, atom: str, slot: str, box: Box) -> list[str]:
+        """The local shard files a write of `box` into a slot touched."""
+        info = self.atoms[atom]["slots"][slot]
+        if not box:
+            return [os.path.join(self._local, info.path, "c")]
+        ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, info.chunks)]
+        return [
+            os.path.join(self._local, info.path, "c", *map(str, idx))
+            for idx in itertools.product(*ranges)
+        ]
 
     def flush(self) -> None:
         """Wait until every write issued so far is durable (and its source may be released)."""
@@ -246,6 +266,8 @@ class AtomWriter:
     def commit(self, *, step: int | None, source: dict[str, Any], extra: Any = None) -> str:
         """Write the manifest and COMMIT; returns the checkpoint's location."""
         self.flush()
+        if self._local is not None:
+            store.sync_tree(self._local)
         atoms = {}
         for name, a in self.atoms.items():
             if not a["slots"]:
