@@ -15,6 +15,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,7 @@ def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Box, i
     return out
 
 
+SETTLE_LAG = 8  # files written whose pages stay cached before they are settled (see _settle)
 IMPORT_SHARD_BYTES = 32 << 20  # importers write a shard in one go: small shards, bounded memory
 
 
@@ -107,6 +109,9 @@ class AtomWriter:
         # fsync per file.
         self._local = self.staging.target.local_path
         self._context = store.CONTEXT if self._local is None else store.DEFERRED_SYNC_CONTEXT
+        self._written: collections.deque[str] = collections.deque()  # writeback started
+        self._settler: ThreadPoolExecutor | None = None
+        self._settling: list[Future[None]] = []
         self.atoms: dict[str, dict[str, Any]] = {}
         self._arrays: dict[tuple[str, str], Any] = {}
         self._inflight: collections.deque[tuple[int, Any, Any, Any]] = collections.deque()
@@ -244,6 +249,30 @@ class AtomWriter:
         if self._local is not None:
             for path in self._shard_files(atom, slot, box):
                 store.start_writeback(path)
+                self._written.append(path)
+            self._settle(SETTLE_LAG)
+
+    def _settle(self, lag: int) -> None:
+        """Wait for the writeback of all but the newest `lag` files and drop their pages, on a
+        background thread (see store.settle_file)."""
+        while len(self._written) > lag:
+            if self._settler is None:
+                self._settler = ThreadPoolExecutor(1, thread_name_prefix="ucp-settle")
+            self._settling.append(self._settler.submit(store.settle_file, self._written.popleft()))
+        done = [f for f in self._settling if f.done()]
+        for f in done:
+            f.result()
+            self._settling.remove(f)
+
+    def _stop_settling(self) -> None:
+        try:
+            for f in self._settling:
+                f.result()
+        finally:
+            self._settling.clear()
+            if self._settler is not None:
+                self._settler.shutdown(wait=True)
+                self._settler = None
 
     def _shard_files(self, atom: str, slot: str, box: Box) -> list[str]:
         """The local shard files a write of `box` into a slot touched."""
@@ -267,6 +296,8 @@ class AtomWriter:
         """Write the manifest and COMMIT; returns the checkpoint's location."""
         self.flush()
         if self._local is not None:
+            self._settle(0)
+            self._stop_settling()
             store.sync_tree(self._local)
         atoms = {}
         for name, a in self.atoms.items():
@@ -290,6 +321,8 @@ class AtomWriter:
         """Drop what was written (the destination is left as it was)."""
         with contextlib.suppress(Exception):
             self.flush()
+        with contextlib.suppress(Exception):
+            self._stop_settling()
         if self.staging.target != self.staging.final:
             self.staging.target.remove_all()
 
