@@ -103,6 +103,16 @@ def _targets(params, opt_state, mesh, style="spread"):
     return targets(params, mesh, style), targets(opt_state, mesh, style)
 
 
+@pytest.fixture(autouse=True, params=["cpu-buffers", "device-copies"])
+def copy_path(request, monkeypatch):
+    """Every test runs on both copy paths: straight from CPU buffers (what CPU devices use) and
+    through device-side copies (what accelerators use)."""
+    monkeypatch.setenv(
+        "UCP_SNAPSHOT_DEVICE_COPIES", "1" if request.param == "device-copies" else "0"
+    )
+    return request.param
+
+
 @pytest.fixture
 def shm_dir(tmp_path):
     return tmp_path / "shm"
@@ -353,3 +363,29 @@ def test_errors(tmp_path, shm_dir):
     mgr.close()
     with pytest.raises(RuntimeError, match="closed"):
         mgr.snapshot(2, params, opt_state)
+
+
+def test_cpu_devices_copy_straight_from_their_buffers(tmp_path, shm_dir, copy_path, monkeypatch):
+    """CPU devices: no device-side copies (one copy, from the buffers into shared memory, before
+    snapshot() returns); UCP_SNAPSHOT_DEVICE_COPIES=1 takes the accelerators' path."""
+    from ucp_jax._src.memory import engine
+
+    calls = []
+    copies = engine._copies
+
+    def counting(*a, **k):
+        calls.append(1)
+        return copies(*a, **k)
+
+    monkeypatch.setattr(engine, "_copies", counting)
+    mgr = _mgr(tmp_path, shm_dir)
+    _, _, hist = _train(mgr, 2)
+    mgr.wait()
+    assert (len(calls) == 0) == (copy_path == "cpu-buffers"), calls
+    st = mgr.stats
+    assert st.step == 2 and st.copied_bytes >= st.nbytes - 64 * 40
+    if copy_path == "cpu-buffers":  # the copy ran inside snapshot(): its time is dispatch time
+        assert st.dispatch_s >= st.copy_s * 0.5
+    p2, o2 = mgr.restore(*_targets(*jax.tree.map(jnp.asarray, hist[2]), mesh_of((4, 2))))
+    assert_tree_bitexact(jax.device_get((p2, o2)), hist[2])
+    mgr.close()

@@ -42,6 +42,8 @@ class Job:
     def __init__(self, root: Path, name: str, nprocs: int, devices: int, **cfg) -> None:
         self.root, self.name, self.nprocs = root, name, nprocs
         env = worker_env(devices)
+        # the xor job takes the accelerators' path (device-side copies), the replica job the CPU one
+        env["UCP_SNAPSHOT_DEVICE_COPIES"] = "1" if cfg.get("device_copies") else "0"
         addr = f"127.0.0.1:{free_port()}"
         self.lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
         self.procs = []
@@ -207,7 +209,7 @@ def xor(tmp_path_factory):
     out = {}
     try:
         train = Job(root, "train", 4, 2, mode="train", steps=3, persist_every=2,
-                    redundancy="xor", **base)  # fmt: skip
+                    redundancy="xor", device_copies=True, **base)  # fmt: skip
         train.wait_for("SNAPSHOTS DONE")
         out["train"] = train.reports()
         train.crash(victim=2)

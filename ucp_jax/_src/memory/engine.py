@@ -27,6 +27,10 @@ from .shm import NodeStore, namespace_root
 
 log = logging.getLogger("ucp_jax")
 
+# UCP_SNAPSHOT_DEVICE_COPIES=1: on CPU devices too, copy through device-side copies (the path
+# accelerators take), instead of straight from the CPU buffers; the tests run both paths on CPU.
+_ENV_DEVICE_COPIES = "UCP_SNAPSHOT_DEVICE_COPIES"
+
 
 @dataclasses.dataclass
 class _Prepared:
@@ -39,6 +43,7 @@ class _Prepared:
     gaps: list[tuple[int, int]]
     nbytes: int
     groups: list[_DeviceCopies]
+    host_memory: bool  # every device is a CPU device: its buffers are host memory already
 
 
 @dataclasses.dataclass
@@ -274,13 +279,31 @@ class SnapshotManager:
                     roll([leaves[li] for li in lis], shift, prep.layout),
                 )
             )
-        datas = self._dispatch(prep, leaves, rolled)
-        for d in datas:
-            if isinstance(d, jax.Array):
-                d.copy_to_host_async()
         job = None
         if self.persist_every and step % (self.every * self.persist_every) == 0:
             job = persist.make_job(self.directory, step, params, opt_state, self.rules)
+        if prep.host_memory:
+            datas = self._host_views(prep, leaves, rolled)
+            if self.donation_safe:
+                # CPU devices: the state is in host memory that the next (donating) step may
+                # reuse, so it is copied out now, straight into shared memory: one copy, into
+                # recycled pages, instead of a device copy into fresh memory and a second copy.
+                t1 = time.perf_counter()
+                try:
+                    writer, copied = self._fill(step, prep, datas)
+                except Exception as e:  # reported like a background failure, on every platform
+                    self._error = self._error or e
+                    return True
+                copy_s = time.perf_counter() - t1
+                self._inflight = self._copier.submit(
+                    self._finish, step, prep, writer, copied, job, time.perf_counter() - t0, copy_s
+                )
+                return True
+        else:
+            datas = self._dispatch(prep, leaves, rolled)
+            for d in datas:
+                if isinstance(d, jax.Array):
+                    d.copy_to_host_async()
         dispatch_s = time.perf_counter() - t0
         self._inflight = self._copier.submit(self._write, step, prep, datas, job, dispatch_s)
         return True
@@ -331,8 +354,12 @@ class SnapshotManager:
         by_shift: dict[int, list[int]] = {}
         for li, shift in rolls:
             by_shift.setdefault(shift, []).append(li)
+        host_memory = os.environ.get(_ENV_DEVICE_COPIES, "0") in ("", "0") and all(
+            f.device is None or f.device.platform == "cpu" for f in fetches
+        )
         return _Prepared(layout, layout.to_json(), fetches, by_shift, layout.gaps(self.node),
-                         layout.size(self.node), _group_by_device(fetches, self.donation_safe))  # fmt: skip
+                         layout.size(self.node), _group_by_device(fetches, self.donation_safe),
+                         host_memory)  # fmt: skip
 
     def _dispatch(self, prep: _Prepared, leaves: list[Any], rolled: dict[Any, Any]) -> list[Any]:
         """Start every copy of this snapshot: one computation per device, host values copied."""
@@ -358,11 +385,37 @@ class SnapshotManager:
                     datas[fi] = out
         return datas
 
+    def _host_views(
+        self, prep: _Prepared, leaves: list[Any], rolled: dict[Any, Any]
+    ) -> list[np.ndarray]:
+        """Each fetch's region as a numpy view of its CPU shard (no copy; host values copied)."""
+        datas: list[Any] = [None] * len(prep.fetches)
+        shards: dict[tuple[str, int, int], dict[Any, Any]] = {}
+        for fi, f in enumerate(prep.fetches):
+            if f.kind == "host":
+                datas[fi] = np.array(np.asarray(leaves[f.leaf])[to_slices(f.box)])
+                continue
+            key = (f.kind, f.leaf, f.shift)
+            if key not in shards:
+                src = rolled[(f.leaf, f.shift)] if f.kind == "roll" else leaves[f.leaf]
+                shards[key] = {s.device: s.data for s in src.addressable_shards}
+            view = np.asarray(shards[key][f.device])
+            if f.box != f.shard_box:
+                view = view[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in
+                                  zip(f.box, f.shard_box))]  # fmt: skip
+            datas[fi] = view
+        return datas
+
     def _write(
         self, step: int, prep: _Prepared, datas: list[Any], job: Any, dispatch_s: float
     ) -> None:
         """Background: copy into this node's shared memory, commit, retire, maybe persist."""
         t0 = time.perf_counter()
+        writer, copied = self._fill(step, prep, datas)
+        self._finish(step, prep, writer, copied, job, dispatch_s, time.perf_counter() - t0)
+
+    def _fill(self, step: int, prep: _Prepared, datas: list[Any]) -> tuple[Any, int]:
+        """Begin this node's blob of `step` and copy the fetches' data into it."""
         layout = prep.layout
         index = {"format": "ucp-mem/1", "step": step, "run": self.run, "plan": layout.digest,
                  "node": self.node, "nbytes": prep.nbytes}  # fmt: skip
@@ -372,13 +425,26 @@ class SnapshotManager:
             self._pinned.add(writer.path)
         try:
             copied = fill(writer.blob.array, prep.layout, self.node, prep.fetches, prep.gaps, datas)
+        except BaseException:
+            with self._lock:
+                self._pinned.discard(writer.path)
+            raise
+        return writer, copied
+
+    def _finish(self, step: int, prep: _Prepared, writer: Any, copied: int, job: Any,
+                dispatch_s: float, copy_s: float) -> None:  # fmt: skip
+        """Background: commit a filled blob, retire old snapshots, maybe persist."""
+        t0 = time.perf_counter()
+        try:
             with self._lock:
                 entry = writer.commit()
         finally:
             with self._lock:
                 self._pinned.discard(writer.path)
-        self.stats = SnapshotStats(step, prep.nbytes, copied, dispatch_s,
-                                   time.perf_counter() - t0, sum(map(len, prep.rolls.values())))  # fmt: skip
+        copy_s += time.perf_counter() - t0
+        self.stats = SnapshotStats(step, prep.nbytes, copied, dispatch_s, copy_s,
+                                   sum(map(len, prep.rolls.values())))  # fmt: skip
+        layout = prep.layout
         if job is not None:
             if self._persisting is not None:
                 self._persisting.result()  # one persist at a time, in step order
