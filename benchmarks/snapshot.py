@@ -349,7 +349,8 @@ def table(r: dict[str, Any]) -> str:
         + (
             "step without donation, snapshot holds references"
             if c["no_donate"]
-            else "step donates its state, snapshot copies on device first"
+            else "step donates its state, so snapshot() copies it out before it returns "
+            "(CPU devices: straight into shared memory)"
         ),
         f"load average (1 min) around the timed steps: "
         f"{', '.join(f'{x:.1f}' for x in r['machine']['loadavg_1min_during_steps'])} "
@@ -360,8 +361,9 @@ def table(r: dict[str, Any]) -> str:
         f"{st['base']['n']:>5}",
         f"{'step, snapshot every step':34}{st['snap']['median']:>9.3f}s{st['snap']['p99']:>9.3f}s"
         f"{st['snap']['n']:>5}   {100 * r['step_overhead']:+.1f}% (target <= +3%)",
-        f"{'  snapshot() call (dispatch)':34}{r['snapshot_dispatch_s']['median']:>9.3f}s"
-        f"{r['snapshot_dispatch_s']['p99']:>9.3f}s",
+        f"{'  snapshot() call':34}{r['snapshot_dispatch_s']['median']:>9.3f}s"
+        f"{r['snapshot_dispatch_s']['p99']:>9.3f}s   (on CPU: waits for the step's outputs, then "
+        "copies them)",
         "",
         f"snapshot per node: {r['node_snapshot_bytes'] / 2**30:.2f} GiB"
         + (
@@ -372,7 +374,7 @@ def table(r: dict[str, Any]) -> str:
     ]
     if r.get("snapshot_Bps"):
         lines.append(
-            f"  background copy while training: {r['snapshot_copy_s']['median']:.3f} s = "
+            f"  copy while training:            {r['snapshot_copy_s']['median']:.3f} s = "
             f"{r['snapshot_Bps'] / GB:.2f} GB/s"
         )
     lines += [

@@ -177,16 +177,22 @@ class SnapshotManager:
         keep: committed snapshots kept per node (at least 1).
         group_size: nodes per redundancy group (default 2 for 'replica', up to 4 for 'xor').
         donation_safe: True (default): `snapshot()` makes device-side copies of what it copies
-            (one computation per device), so the caller may donate or delete the arrays as soon
-            as it returns; costs up to this node's share of device memory until the host copy is
-            done. False: it holds references only; the caller must not donate or delete them
-            before `wait()` or the next `snapshot()` returns (for training steps that do not
-            donate their state); no device work at all for whole shards.
+            (one computation per device; on CPU devices it copies into shared memory instead),
+            so the caller may donate or delete the arrays as soon as it returns; costs up to
+            this node's share of device memory until the host copy is done. False: it holds
+            references only; the caller must not donate or delete them before `wait()` or the
+            next `snapshot()` returns (for training steps that do not donate their state); no
+            device work at all for whole shards, and on CPU devices no work on the caller's
+            thread.
         rules: rules for the persisted universal checkpoints (and for restoring them).
 
-    On CPU devices the device-side copies and the copy into shared memory are memcpys on the
-    cores that train; on accelerators the device copy is cheap and the host copy is a DMA that
-    overlaps the next steps. On CPU, restored arrays may map the snapshot's pages directly (no
+    On accelerators, `snapshot()` dispatches the device-side copies and starts their
+    device-to-host DMA, which overlaps the next steps; the background thread copies the host
+    buffers into shared memory. On CPU devices, device memory is host memory: with
+    `donation_safe=True`, `snapshot()` copies this node's share straight into (recycled) shared
+    memory before it returns, one memcpy on the training thread, the least a state that the next
+    step may overwrite allows; with `donation_safe=False` the background thread does that copy
+    while the next steps run. On CPU, restored arrays may map the snapshot's pages directly (no
     copy); such snapshot files are never rewritten in place.
 
     >>> mgr = ucp.memory.SnapshotManager("/ckpt", persist_every=100, redundancy="replica")  # doctest: +SKIP
@@ -282,28 +288,32 @@ class SnapshotManager:
         job = None
         if self.persist_every and step % (self.every * self.persist_every) == 0:
             job = persist.make_job(self.directory, step, params, opt_state, self.rules)
+        if prep.host_memory and not self.donation_safe:
+            # CPU devices, references held: the background thread waits for the step's outputs
+            # and copies them while the next steps are dispatched and run.
+            self._inflight = self._copier.submit(
+                self._write_views, step, prep, leaves, rolled, job, time.perf_counter() - t0
+            )
+            return True
         if prep.host_memory:
-            datas = self._host_views(prep, leaves, rolled)
-            if self.donation_safe:
-                # CPU devices: the state is in host memory that the next (donating) step may
-                # reuse, so it is copied out now, straight into shared memory: one copy, into
-                # recycled pages, instead of a device copy into fresh memory and a second copy.
-                t1 = time.perf_counter()
-                try:
-                    writer, copied = self._fill(step, prep, datas)
-                except Exception as e:  # reported like a background failure, on every platform
-                    self._error = self._error or e
-                    return True
-                copy_s = time.perf_counter() - t1
-                self._inflight = self._copier.submit(
-                    self._finish, step, prep, writer, copied, job, time.perf_counter() - t0, copy_s
-                )
+            # CPU devices, the caller may donate: the state is in host memory that the next step
+            # may reuse, so it is copied out now, straight into shared memory: one copy, into
+            # recycled pages, instead of a device copy into fresh memory and a second copy.
+            t1 = time.perf_counter()
+            try:
+                writer, copied = self._fill(step, prep, self._host_views(prep, leaves, rolled))
+            except Exception as e:  # reported like a background failure, on every platform
+                self._error = self._error or e
                 return True
-        else:
-            datas = self._dispatch(prep, leaves, rolled)
-            for d in datas:
-                if isinstance(d, jax.Array):
-                    d.copy_to_host_async()
+            copy_s = time.perf_counter() - t1
+            self._inflight = self._copier.submit(
+                self._finish, step, prep, writer, copied, job, time.perf_counter() - t0, copy_s
+            )
+            return True
+        datas = self._dispatch(prep, leaves, rolled)
+        for d in datas:
+            if isinstance(d, jax.Array):
+                d.copy_to_host_async()
         dispatch_s = time.perf_counter() - t0
         self._inflight = self._copier.submit(self._write, step, prep, datas, job, dispatch_s)
         return True
@@ -405,6 +415,11 @@ class SnapshotManager:
                                   zip(f.box, f.shard_box))]  # fmt: skip
             datas[fi] = view
         return datas
+
+    def _write_views(self, step: int, prep: _Prepared, leaves: list[Any], rolled: dict[Any, Any],
+                     job: Any, dispatch_s: float) -> None:  # fmt: skip
+        """Background: `_write` straight from the CPU buffers of the held arrays."""
+        self._write(step, prep, self._host_views(prep, leaves, rolled), job, dispatch_s)
 
     def _write(
         self, step: int, prep: _Prepared, datas: list[Any], job: Any, dispatch_s: float
