@@ -184,3 +184,20 @@ def test_groups():
     assert make_groups(4, 2) == [[0, 1], [2, 3]]
     assert make_groups(5, 2) == [[0, 1], [2, 3, 4]]
     assert make_groups(3, 4) == [[0, 1, 2]]
+
+
+def test_exchange_merges_requests_and_serves_only_fetched_ranges():
+    import numpy as np
+
+    from ucp_jax._src.memory.exchange import Fetched, merge
+
+    # adjacent or overlapping ranges of one node and server merge; others stay apart
+    got = merge([(1, 0, 64, 64), (1, 0, 0, 64), (1, 0, 100, 50), (2, 0, 0, 8), (1, 3, 128, 8)])
+    assert got == [(1, 0, 0, 150), (1, 3, 128, 8), (2, 0, 0, 8)]
+    f = Fetched(node=1)
+    f.add(128, np.arange(64, dtype=np.uint8))
+    f.add(0, np.arange(32, dtype=np.uint8))
+    assert f.covers(130, 10) and not f.covers(20, 20) and not f.covers(180, 20)
+    assert f.view(130, 3).tolist() == [2, 3, 4] and f.nbytes == 96
+    with pytest.raises(RuntimeError, match="were not fetched"):
+        f.view(40, 8)

@@ -234,3 +234,67 @@ def test_xor_parity_recovers_a_lost_node(xor):
 def test_xor_two_lost_nodes_fall_back(xor):
     _check(xor["persisted"], xor["train"], 2, "persisted")
     assert "falling back to the persisted universal checkpoint" in xor["persisted_log"]
+
+
+# ------------------------------------------- a cluster: each machine sees only its own memory
+
+
+@pytest.fixture(scope="module")
+def machines(tmp_path_factory):
+    """Every process keeps its shared memory on its own 'machine' (a folder no other one sees)."""
+    root = tmp_path_factory.mktemp("mem_machines")
+    ns = f"test-machines-{uuid.uuid4().hex[:8]}"
+    shm = Path("/dev/shm") / f"ucp-machines-{uuid.uuid4().hex[:8]}"
+    base = {"ckpt": str(root / "ckpt"), "namespace": ns, "machines": str(shm)}
+    out = {}
+    try:
+        train = Job(root, "train", 2, 4, mode="train", steps=3, redundancy="replica", **base)
+        train.wait_for("SNAPSHOTS DONE")
+        out["train"] = train.reports()
+        train.crash(victim=0)
+
+        def resume(name, nprocs, devices, **kw):
+            job = Job(root, name, nprocs, devices, mode="resume", **base, **kw)
+            out[name] = job.finish()
+            out[name + "_log"] = job.stderr(0) + job.stderr(nprocs - 1)
+
+        resume("same", 2, 4, **{"continue": True})
+        shutil.rmtree(shm / "m1")  # machine 1 is replaced by a new one: its memory is gone
+        resume("replaced", 2, 4, **{"continue": True})
+        shutil.rmtree(shm / "m1")
+        resume("replaced_1proc", 1, 8)  # and the job shrinks to the machine that is left
+        xor_base = dict(base, namespace=ns + "-xor")
+        train = Job(root, "xor_train", 4, 2, mode="train", steps=2, redundancy="xor", **xor_base)
+        train.wait_for("SNAPSHOTS DONE")
+        out["xor_train"] = train.reports()
+        train.crash(victim=3)
+        shutil.rmtree(shm / "m2" / f"ucp-{ns}-xor")  # machine 2 lost its memory
+        job = Job(root, "xor_replaced", 4, 2, mode="resume", **xor_base, **{"continue": True})
+        out["xor_replaced"] = job.finish()
+        out["xor_replaced_log"] = job.stderr(2)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return out
+
+
+def test_cluster_restart_on_the_same_machines_reads_only_local_memory(machines):
+    _check(machines["same"], machines["train"], 3, "memory")
+    assert [r["fetched_bytes"] for r in machines["same"]] == [0, 0]
+
+
+def test_cluster_replaced_machine_gets_its_state_from_its_peer(machines):
+    """The new machine 1 sees no snapshot: process 0 sends it node 1's pieces (its replica)."""
+    reports = machines["replaced"]
+    _check(reports, machines["train"], 3, "redundancy")
+    assert reports[0]["lost"] == [1]
+    assert reports[0]["fetched_bytes"] == 0 and reports[1]["fetched_bytes"] > 0
+    assert "MiB of it from other processes" in machines["replaced_log"]
+    _check(machines["replaced_1proc"], machines["train"], 3, "redundancy")
+
+
+def test_cluster_xor_decodes_a_lost_machine_from_bytes_of_the_others(machines):
+    reports = machines["xor_replaced"]
+    _check(reports, machines["xor_train"], 2, "redundancy")
+    assert reports[2]["lost"] == [2]
+    assert reports[2]["fetched_bytes"] > 0  # lanes and parity of nodes 0, 1 and 3
+    assert "decoded from xor" in machines["xor_replaced_log"]

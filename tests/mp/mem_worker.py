@@ -4,7 +4,8 @@ Run by tests/test_memory_multiprocess.py:
     python tests/mp/mem_worker.py CONFIG_JSON
 
 CONFIG: {"mode": "train"|"resume", "pid", "nprocs", "addr", "report", "ckpt", "namespace",
-"redundancy", "steps", "persist_every"}. Each process has 8 // nprocs CPU devices (XLA_FLAGS is set
+"redundancy", "steps", "persist_every", "machines"}; with "machines" (a folder), process i keeps
+its shared memory in <machines>/m<i>/ and sees no other's, as on a cluster. Each process has 8 // nprocs CPU devices (XLA_FLAGS is set
 by the caller); the training mesh is (nprocs, 8 // nprocs) with axes ('data', 'model').
 
 - train: trains `steps` steps (params and adamw state donated each step), snapshotting every step,
@@ -127,6 +128,8 @@ def main() -> None:
         redundancy=cfg.get("redundancy"),
         namespace=cfg["namespace"],
         keep=2,
+        # "machines": each process has its own shared memory, as on a cluster (m<pid>/)
+        shm_dir=f"{cfg['machines']}/m{cfg['pid']}" if cfg.get("machines") else None,
     )
     report: dict[str, Any] = {"pid": cfg["pid"], "timing": timing}
     pt, ot = targets(mesh)
@@ -161,7 +164,8 @@ def main() -> None:
     params, opt_state = mgr.restore(pt, ot)
     report["restore_s"] = time.perf_counter() - t0
     info = mgr.restored
-    report.update(step=info.step, source=info.source, lost=info.lost, path=info.path)
+    report.update(step=info.step, source=info.source, lost=info.lost, path=info.path,
+                  fetched_bytes=info.fetched_bytes)  # fmt: skip
     report["digest"] = digest((params, opt_state))
     if cfg.get("continue"):
         step_fn = make_step(mesh, params, opt_state)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
-import json
 import logging
 import mmap
 import os
@@ -31,8 +30,9 @@ from ..errors import MismatchError, NotACheckpointError
 from ..patterns import Box, box_shape, box_size, index_to_box
 from ..plan import LeafBinding, bind_state, unbind_state
 from ..rules import CompiledRules, Rule
-from .layout import Layout, PieceRec
-from .redundancy import decode_node
+from . import exchange
+from .layout import Layout, LeafMeta, PieceRec
+from .redundancy import decode_node, decode_ranges
 from .shm import DATA, Blob, Entry, committed, list_nodes
 
 log = logging.getLogger("ucp_jax")
@@ -45,8 +45,10 @@ class Candidate:
     Attributes:
         run, step: which snapshot.
         layout: its layout.
-        entries: node -> its committed snapshot, for the nodes that have one.
+        entries: node -> its committed snapshot, for the nodes this process sees.
         lost: nodes whose bytes must be decoded from their group.
+        present: node -> the processes that see its committed snapshot (this process alone
+            for a local scan; every process's view after a restore's inventory exchange).
     """
 
     run: int
@@ -54,6 +56,7 @@ class Candidate:
     layout: Layout
     entries: dict[int, Entry]
     lost: list[int]
+    present: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> list[Any]:
@@ -72,6 +75,8 @@ class RestoreInfo:
         seconds: wall time of the restore.
         reason: why memory was not used (for 'persisted').
         files: the snapshot files read (restored arrays may map them).
+        fetched_bytes: bytes this process received from other processes (snapshots on
+            machines it cannot see).
     """
 
     step: int | None
@@ -81,6 +86,7 @@ class RestoreInfo:
     seconds: float = 0.0
     reason: str = ""
     files: list[str] = dataclasses.field(default_factory=list)
+    fetched_bytes: int = 0
 
 
 _layouts: dict[tuple[str, str], Layout] = {}
@@ -106,33 +112,86 @@ def _layout(root: Path, digest: str) -> Layout | None:
     return None
 
 
-def scan(root: Path) -> tuple[list[Candidate], list[str]]:
-    """Every recoverable step under a namespace folder, newest first; and why others are not."""
+def _local_entries(root: Path) -> dict[tuple[int, int, str], dict[int, Entry]]:
+    """(run, step, layout digest) -> node -> committed snapshot, for the nodes seen here."""
     by_key: dict[tuple[int, int, str], dict[int, Entry]] = {}
     for n in list_nodes(root):
         for e in committed(root / str(n)):
             if e.node == n:
                 by_key.setdefault((e.run, e.step, e.plan), {})[n] = e
+    return by_key
+
+
+def _select(
+    present: dict[tuple[int, int, str], dict[int, list[int]]],
+    layout_of: Any,
+    local: dict[tuple[int, int, str], dict[int, Entry]],
+) -> tuple[list[Candidate], list[str]]:
+    """The recoverable steps, newest first, from who sees which node's snapshot; and why not."""
     out, why = [], []
-    for (run, step, digest), entries in sorted(by_key.items(), reverse=True):
-        lay = _layout(root, digest)
+    for (run, step, digest), nodes in sorted(present.items(), reverse=True):
+        lay = layout_of((run, step, digest))
         if lay is None:
             why.append(f"step {step}: its layout {digest} is on no node")
             continue
-        lost = [n for n in range(lay.nodes) if n not in entries]
-        bad = [n for n in lost if not _decodable(lay, n, entries)]
+        lost = [n for n in range(lay.nodes) if n not in nodes]
+        bad = [n for n in lost if not _decodable(lay, n, nodes)]
         if bad:
             why.append(f"step {step}: node(s) {bad} missing and not decodable from their group")
             continue
-        out.append(Candidate(run, step, lay, entries, lost))
+        entries = local.get((run, step, digest), {})
+        out.append(
+            Candidate(run, step, lay, entries, lost, {n: sorted(ps) for n, ps in nodes.items()})
+        )
     return out, why
 
 
-def _decodable(lay: Layout, n: int, entries: dict[int, Entry]) -> bool:
+def scan(root: Path) -> tuple[list[Candidate], list[str]]:
+    """Every step recoverable from what this process sees, newest first; and why others are not."""
+    local = _local_entries(root)
+    me = jax.process_index()
+    present = {k: {n: [me] for n in ents} for k, ents in local.items()}
+    return _select(present, lambda k: _layout(root, k[2]), local)
+
+
+def agree(root: Path, tag: str) -> tuple[list[Candidate], list[str]]:
+    """The recoverable steps from what *all* processes see (a collective), newest first.
+
+    Every process sends its inventory (and publishes the layouts it holds); every process then
+    computes the same candidates from their union, so a process on a machine that lost its
+    shared memory still restores from memory, with bytes served by the others.
+    """
+    local = _local_entries(root)
+    me = jax.process_index()
+    mine = sorted([run, step, digest, n] for (run, step, digest), ents in local.items()
+                  for n in ents)  # fmt: skip
+    if jax.process_count() > 1:
+        for digest in sorted({d for _, _, d, _ in mine}):
+            lay = _layout(root, digest)
+            if lay is not None:
+                exchange.publish_text(f"{tag}/layout/{me}/{digest}", lay.to_json())
+    everyone = exchange.allgather_json(mine, f"{tag}/inventory")
+    present: dict[tuple[int, int, str], dict[int, list[int]]] = {}
+    for proc, items in enumerate(everyone):
+        for run, step, digest, n in items:
+            present.setdefault((run, step, digest), {}).setdefault(n, []).append(proc)
+
+    def layout_of(key: tuple[int, int, str]) -> Layout | None:
+        lay = _layout(root, key[2])
+        if lay is None:  # this process sees no node of that step: take the layout another holds
+            src = min(p for ps in present[key].values() for p in ps)
+            if src != me:
+                lay = Layout.from_json(exchange.get_text(f"{tag}/layout/{src}/{key[2]}"))
+        return lay
+
+    return _select(present, layout_of, local)
+
+
+def _decodable(lay: Layout, n: int, nodes: Any) -> bool:
     if lay.redundancy == "replica":
-        return lay.holder_of(n) in entries
+        return lay.holder_of(n) in nodes
     if lay.redundancy == "xor":
-        return all(m in entries for m in lay.group_of[n] if m != n)
+        return all(m in nodes for m in lay.group_of[n] if m != n)
     return False
 
 
@@ -160,25 +219,6 @@ def newest_persisted(directory: Any) -> tuple[str, int] | None:
     return best
 
 
-def _allgather_json(obj: Any, tag: str) -> list[Any]:
-    """Every process's `obj`, through the coordination service's key-value store (no compile)."""
-    if jax.process_count() == 1:
-        return [obj]
-    from jax._src import distributed
-
-    from ..sync import BARRIER_TIMEOUT_S
-
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError("several jax processes but no jax.distributed client to agree with")
-    client.key_value_set(f"{tag}/{jax.process_index()}", json.dumps(obj))
-    ms = int(BARRIER_TIMEOUT_S * 1000)
-    return [
-        json.loads(client.blocking_key_value_get(f"{tag}/{i}", ms))
-        for i in range(jax.process_count())
-    ]
-
-
 def restore(
     root: Path,
     directory: Any,
@@ -192,23 +232,22 @@ def restore(
     `tag` names this restore in the coordination service (the same on every process, unique).
     """
     t0 = time.perf_counter()
-    cands, why = scan(root)
-    keys = _allgather_json([c.key for c in cands], tag)
-    common = set(map(tuple, keys[0])).intersection(*(map(tuple, k) for k in keys[1:]))
-    chosen = next((c for c in cands if tuple(c.key) in common), None)
+    cands, why = agree(root, tag)
+    chosen = cands[0] if cands else None
     if chosen is not None:
-        params, opt, files = _read(chosen, params_target, opt_state_target)
+        params, opt, files, fetched = _read(chosen, params_target, opt_state_target, tag)
         source = "redundancy" if chosen.lost else "memory"
         info = RestoreInfo(chosen.step, source, str(root), chosen.lost, time.perf_counter() - t0)
         info.files = [str(f) for f in files]
+        info.fetched_bytes = fetched
         detail = f", node(s) {chosen.lost} decoded from {chosen.layout.redundancy}" * bool(
             chosen.lost
         )
+        if fetched:
+            detail += f", {fetched / 2**20:.1f} MiB of it from other processes"
         log.info("ucp.memory: restored step %d from shared memory%s", chosen.step, detail)
         return params, opt, info
-    reason = "; ".join(why) or f"no committed snapshot under {root}"
-    if cands:
-        reason = "the processes see no common recoverable step"
+    reason = "; ".join(why) or f"no committed snapshot under {root} on any process"
     found = newest_persisted(directory)
     if found is None:
         raise NotACheckpointError(
@@ -230,36 +269,53 @@ def restore(
 
 
 class _Bytes:
-    """A node's blob bytes: its mapped data file, or its pieces part rebuilt from its group."""
+    """Node blobs as this process reads them: mapped when it sees them, else bytes fetched from
+    the process that does, else (a lost node) rebuilt from its group."""
 
     def __init__(self, cand: Candidate) -> None:
         self.cand = cand
+        self.fetched: dict[int, exchange.Fetched] = {}
         self._open: dict[int, Any] = {}
         self.files: list[Path] = []
+
+    def sees(self, node: int) -> bool:
+        return node in self.cand.entries
 
     def __getitem__(self, node: int) -> Any:
         if node not in self._open:
             if node in self.cand.entries:
                 self.files.append(self.cand.entries[node].path / DATA)
                 self._open[node] = Blob.open(self.cand.entries[node].path / DATA)
-            else:
+            elif node in self.fetched:
+                self._open[node] = self.fetched[node]
+            elif node in self.cand.lost:
                 group = self.cand.layout.group_of[node]
                 others = {m: self[m] for m in group if m != node}
                 self._open[node] = _Decoded(decode_node(self.cand.layout, node, others))
+            else:
+                raise RuntimeError(
+                    f"ucp.memory restore: node {node}'s snapshot is on another machine and none "
+                    "of its bytes were fetched (an internal planning error; please report it)"
+                )
         return self._open[node]
+
+    def covers(self, node: int, offset: int, nbytes: int) -> bool:
+        """Whether `view(offset, nbytes)` of that node is readable here (fetched ranges only)."""
+        if node in self.cand.entries or node in self.cand.lost:
+            return True
+        return node in self.fetched and self.fetched[node].covers(offset, nbytes)
 
     def homes(self, p: PieceRec) -> list[tuple[int, int]]:
         """(node, offset) where a piece can be read, best first.
 
-        This process's own node first (on a cluster, the only shared memory it can see), then
-        the piece's node, then the node keeping its replica; a lost node's pieces come from its
-        decoded bytes last.
+        Nodes this process sees first (its own node first of those), then nodes other
+        processes see (fetched), then the piece's node rebuilt from its group (a lost node).
         """
         here = jax.process_index()
-        ents = self.cand.entries
-        locs = [loc for loc in self.cand.layout.locations(p) if loc[0] in ents]
-        locs.sort(key=lambda loc: (loc[0] != here, loc[0] != p.node))
-        if p.node not in ents:
+        present = self.cand.present or {n: [here] for n in self.cand.entries}
+        locs = [loc for loc in self.cand.layout.locations(p) if loc[0] in present]
+        locs.sort(key=lambda loc: (not self.sees(loc[0]), loc[0] != here, loc[0] != p.node))
+        if p.node in self.cand.lost:
             locs.append((p.node, p.offset))  # decoded from its group
         return locs
 
@@ -271,6 +327,33 @@ class _Bytes:
         for b in self._open.values():
             if isinstance(b, Blob):
                 b.close()
+
+
+def _requests(cand: Candidate, regions: list[tuple[int, Box]], blobs: _Bytes) -> list[Any]:
+    """The byte ranges this process must fetch to read `regions` ((leaf, box) pairs): pieces on
+    nodes it does not see, and what decoding a lost node needs from group members it does not
+    see. Each is served by the lowest process that sees the node."""
+    lay = cand.layout
+    wanted: list[tuple[int, int, int, int]] = []
+    decode: set[int] = set()
+
+    def need(node: int, off: int, n: int) -> None:
+        if not blobs.sees(node) and n > 0:
+            wanted.append((node, min(cand.present[node]), off, n))
+
+    for li, box in regions:
+        for p in lay.by_leaf[li]:
+            if _intersect(p.box, box) is None:
+                continue
+            node, off = blobs.homes(p)[0]
+            if node in cand.lost:
+                decode.add(node)
+            else:
+                need(node, off, p.nbytes)
+    for lost in sorted(decode):
+        for node, off, n in decode_ranges(lay, lost):
+            need(node, off, n)
+    return exchange.merge(wanted)
 
 
 class _Decoded:
@@ -291,16 +374,30 @@ def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:
 
 
 def _read(
-    cand: Candidate, params_target: Any, opt_state_target: Any
-) -> tuple[Any, Any, list[Path]]:
+    cand: Candidate, params_target: Any, opt_state_target: Any, tag: str
+) -> tuple[Any, Any, list[Path], int]:
+    """Build the targets from the candidate's bytes; returns (params, opt, files, bytes fetched).
+
+    A collective (the fetch of bytes other machines hold): every process calls it.
+    """
     lay = cand.layout
     pbind, obind = bind_state(params_target, opt_state_target, CompiledRules(()))
     index = {m.name: i for i, m in enumerate(lay.leaves)}
     blobs = _Bytes(cand)
     try:
+        regions = []
+        for b in pbind + obind:
+            li = _leaf_index(b, lay, index)
+            regions += [(li, box) for box in _regions(b, lay.leaves[li])]
+        blobs.fetched = exchange.fetch(
+            _requests(cand, regions, blobs),
+            lambda node, off, n: blobs[node].view(off, n),
+            f"{tag}/fetch",
+        )
         leaves = [_read_leaf(b, lay, index, blobs) for b in pbind + obind]
     finally:
         blobs.close()
+    fetched = sum(f.nbytes for f in blobs.fetched.values())
     # Every shard of every leaf in one device_put: one dispatch instead of one per leaf.
     placed = [x for x in leaves if isinstance(x, _Placement)]
     shards = jax.device_put(
@@ -316,7 +413,7 @@ def _read(
         else:
             values.append(x)
     params, opt = unbind_state(params_target, opt_state_target, values)
-    return params, opt, blobs.files
+    return params, opt, blobs.files, fetched
 
 
 @dataclasses.dataclass
@@ -329,8 +426,8 @@ class _Placement:
     devices: list[Any]
 
 
-def _read_leaf(b: LeafBinding, lay: Layout, index: dict[str, int], blobs: _Bytes) -> Any:
-    """A host value, or the _Placement of a sharded leaf (its regions are views where possible)."""
+def _leaf_index(b: LeafBinding, lay: Layout, index: dict[str, int]) -> int:
+    """The snapshot leaf a target leaf reads, checked (name, shape, dtype, sharding)."""
     li = index.get(b.name)
     if li is None:
         close = difflib.get_close_matches(b.name, list(index), n=3)
@@ -346,12 +443,27 @@ def _read_leaf(b: LeafBinding, lay: Layout, index: dict[str, int], blobs: _Bytes
             f"snapshot has {meta.dtype.name}{list(meta.shape)}; pass a target of the snapshotted "
             "shape and dtype (any sharding)"
         )
+    if b.sharding is None and isinstance(b.value, jax.ShapeDtypeStruct):
+        raise MismatchError(
+            f"ucp.memory restore: target leaf {b.name!r} is a ShapeDtypeStruct without a "
+            "sharding; give it sharding=NamedSharding(mesh, spec)"
+        )
+    return li
+
+
+def _regions(b: LeafBinding, meta: LeafMeta) -> list[Box]:
+    """The distinct regions of a leaf this process builds (the whole leaf for a host value)."""
     if b.sharding is None:
-        if isinstance(b.value, jax.ShapeDtypeStruct):
-            raise MismatchError(
-                f"ucp.memory restore: target leaf {b.name!r} is a ShapeDtypeStruct without a "
-                "sharding; give it sharding=NamedSharding(mesh, spec)"
-            )
+        return [tuple((0, d) for d in meta.shape)]
+    idx = b.sharding.addressable_devices_indices_map(b.shape).values()
+    return list(dict.fromkeys(index_to_box(i, b.shape) for i in idx))
+
+
+def _read_leaf(b: LeafBinding, lay: Layout, index: dict[str, int], blobs: _Bytes) -> Any:
+    """A host value, or the _Placement of a sharded leaf (its regions are views where possible)."""
+    li = _leaf_index(b, lay, index)
+    meta = lay.leaves[li]
+    if b.sharding is None:
         full = tuple((0, d) for d in meta.shape)
         host = np.array(_assemble(full, li, lay, blobs))  # a host value: never a view
         return host if isinstance(b.value, np.ndarray) or meta.shape else host[()]
@@ -398,8 +510,11 @@ def _contiguous(box: Box, pieces: list[PieceRec], blobs: _Bytes) -> np.ndarray |
         offs = [h.get(node) for h in homes]
         if None in offs:
             continue
-        if all(o + p.nbytes == n for o, p, n in zip(offs, pieces, offs[1:])):
-            return blobs[node].view(first, sum(p.nbytes for p in pieces))
+        total = sum(p.nbytes for p in pieces)
+        if all(o + p.nbytes == n for o, p, n in zip(offs, pieces, offs[1:])) and blobs.covers(
+            node, first, total
+        ):
+            return blobs[node].view(first, total)
     return None
 
 

@@ -242,6 +242,31 @@ def roll(xs: Sequence[jax.Array], shift: int, layout: Layout) -> list[jax.Array]
     return list(fn(*flats))
 
 
+def decode_ranges(layout: Layout, lost: int) -> list[tuple[int, int, int]]:
+    """(node, offset, nbytes) of every byte range `decode_node` reads to rebuild node `lost`."""
+    out = []
+    if layout.redundancy == "replica":
+        h = layout.holder_of(lost)
+        return [(h, layout.backup_offset[p], p.nbytes) for p in layout.by_node[lost]]
+    if layout.redundancy != "xor":
+        return []
+    g = layout.group_of[lost]
+    for k in g:
+        if k == lost:
+            continue
+        a, b = layout.lane(lost, k)
+        if b <= a:
+            continue
+        out.append((k, layout.primary[k], b - a))
+        for i in g:
+            if i in (lost, k):
+                continue
+            c, d = layout.lane(i, k)
+            if min(d - c, b - a) > 0:
+                out.append((i, c, min(d - c, b - a)))
+    return out
+
+
 def decode_node(layout: Layout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
     """Rebuild the pieces part of node `lost` from the other nodes of its group.
 
