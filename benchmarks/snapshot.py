@@ -362,8 +362,12 @@ def table(r: dict[str, Any]) -> str:
         f"{'step, snapshot every step':34}{st['snap']['median']:>9.3f}s{st['snap']['p99']:>9.3f}s"
         f"{st['snap']['n']:>5}   {100 * r['step_overhead']:+.1f}% (target <= +3%)",
         f"{'  snapshot() call':34}{r['snapshot_dispatch_s']['median']:>9.3f}s"
-        f"{r['snapshot_dispatch_s']['p99']:>9.3f}s   (on CPU: waits for the step's outputs, then "
-        "copies them)",
+        f"{r['snapshot_dispatch_s']['p99']:>9.3f}s   "
+        + (
+            "(waits for the previous snapshot's copy; this step runs meanwhile)"
+            if c["no_donate"]
+            else "(CPU: waits for the step's outputs, then copies them)"
+        ),
         "",
         f"snapshot per node: {r['node_snapshot_bytes'] / 2**30:.2f} GiB"
         + (

@@ -16,6 +16,7 @@ import tensorstore as ts
 from .checkpoint import Checkpoint, _wrap_io, list_checkpoints, open_checkpoint
 from .dtypes import np_dtype
 from .errors import MismatchError, NotACheckpointError, PatternError
+from .gcpause import gc_paused
 from .manifest import STEP_SLOT, AtomInfo
 from .patterns import box_shape, box_size, index_to_box, to_slices
 from .plan import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
@@ -188,6 +189,7 @@ def _check_fused(b: LeafBinding, atom: str, marks: Sequence[Any], info: AtomInfo
             )
 
 
+@gc_paused()
 def restore(
     path: Any,
     params_target: Any,

@@ -299,9 +299,10 @@ class SnapshotManager:
             # CPU devices, the caller may donate: the state is in host memory that the next step
             # may reuse, so it is copied out now, straight into shared memory: one copy, into
             # recycled pages, instead of a device copy into fresh memory and a second copy.
+            datas = self._host_views(prep, leaves, rolled)  # waits for the step's outputs
             t1 = time.perf_counter()
             try:
-                writer, copied = self._fill(step, prep, self._host_views(prep, leaves, rolled))
+                writer, copied = self._fill(step, prep, datas)
             except Exception as e:  # reported like a background failure, on every platform
                 self._error = self._error or e
                 return True

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from ..errors import MismatchError, NotACheckpointError
+from ..gcpause import gc_paused
 from ..patterns import Box, box_shape, box_size, index_to_box
 from ..plan import LeafBinding, bind_state, unbind_state
 from ..rules import CompiledRules, Rule
@@ -165,23 +166,25 @@ def agree(root: Path, tag: str) -> tuple[list[Candidate], list[str]]:
     me = jax.process_index()
     mine = sorted([run, step, digest, n] for (run, step, digest), ents in local.items()
                   for n in ents)  # fmt: skip
+    published = []
     if jax.process_count() > 1:
         for digest in sorted({d for _, _, d, _ in mine}):
             lay = _layout(root, digest)
             if lay is not None:
                 exchange.publish_text(f"{tag}/layout/{me}/{digest}", lay.to_json())
-    everyone = exchange.allgather_json(mine, f"{tag}/inventory")
+                published.append(digest)
+    everyone = exchange.allgather_json({"entries": mine, "layouts": published}, f"{tag}/inventory")
     present: dict[tuple[int, int, str], dict[int, list[int]]] = {}
-    for proc, items in enumerate(everyone):
-        for run, step, digest, n in items:
+    for proc, inv in enumerate(everyone):
+        for run, step, digest, n in inv["entries"]:
             present.setdefault((run, step, digest), {}).setdefault(n, []).append(proc)
 
     def layout_of(key: tuple[int, int, str]) -> Layout | None:
         lay = _layout(root, key[2])
         if lay is None:  # this process sees no node of that step: take the layout another holds
-            src = min(p for ps in present[key].values() for p in ps)
-            if src != me:
-                lay = Layout.from_json(exchange.get_text(f"{tag}/layout/{src}/{key[2]}"))
+            src = [p for p, inv in enumerate(everyone) if key[2] in inv["layouts"]]
+            if src:
+                lay = Layout.from_json(exchange.get_text(f"{tag}/layout/{src[0]}/{key[2]}"))
         return lay
 
     return _select(present, layout_of, local)
@@ -219,6 +222,7 @@ def newest_persisted(directory: Any) -> tuple[str, int] | None:
     return best
 
 
+@gc_paused()
 def restore(
     root: Path,
     directory: Any,
@@ -275,6 +279,7 @@ class _Bytes:
     def __init__(self, cand: Candidate) -> None:
         self.cand = cand
         self.fetched: dict[int, exchange.Fetched] = {}
+        self._homes: dict[PieceRec, list[tuple[int, int]]] = {}
         self._open: dict[int, Any] = {}
         self.files: list[Path] = []
 
@@ -311,12 +316,15 @@ class _Bytes:
         Nodes this process sees first (its own node first of those), then nodes other
         processes see (fetched), then the piece's node rebuilt from its group (a lost node).
         """
+        if p in self._homes:
+            return self._homes[p]
         here = jax.process_index()
-        present = self.cand.present or {n: [here] for n in self.cand.entries}
+        present = self.cand.present or self.cand.entries
         locs = [loc for loc in self.cand.layout.locations(p) if loc[0] in present]
         locs.sort(key=lambda loc: (not self.sees(loc[0]), loc[0] != here, loc[0] != p.node))
         if p.node in self.cand.lost:
             locs.append((p.node, p.offset))  # decoded from its group
+        self._homes[p] = locs
         return locs
 
     def read(self, p: PieceRec) -> np.ndarray:
@@ -334,6 +342,8 @@ def _requests(cand: Candidate, regions: list[tuple[int, Box]], blobs: _Bytes) ->
     nodes it does not see, and what decoding a lost node needs from group members it does not
     see. Each is served by the lowest process that sees the node."""
     lay = cand.layout
+    if all(blobs.sees(n) for n in cand.present):
+        return []  # every snapshot there is, this process sees
     wanted: list[tuple[int, int, int, int]] = []
     decode: set[int] = set()
 

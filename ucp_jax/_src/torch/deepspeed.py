@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import NotACheckpointError
+from ..gcpause import gc_paused
 from ._unpickle import LazyTensor
 from ._unpickle import load_lazy as load
 from ._writer import AtomWriter
@@ -315,6 +316,7 @@ def _fragments_z3(
             offset += part
 
 
+@gc_paused()
 def import_deepspeed(
     src: Any,
     dst: Any,
