@@ -130,6 +130,22 @@ def _shm(namespace: str) -> Path:
     return Path("/dev/shm") / f"ucp-{namespace}"
 
 
+def _trained(root: Path, name: str, nprocs: int, devices: int, victim: int, **cfg) -> list[dict]:
+    """Train with snapshots until every process reports, then SIGKILL `victim` (the job dies)."""
+    job = Job(root, name, nprocs, devices, mode="train", **cfg)
+    job.wait_for("SNAPSHOTS DONE")
+    reports = job.reports()
+    job.crash(victim=victim)
+    return reports
+
+
+def _resume(root: Path, out: dict, name: str, nprocs: int, devices: int, **cfg) -> None:
+    """Resume on `nprocs` x `devices`; out[name] = the reports, out[name_log] = first/last stderr."""
+    job = Job(root, name, nprocs, devices, mode="resume", **cfg)
+    out[name] = job.finish()
+    out[name + "_log"] = job.stderr(0) + (job.stderr(nprocs - 1) if nprocs > 1 else "")
+
+
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
     root = tmp_path_factory.mktemp("mem_replica")
@@ -137,16 +153,11 @@ def replica(tmp_path_factory):
     base = {"ckpt": str(root / "ckpt"), "namespace": ns}
     out = {}
     try:
-        train = Job(root, "train", 2, 4, mode="train", steps=5, persist_every=2,
-                    redundancy="replica", **base)  # fmt: skip
-        train.wait_for("SNAPSHOTS DONE")
-        out["train"] = train.reports()
-        train.crash(victim=1)
+        out["train"] = _trained(root, "train", 2, 4, 1, steps=5, persist_every=2,
+                                redundancy="replica", **base)  # fmt: skip
 
         def resume(name, nprocs, devices, **kw):
-            job = Job(root, name, nprocs, devices, mode="resume", **base, **kw)
-            out[name] = job.finish()
-            out[name + "_log"] = job.stderr(0)
+            _resume(root, out, name, nprocs, devices, **base, **kw)
 
         resume("memory", 2, 4, **{"continue": True})
         resume("memory_1proc", 1, 4)
@@ -208,19 +219,13 @@ def xor(tmp_path_factory):
     base = {"ckpt": str(root / "ckpt"), "namespace": ns}
     out = {}
     try:
-        train = Job(root, "train", 4, 2, mode="train", steps=3, persist_every=2,
-                    redundancy="xor", device_copies=True, **base)  # fmt: skip
-        train.wait_for("SNAPSHOTS DONE")
-        out["train"] = train.reports()
-        train.crash(victim=2)
+        out["train"] = _trained(root, "train", 4, 2, 2, steps=3, persist_every=2,
+                                redundancy="xor", device_copies=True, **base)  # fmt: skip
         shutil.rmtree(_shm(ns) / "2")
-        job = Job(root, "parity", 2, 4, mode="resume", **base)  # 4 nodes -> 2 processes
-        out["parity"] = job.finish()
+        _resume(root, out, "parity", 2, 4, **base)  # 4 nodes -> 2 processes
         shutil.rmtree(_shm(ns) / "1")
         shutil.rmtree(_shm(ns) / "2", ignore_errors=True)
-        job = Job(root, "persisted", 1, 4, mode="resume", **base)
-        out["persisted"] = job.finish()
-        out["persisted_log"] = job.stderr(0)
+        _resume(root, out, "persisted", 1, 4, **base)
     finally:
         shutil.rmtree(_shm(ns), ignore_errors=True)
     return out
@@ -248,15 +253,10 @@ def machines(tmp_path_factory):
     base = {"ckpt": str(root / "ckpt"), "namespace": ns, "machines": str(shm)}
     out = {}
     try:
-        train = Job(root, "train", 2, 4, mode="train", steps=3, redundancy="replica", **base)
-        train.wait_for("SNAPSHOTS DONE")
-        out["train"] = train.reports()
-        train.crash(victim=0)
+        out["train"] = _trained(root, "train", 2, 4, 0, steps=3, redundancy="replica", **base)
 
         def resume(name, nprocs, devices, **kw):
-            job = Job(root, name, nprocs, devices, mode="resume", **base, **kw)
-            out[name] = job.finish()
-            out[name + "_log"] = job.stderr(0) + job.stderr(nprocs - 1)
+            _resume(root, out, name, nprocs, devices, **base, **kw)
 
         resume("same", 2, 4, **{"continue": True})
         shutil.rmtree(shm / "m1")  # machine 1 is replaced by a new one: its memory is gone
@@ -264,14 +264,10 @@ def machines(tmp_path_factory):
         shutil.rmtree(shm / "m1")
         resume("replaced_1proc", 1, 8)  # and the job shrinks to the machine that is left
         xor_base = dict(base, namespace=ns + "-xor")
-        train = Job(root, "xor_train", 4, 2, mode="train", steps=2, redundancy="xor", **xor_base)
-        train.wait_for("SNAPSHOTS DONE")
-        out["xor_train"] = train.reports()
-        train.crash(victim=3)
+        out["xor_train"] = _trained(root, "xor_train", 4, 2, 3, steps=2, redundancy="xor",
+                                    **xor_base)  # fmt: skip
         shutil.rmtree(shm / "m2" / f"ucp-{ns}-xor")  # machine 2 lost its memory
-        job = Job(root, "xor_replaced", 4, 2, mode="resume", **xor_base, **{"continue": True})
-        out["xor_replaced"] = job.finish()
-        out["xor_replaced_log"] = job.stderr(2)
+        _resume(root, out, "xor_replaced", 4, 2, **xor_base, **{"continue": True})
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     return out

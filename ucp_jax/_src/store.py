@@ -361,15 +361,7 @@ def start_writeback(path: str) -> None:
     Files written without a sync then reach the disk while the writer goes on, and the `fsync` of
     `sync_tree` finds little left to do. Best effort: a no-op where unsupported.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        if _sync_file_range is not None:
-            _sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
-    finally:
-        os.close(fd)
+    _sync_range(path, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
 
 
 def settle_file(path: str) -> None:
@@ -380,14 +372,21 @@ def settle_file(path: str) -> None:
     machines where fresh memory is slow to come by (VMs). Data only; `sync_tree` still makes the
     metadata durable. Best effort: a no-op where unsupported.
     """
+    # WAIT_BEFORE | WRITE | WAIT_AFTER: all of the file's dirty pages written, and waited on
+    _sync_range(path, 1 | 2 | 4, drop=True)
+
+
+def _sync_range(path: str, flags: int, *, drop: bool = False) -> None:
+    """sync_file_range(2) over a whole file (then POSIX_FADV_DONTNEED when `drop`)."""
+    if _sync_file_range is None:
+        return
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
-        if _sync_file_range is not None:
-            # WAIT_BEFORE | WRITE | WAIT_AFTER: all of the file's dirty pages written, and waited on
-            _sync_file_range(fd, 0, 0, 1 | 2 | 4)
+        _sync_file_range(fd, 0, 0, flags)
+        if drop:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

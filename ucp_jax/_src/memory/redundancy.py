@@ -242,14 +242,10 @@ def roll(xs: Sequence[jax.Array], shift: int, layout: Layout) -> list[jax.Array]
     return list(fn(*flats))
 
 
-def decode_ranges(layout: Layout, lost: int) -> list[tuple[int, int, int]]:
-    """(node, offset, nbytes) of every byte range `decode_node` reads to rebuild node `lost`."""
+def _xor_reads(layout: Layout, lost: int) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
+    """xor: per other member k, (k, start, stop, reads): lost's lane [start, stop) for k is k's
+    parity lane XOR the lanes (offset, nbytes) the remaining members i cut for k."""
     out = []
-    if layout.redundancy == "replica":
-        h = layout.holder_of(lost)
-        return [(h, layout.backup_offset[p], p.nbytes) for p in layout.by_node[lost]]
-    if layout.redundancy != "xor":
-        return []
     g = layout.group_of[lost]
     for k in g:
         if k == lost:
@@ -257,13 +253,28 @@ def decode_ranges(layout: Layout, lost: int) -> list[tuple[int, int, int]]:
         a, b = layout.lane(lost, k)
         if b <= a:
             continue
-        out.append((k, layout.primary[k], b - a))
+        reads = []
         for i in g:
             if i in (lost, k):
                 continue
             c, d = layout.lane(i, k)
             if min(d - c, b - a) > 0:
-                out.append((i, c, min(d - c, b - a)))
+                reads.append((i, c, min(d - c, b - a)))
+        out.append((k, a, b, reads))
+    return out
+
+
+def decode_ranges(layout: Layout, lost: int) -> list[tuple[int, int, int]]:
+    """(node, offset, nbytes) of every byte range `decode_node` reads to rebuild node `lost`."""
+    if layout.redundancy == "replica":
+        h = layout.holder_of(lost)
+        return [(h, layout.backup_offset[p], p.nbytes) for p in layout.by_node[lost]]
+    if layout.redundancy != "xor":
+        return []
+    out = []
+    for k, a, b, reads in _xor_reads(layout, lost):
+        out.append((k, layout.primary[k], b - a))
+        out += reads
     return out
 
 
@@ -280,7 +291,6 @@ def decode_node(layout: Layout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
         at their offsets, the copies it kept for another node left zero).
     """
     out = np.zeros(layout.primary[lost], np.uint8)
-    g = layout.group_of[lost]
     if layout.redundancy == "replica":
         h = layout.holder_of(lost)
         for p in layout.by_node[lost]:
@@ -288,20 +298,10 @@ def decode_node(layout: Layout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
         return out
     if layout.redundancy != "xor":
         raise ValueError(f"node {lost} is lost and the snapshot has no redundancy")
-    for k in g:
-        if k == lost:
-            continue
-        a, b = layout.lane(lost, k)
-        if b <= a:
-            continue
+    for k, a, b, reads in _xor_reads(layout, lost):
         lane = np.array(blobs[k].view(layout.primary[k], b - a))
-        for i in g:
-            if i in (lost, k):
-                continue
-            c, d = layout.lane(i, k)
-            n = min(d - c, b - a)
-            if n > 0:
-                np.bitwise_xor(lane[:n], blobs[i].view(c, n), out=lane[:n])
+        for i, c, n in reads:
+            np.bitwise_xor(lane[:n], blobs[i].view(c, n), out=lane[:n])
         out[a:b] = lane
     return out
 
