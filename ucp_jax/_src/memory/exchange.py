@@ -18,9 +18,11 @@ nothing is requested and no collective runs.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import functools
 import json
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,22 +38,26 @@ def allgather_json(obj: Any, tag: str) -> list[Any]:
     """Every process's `obj`, through the coordination service's key-value store (no compile)."""
     if jax.process_count() == 1:
         return [obj]
-    client = _client()
-    client.key_value_set(f"{tag}/{jax.process_index()}", json.dumps(obj))
+    publish_text(f"{tag}/{jax.process_index()}", json.dumps(obj))
     return [json.loads(get_text(f"{tag}/{i}")) for i in range(jax.process_count())]
 
 
 def publish_text(key: str, text: str) -> None:
-    """Put `text` under `key` for the other processes (no-op in a single-process job)."""
+    """Put `text` under `key` for the other processes (no-op in a single-process job).
+
+    Compressed: layouts of large models run to megabytes of JSON, more than a coordination
+    service message should carry.
+    """
     if jax.process_count() > 1:
-        _client().key_value_set(key, text)
+        _client().key_value_set(key, base64.b64encode(zlib.compress(text.encode(), 6)).decode())
 
 
 def get_text(key: str) -> str:
-    """The text another process published under `key` (waits for it)."""
+    """The text another process published under `key` with `publish_text` (waits for it)."""
     from ..sync import BARRIER_TIMEOUT_S
 
-    return _client().blocking_key_value_get(key, int(BARRIER_TIMEOUT_S * 1000))
+    raw = _client().blocking_key_value_get(key, int(BARRIER_TIMEOUT_S * 1000))
+    return zlib.decompress(base64.b64decode(raw)).decode()
 
 
 def _client() -> Any:
