@@ -44,6 +44,7 @@ class _Prepared:
     nbytes: int
     groups: list[_DeviceCopies]
     host_memory: bool  # every device is a CPU device: its buffers are host memory already
+    views_pin: bool  # ... and numpy views of them keep donating computations off them
 
 
 @dataclasses.dataclass
@@ -105,6 +106,26 @@ def _agree_run_id() -> int:
         raw = np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8)
         run = struct.unpack("<q", raw.tobytes())[0]
     return run
+
+
+@functools.cache
+def views_pin_buffers(device: Any) -> bool:
+    """Whether a numpy view of a CPU buffer keeps a donating computation from reusing it.
+
+    The CPU runtime does not donate a buffer that has external references (the view): the
+    computation writes new buffers and the viewed bytes stay as they are. Probed once per
+    device, so that a runtime that behaves otherwise falls back to copying before returning.
+    """
+    src = np.arange(1 << 18, dtype=np.float32)
+    x = jax.device_put(src, device)
+    view = np.asarray(x)
+    y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+    y.block_until_ready()
+    return bool(
+        not x.is_deleted()
+        and y.unsafe_buffer_pointer() != view.ctypes.data
+        and np.array_equal(view, src)
+    )
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -188,11 +209,12 @@ class SnapshotManager:
 
     On accelerators, `snapshot()` dispatches the device-side copies and starts their
     device-to-host DMA, which overlaps the next steps; the background thread copies the host
-    buffers into shared memory. On CPU devices, device memory is host memory: with
-    `donation_safe=True`, `snapshot()` copies this node's share straight into (recycled) shared
-    memory before it returns, one memcpy on the training thread, the least a state that the next
-    step may overwrite allows; with `donation_safe=False` the background thread does that copy
-    while the next steps run. On CPU, restored arrays may map the snapshot's pages directly (no
+    buffers into shared memory. On CPU devices, device memory is host memory: the background
+    thread copies this node's share straight from the buffers into (recycled) shared memory while
+    the next steps run. With `donation_safe=True`, `snapshot()` first waits for the step's outputs
+    and takes numpy views of them, which keep a donating step from reusing those buffers (it
+    writes new ones; `views_pin_buffers` checks the runtime does this, else the copy is made
+    before `snapshot()` returns). On CPU, restored arrays may map the snapshot's pages directly (no
     copy); such snapshot files are never rewritten in place.
 
     >>> mgr = ucp.memory.SnapshotManager("/ckpt", persist_every=100, redundancy="replica")  # doctest: +SKIP
@@ -295,6 +317,15 @@ class SnapshotManager:
                 self._write_views, step, prep, leaves, rolled, job, time.perf_counter() - t0
             )
             return True
+        if prep.host_memory and prep.views_pin:
+            # CPU devices, the caller may donate: numpy views of the buffers (taken once the
+            # step's outputs exist) keep the runtime from donating them (see views_pin_buffers),
+            # so the copy into shared memory runs in the background, beside the next step.
+            datas = self._host_views(prep, leaves, rolled)
+            self._inflight = self._copier.submit(
+                self._write, step, prep, datas, job, time.perf_counter() - t0
+            )
+            return True
         if prep.host_memory:
             # CPU devices, the caller may donate: the state is in host memory that the next step
             # may reuse, so it is copied out now, straight into shared memory: one copy, into
@@ -368,9 +399,12 @@ class SnapshotManager:
         host_memory = os.environ.get(_ENV_DEVICE_COPIES, "0") in ("", "0") and all(
             f.device is None or f.device.platform == "cpu" for f in fetches
         )
+        views_pin = host_memory and all(
+            views_pin_buffers(f.device) for f in fetches if f.device is not None
+        )
         return _Prepared(layout, layout.to_json(), fetches, by_shift, layout.gaps(self.node),
                          layout.size(self.node), _group_by_device(fetches, self.donation_safe),
-                         host_memory)  # fmt: skip
+                         host_memory, views_pin)  # fmt: skip
 
     def _dispatch(self, prep: _Prepared, leaves: list[Any], rolled: dict[Any, Any]) -> list[Any]:
         """Start every copy of this snapshot: one computation per device, host values copied."""
