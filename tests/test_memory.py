@@ -365,32 +365,27 @@ def test_errors(tmp_path, shm_dir):
         mgr.snapshot(2, params, opt_state)
 
 
-@pytest.mark.parametrize("views_pin", [True, False])
-def test_cpu_devices_copy_straight_from_their_buffers(
-    tmp_path, shm_dir, copy_path, views_pin, monkeypatch
-):
-    """CPU devices: no device-side copies. The copy into shared memory runs in the background
-    while numpy views keep the donating step off the buffers, or, on a runtime where views do not
-    (forced here), inside snapshot(); UCP_SNAPSHOT_DEVICE_COPIES=1 takes the accelerators' path.
-    Either way the donating steps that follow never change a snapshot (checked bit for bit)."""
-    from ucp_jax._src.memory import engine
+def test_cpu_devices_copy_straight_from_their_buffers(tmp_path, shm_dir, copy_path, monkeypatch):
+    """CPU devices: no device-side copies; with a donating step the copy into shared memory runs
+    inside snapshot(). UCP_SNAPSHOT_DEVICE_COPIES=1 takes the accelerators' path. Either way the
+    donating steps that follow never change a snapshot (checked bit for bit, step by step)."""
+    from ucp_jax._src.memory import copies
 
     calls = []
-    copies = engine._copies
+    device_copies = copies._copies
 
     def counting(*a, **k):
         calls.append(1)
-        return copies(*a, **k)
+        return device_copies(*a, **k)
 
-    monkeypatch.setattr(engine, "_copies", counting)
-    monkeypatch.setattr(engine, "views_pin_buffers", lambda device: views_pin)
+    monkeypatch.setattr(copies, "_copies", counting)
     mgr = _mgr(tmp_path, shm_dir, keep=3)
     _, _, hist = _train(mgr, 3)
     mgr.wait()
     assert (len(calls) == 0) == (copy_path == "cpu-buffers"), calls
     st = mgr.stats
     assert st.step == 3 and st.copied_bytes >= st.nbytes - 64 * 40
-    if copy_path == "cpu-buffers" and not views_pin:  # the copy ran inside snapshot()
+    if copy_path == "cpu-buffers":  # the copy ran inside snapshot()
         assert st.dispatch_s >= st.copy_s * 0.5
     for step in (1, 2, 3):  # written while later donating steps ran: still that step's bytes
         node = shm_dir / "ucp-t" / "0"
@@ -404,10 +399,3 @@ def test_cpu_devices_copy_straight_from_their_buffers(
             if n.startswith(".step_"):
                 os.rename(node / n, node / n[1:])
     mgr.close()
-
-
-def test_numpy_views_keep_donation_off_cpu_buffers():
-    """The CPU runtime behaviour the background copy relies on (probed at run time as well)."""
-    from ucp_jax._src.memory import engine
-
-    assert all(engine.views_pin_buffers(d) for d in jax.devices() if d.platform == "cpu")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import os
 import struct
@@ -17,10 +16,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..patterns import Box, index_to_box, to_slices
+from ..patterns import Box, index_to_box
 from ..plan import bind_state, write_regions
 from ..rules import CompiledRules, Rule
-from . import persist, recovery
+from . import copies, persist, recovery
 from .layout import Layout, LeafMeta, build_pieces, make_groups
 from .redundancy import Fetch, Sources, fill, plan_fetches, roll
 from .shm import NodeStore, namespace_root
@@ -42,29 +41,8 @@ class _Prepared:
     rolls: dict[int, list[int]]  # shift -> leaves rolled by it
     gaps: list[tuple[int, int]]
     nbytes: int
-    groups: list[_DeviceCopies]
+    groups: list[copies.DeviceCopies]
     host_memory: bool  # every device is a CPU device: its buffers are host memory already
-    views_pin: bool  # ... and numpy views of them keep donating computations off them
-
-
-@dataclasses.dataclass
-class _DeviceCopies:
-    """The copies one device makes for a snapshot, as one computation (not one per region).
-
-    Attributes:
-        device: the device.
-        sources: (kind, leaf, shift) of each source shard it reads.
-        plan: per output, (source index, start, limit) of the slice, or (source index, None, None)
-            for a copy of the whole shard.
-        fetches: the fetch each output belongs to.
-        direct: fetches served by a shard as it is (no copy needed).
-    """
-
-    device: Any
-    sources: list[tuple[str, int, int]]
-    plan: tuple[tuple[int, Any, Any], ...]
-    fetches: list[int]
-    direct: list[tuple[int, int]]  # (fetch, source index)
 
 
 @dataclasses.dataclass
@@ -108,70 +86,6 @@ def _agree_run_id() -> int:
     return run
 
 
-@functools.cache
-def views_pin_buffers(device: Any) -> bool:
-    """Whether a numpy view of a CPU buffer keeps a donating computation from reusing it.
-
-    The CPU runtime does not donate a buffer that has external references (the view): the
-    computation writes new buffers and the viewed bytes stay as they are. Probed once per
-    device, so that a runtime that behaves otherwise falls back to copying before returning.
-    """
-    src = np.arange(1 << 18, dtype=np.float32)
-    x = jax.device_put(src, device)
-    view = np.asarray(x)
-    y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
-    y.block_until_ready()
-    return bool(
-        not x.is_deleted()
-        and y.unsafe_buffer_pointer() != view.ctypes.data
-        and np.array_equal(view, src)
-    )
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _copies(srcs: tuple[jax.Array, ...], plan: tuple[tuple[int, Any, Any], ...]) -> tuple[Any, ...]:
-    """All of one device's snapshot copies in one computation (whole shards, or slices of them).
-
-    One computation per device and snapshot: dispatching one per region would stall the caller
-    once a device has more computations in flight than the runtime queues.
-    """
-    out = []
-    for i, start, limit in plan:
-        x = srcs[i]
-        if start is None:  # a copy of the whole shard (a full dynamic_slice: XLA:CPU copies it
-            start, limit = (0,) * x.ndim, x.shape  # several times faster than a copy op)
-        sizes = tuple(b - a for a, b in zip(start, limit))
-        out.append(jax.lax.dynamic_slice(x, start, sizes))
-    return tuple(out)
-
-
-def _group_by_device(fetches: list[Fetch], donation_safe: bool) -> list[_DeviceCopies]:
-    groups: dict[Any, _DeviceCopies] = {}
-    plans: dict[Any, list[tuple[int, Any, Any]]] = {}
-    for fi, f in enumerate(fetches):
-        if f.kind == "host":
-            continue
-        g = groups.setdefault(f.device, _DeviceCopies(f.device, [], (), [], []))
-        src = (f.kind, f.leaf, f.shift)
-        if src not in g.sources:
-            g.sources.append(src)
-        si = g.sources.index(src)
-        whole = f.box == f.shard_box
-        if whole and (f.kind == "roll" or not donation_safe):
-            g.direct.append((fi, si))  # a rolled shard is already a private copy
-            continue
-        if whole:
-            plans.setdefault(f.device, []).append((si, None, None))
-        else:
-            start = tuple(a - s0 for (a, _), (s0, _) in zip(f.box, f.shard_box))
-            limit = tuple(b - s0 for (_, b), (s0, _) in zip(f.box, f.shard_box))
-            plans.setdefault(f.device, []).append((si, start, limit))
-        g.fetches.append(fi)
-    for dev, g in groups.items():
-        g.plan = tuple(plans.get(dev, ()))
-    return sorted(groups.values(), key=lambda g: g.device.id)
-
-
 class SnapshotManager:
     """In-memory snapshots of (params, opt_state), kept in shared memory outside the trainer.
 
@@ -209,12 +123,11 @@ class SnapshotManager:
 
     On accelerators, `snapshot()` dispatches the device-side copies and starts their
     device-to-host DMA, which overlaps the next steps; the background thread copies the host
-    buffers into shared memory. On CPU devices, device memory is host memory: the background
-    thread copies this node's share straight from the buffers into (recycled) shared memory while
-    the next steps run. With `donation_safe=True`, `snapshot()` first waits for the step's outputs
-    and takes numpy views of them, which keep a donating step from reusing those buffers (it
-    writes new ones; `views_pin_buffers` checks the runtime does this, else the copy is made
-    before `snapshot()` returns). On CPU, restored arrays may map the snapshot's pages directly (no
+    buffers into shared memory. On CPU devices, device memory is host memory: with
+    `donation_safe=True`, `snapshot()` copies this node's share straight into (recycled) shared
+    memory before it returns, one memcpy on the training thread, the least a state that the next
+    step may overwrite allows; with `donation_safe=False` the background thread does that copy
+    while the next steps run. On CPU, restored arrays may map the snapshot's pages directly (no
     copy); such snapshot files are never rewritten in place.
 
     >>> mgr = ucp.memory.SnapshotManager("/ckpt", persist_every=100, redundancy="replica")  # doctest: +SKIP
@@ -317,20 +230,11 @@ class SnapshotManager:
                 self._write_views, step, prep, leaves, rolled, job, time.perf_counter() - t0
             )
             return True
-        if prep.host_memory and prep.views_pin:
-            # CPU devices, the caller may donate: numpy views of the buffers (taken once the
-            # step's outputs exist) keep the runtime from donating them (see views_pin_buffers),
-            # so the copy into shared memory runs in the background, beside the next step.
-            datas = self._host_views(prep, leaves, rolled)
-            self._inflight = self._copier.submit(
-                self._write, step, prep, datas, job, time.perf_counter() - t0
-            )
-            return True
         if prep.host_memory:
             # CPU devices, the caller may donate: the state is in host memory that the next step
             # may reuse, so it is copied out now, straight into shared memory: one copy, into
             # recycled pages, instead of a device copy into fresh memory and a second copy.
-            datas = self._host_views(prep, leaves, rolled)  # waits for the step's outputs
+            datas = copies.host_views(prep.fetches, leaves, rolled)  # waits for the step's outputs
             t1 = time.perf_counter()
             try:
                 writer, copied = self._fill(step, prep, datas)
@@ -342,7 +246,7 @@ class SnapshotManager:
                 self._finish, step, prep, writer, copied, job, time.perf_counter() - t0, copy_s
             )
             return True
-        datas = self._dispatch(prep, leaves, rolled)
+        datas = copies.dispatch(prep.fetches, prep.groups, leaves, rolled)
         for d in datas:
             if isinstance(d, jax.Array):
                 d.copy_to_host_async()
@@ -399,62 +303,14 @@ class SnapshotManager:
         host_memory = os.environ.get(_ENV_DEVICE_COPIES, "0") in ("", "0") and all(
             f.device is None or f.device.platform == "cpu" for f in fetches
         )
-        views_pin = host_memory and all(
-            views_pin_buffers(f.device) for f in fetches if f.device is not None
-        )
         return _Prepared(layout, layout.to_json(), fetches, by_shift, layout.gaps(self.node),
-                         layout.size(self.node), _group_by_device(fetches, self.donation_safe),
-                         host_memory, views_pin)  # fmt: skip
-
-    def _dispatch(self, prep: _Prepared, leaves: list[Any], rolled: dict[Any, Any]) -> list[Any]:
-        """Start every copy of this snapshot: one computation per device, host values copied."""
-        datas: list[Any] = [None] * len(prep.fetches)
-        shards: dict[tuple[str, int, int], dict[Any, Any]] = {}
-
-        def shard(kind: str, leaf: int, shift: int, device: Any) -> Any:
-            key = (kind, leaf, shift)
-            if key not in shards:
-                src = rolled[(leaf, shift)] if kind == "roll" else leaves[leaf]
-                shards[key] = {s.device: s.data for s in src.addressable_shards}
-            return shards[key][device]
-
-        for fi, f in enumerate(prep.fetches):
-            if f.kind == "host":
-                datas[fi] = np.array(np.asarray(leaves[f.leaf])[to_slices(f.box)])
-        for g in prep.groups:
-            srcs = tuple(shard(*src, g.device) for src in g.sources)
-            for fi, si in g.direct:
-                datas[fi] = srcs[si]
-            if g.plan:
-                for fi, out in zip(g.fetches, _copies(srcs, g.plan)):
-                    datas[fi] = out
-        return datas
-
-    def _host_views(
-        self, prep: _Prepared, leaves: list[Any], rolled: dict[Any, Any]
-    ) -> list[np.ndarray]:
-        """Each fetch's region as a numpy view of its CPU shard (no copy; host values copied)."""
-        datas: list[Any] = [None] * len(prep.fetches)
-        shards: dict[tuple[str, int, int], dict[Any, Any]] = {}
-        for fi, f in enumerate(prep.fetches):
-            if f.kind == "host":
-                datas[fi] = np.array(np.asarray(leaves[f.leaf])[to_slices(f.box)])
-                continue
-            key = (f.kind, f.leaf, f.shift)
-            if key not in shards:
-                src = rolled[(f.leaf, f.shift)] if f.kind == "roll" else leaves[f.leaf]
-                shards[key] = {s.device: s.data for s in src.addressable_shards}
-            view = np.asarray(shards[key][f.device])
-            if f.box != f.shard_box:
-                view = view[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in
-                                  zip(f.box, f.shard_box))]  # fmt: skip
-            datas[fi] = view
-        return datas
+                         layout.size(self.node), copies.group_by_device(fetches, self.donation_safe),
+                         host_memory)  # fmt: skip
 
     def _write_views(self, step: int, prep: _Prepared, leaves: list[Any], rolled: dict[Any, Any],
                      job: Any, dispatch_s: float) -> None:  # fmt: skip
         """Background: `_write` straight from the CPU buffers of the held arrays."""
-        self._write(step, prep, self._host_views(prep, leaves, rolled), job, dispatch_s)
+        self._write(step, prep, copies.host_views(prep.fetches, leaves, rolled), job, dispatch_s)
 
     def _write(
         self, step: int, prep: _Prepared, datas: list[Any], job: Any, dispatch_s: float
