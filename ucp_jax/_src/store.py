@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -378,35 +379,34 @@ def settle_file(path: str) -> None:
 
 def _sync_range(path: str, flags: int, *, drop: bool = False) -> None:
     """sync_file_range(2) over a whole file (then POSIX_FADV_DONTNEED when `drop`)."""
-    if _sync_file_range is None:
+    sync_file_range = _libc_sync_file_range()
+    if sync_file_range is None:
         return
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
-        _sync_file_range(fd, 0, 0, flags)
+        sync_file_range(fd, 0, 0, flags)
         if drop:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
 
+@functools.cache
 def _libc_sync_file_range() -> Any:
+    """libc's sync_file_range (Linux), looked up on first use; None elsewhere."""
+    if os.name != "posix":
+        return None
     try:
         import ctypes
-        import ctypes.util
 
-        fn = ctypes.CDLL(
-            ctypes.util.find_library("c") or "libc.so.6", use_errno=True
-        ).sync_file_range
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # the loaded libc: no ldconfig
         fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
         return fn
     except (OSError, AttributeError):
         return None
-
-
-_sync_file_range = _libc_sync_file_range() if os.name == "posix" else None
 
 
 def sync_tree(root: str, *, threads: int = 16) -> int:

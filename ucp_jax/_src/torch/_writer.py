@@ -347,10 +347,9 @@ def limit_malloc_arenas(n: int = 2) -> bool:
     peak RSS of `ucp convert` at the same speed. Returns whether it applied (glibc only).
     """
     import ctypes
-    import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the loaded libc (no ldconfig subprocess)
         return bool(libc.mallopt(-8, int(n)))  # M_ARENA_MAX
     except (OSError, AttributeError):
         return False
