@@ -222,14 +222,21 @@ def open_array_async(
     return ts.open(spec, open=True, context=CONTEXT)
 
 
+def chunk_key(index: Sequence[int]) -> str:
+    """The key of the chunk (shard) file at grid `index`, relative to its array's directory.
+
+    >>> chunk_key((2, 0)), chunk_key(())
+    ('c/2/0', 'c')
+    """
+    return "/".join(["c", *map(str, index)])
+
+
 def expected_chunk_keys(shape: Sequence[int], info: SlotInfo) -> set[str]:
     """Keys of every chunk (shard) file a complete stored array has, relative to its directory."""
-    if not shape:
-        return {"c"}
     if any(d == 0 for d in shape):
         return set()
     counts = [-(-int(d) // int(c)) for d, c in zip(shape, info.chunks)]
-    return {"c/" + "/".join(map(str, idx)) for idx in _grid(counts)}
+    return {chunk_key(idx) for idx in _grid(counts)}
 
 
 def _grid(counts: Sequence[int]) -> Any:

@@ -41,7 +41,7 @@ class _Prepared:
     rolls: dict[int, list[int]]  # shift -> leaves rolled by it
     gaps: list[tuple[int, int]]
     nbytes: int
-    groups: list[copies.DeviceCopies]
+    groups: list[copies.DeviceCopies]  # the device-side copies (none on CPU devices)
     host_memory: bool  # every device is a CPU device: its buffers are host memory already
 
 
@@ -304,7 +304,8 @@ class SnapshotManager:
             f.device is None or f.device.platform == "cpu" for f in fetches
         )
         return _Prepared(layout, layout.to_json(), fetches, by_shift, layout.gaps(self.node),
-                         layout.size(self.node), copies.group_by_device(fetches, self.donation_safe),
+                         layout.size(self.node),
+                         [] if host_memory else copies.group_by_device(fetches, self.donation_safe),
                          host_memory)  # fmt: skip
 
     def _write_views(self, step: int, prep: _Prepared, leaves: list[Any], rolled: dict[Any, Any],

@@ -57,11 +57,7 @@ class Candidate:
     layout: Layout
     entries: dict[int, Entry]
     lost: list[int]
-    present: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-
-    @property
-    def key(self) -> list[Any]:
-        return [self.run, self.step, self.layout.digest]
+    present: dict[int, list[int]]
 
 
 @dataclasses.dataclass
@@ -319,8 +315,7 @@ class _Bytes:
         if p in self._homes:
             return self._homes[p]
         here = jax.process_index()
-        present = self.cand.present or self.cand.entries
-        locs = [loc for loc in self.cand.layout.locations(p) if loc[0] in present]
+        locs = [loc for loc in self.cand.layout.locations(p) if loc[0] in self.cand.present]
         locs.sort(key=lambda loc: (not self.sees(loc[0]), loc[0] != here, loc[0] != p.node))
         if p.node in self.cand.lost:
             locs.append((p.node, p.offset))  # decoded from its group
@@ -395,16 +390,14 @@ def _read(
     index = {m.name: i for i, m in enumerate(lay.leaves)}
     blobs = _Bytes(cand)
     try:
-        regions = []
-        for b in pbind + obind:
-            li = _leaf_index(b, lay, index)
-            regions += [(li, box) for box in _regions(b, lay.leaves[li])]
+        bound = [(b, _leaf_index(b, lay, index)) for b in pbind + obind]
+        regions = [(li, box) for b, li in bound for box in _regions(b, lay.leaves[li])]
         blobs.fetched = exchange.fetch(
             _requests(cand, regions, blobs),
             lambda node, off, n: blobs[node].view(off, n),
             f"{tag}/fetch",
         )
-        leaves = [_read_leaf(b, lay, index, blobs) for b in pbind + obind]
+        leaves = [_read_leaf(b, li, lay, blobs) for b, li in bound]
     finally:
         blobs.close()
     fetched = sum(f.nbytes for f in blobs.fetched.values())
@@ -461,27 +454,30 @@ def _leaf_index(b: LeafBinding, lay: Layout, index: dict[str, int]) -> int:
     return li
 
 
+def _device_regions(b: LeafBinding) -> dict[Box, list[Any]]:
+    """The distinct regions of a sharded leaf this process builds, each with its devices."""
+    groups: dict[Box, list[Any]] = {}
+    for dev, idx in b.sharding.addressable_devices_indices_map(b.shape).items():
+        groups.setdefault(index_to_box(idx, b.shape), []).append(dev)
+    return groups
+
+
 def _regions(b: LeafBinding, meta: LeafMeta) -> list[Box]:
     """The distinct regions of a leaf this process builds (the whole leaf for a host value)."""
     if b.sharding is None:
         return [tuple((0, d) for d in meta.shape)]
-    idx = b.sharding.addressable_devices_indices_map(b.shape).values()
-    return list(dict.fromkeys(index_to_box(i, b.shape) for i in idx))
+    return list(_device_regions(b))
 
 
-def _read_leaf(b: LeafBinding, lay: Layout, index: dict[str, int], blobs: _Bytes) -> Any:
+def _read_leaf(b: LeafBinding, li: int, lay: Layout, blobs: _Bytes) -> Any:
     """A host value, or the _Placement of a sharded leaf (its regions are views where possible)."""
-    li = _leaf_index(b, lay, index)
     meta = lay.leaves[li]
     if b.sharding is None:
         full = tuple((0, d) for d in meta.shape)
         host = np.array(_assemble(full, li, lay, blobs))  # a host value: never a view
         return host if isinstance(b.value, np.ndarray) or meta.shape else host[()]
-    groups: dict[Box, list[Any]] = {}
-    for dev, idx in b.sharding.addressable_devices_indices_map(b.shape).items():
-        groups.setdefault(index_to_box(idx, b.shape), []).append(dev)
     hosts, devices = [], []
-    for box, devs in groups.items():
+    for box, devs in _device_regions(b).items():
         # A region that is one piece is handed over as a view of the snapshot's mapping: on CPU,
         # device_put aliases it (no copy at all; the pages are read-only and never rewritten in
         # place while mapped, see SnapshotManager.restore), elsewhere it is the source of the

@@ -277,11 +277,9 @@ class AtomWriter:
     def _shard_files(self, atom: str, slot: str, box: Box) -> list[str]:
         """The local shard files a write of `box` into a slot touched."""
         info = self.atoms[atom]["slots"][slot]
-        if not box:
-            return [os.path.join(self._local, info.path, "c")]
         ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, info.chunks)]
         return [
-            os.path.join(self._local, info.path, "c", *map(str, idx))
+            os.path.join(self._local, info.path, store.chunk_key(idx))
             for idx in itertools.product(*ranges)
         ]
 
