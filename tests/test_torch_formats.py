@@ -237,3 +237,27 @@ def test_import_is_durable_before_commit(tmp_path, monkeypatch):
     assert len(chunk_files) >= 12  # 6 atoms: zarr.json + one chunk file each
     assert set(chunk_files) <= before, sorted(set(chunk_files) - before)[:3]
     assert ucp.open(out).read("w3").tobytes() == sd["w3"].numpy().tobytes()
+
+
+def test_failed_import_leaves_nothing_behind(tmp_path, monkeypatch):
+    """An import that dies midway (here: the third write) drops its staging folder."""
+    from ucp_jax._src.torch import _writer
+
+    sd = {f"w{i}": torch.randn(8, 4) for i in range(5)}
+    st.save_file(sd, tmp_path / "m.safetensors")
+    write, calls = _writer.AtomWriter.write, []
+
+    def failing(self, *a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("disk on fire")
+        return write(self, *a, **k)
+
+    monkeypatch.setattr(_writer.AtomWriter, "write", failing)
+    with pytest.raises(OSError, match="disk on fire"):
+        import_safetensors(tmp_path / "m.safetensors", tmp_path / "u")
+    assert not (tmp_path / "u").exists() and not (tmp_path / ".u.ucp-tmp").exists()
+    monkeypatch.undo()
+    assert sorted(
+        ucp.open(import_safetensors(tmp_path / "m.safetensors", tmp_path / "u")).atoms
+    ) == sorted(sd)

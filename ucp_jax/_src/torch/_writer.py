@@ -91,9 +91,11 @@ def import_chunks(
 class AtomWriter:
     """One imported checkpoint being written: create slots, write regions, commit.
 
-    >>> w = AtomWriter("/tmp/ucp/imported")  # doctest: +SKIP
-    >>> w.write_flat("emb.weight", "fp32", (53, 24), np.float32, flat, start=0)  # doctest: +SKIP
-    >>> w.commit(step=3, source={"library": "deepspeed"})  # doctest: +SKIP
+    Used as a context manager, an error before `commit` drops what was written.
+
+    >>> with AtomWriter("/tmp/ucp/imported") as w:  # doctest: +SKIP
+    ...     w.write_flat("emb.weight", "fp32", (53, 24), np.float32, flat, start=0)
+    ...     w.commit(step=3, source={"library": "deepspeed"})
     """
 
     def __init__(
@@ -314,6 +316,14 @@ class AtomWriter:
         }
         self.staging.commit(Manifest(step=step, atoms=atoms, source=src, extra=extra))
         return self.loc.url
+
+    def __enter__(self) -> AtomWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """On an error (KeyboardInterrupt too) drop what was written; the error goes on."""
+        if exc_type is not None:
+            self.abort()
 
     def abort(self) -> None:
         """Drop what was written (the destination is left as it was)."""

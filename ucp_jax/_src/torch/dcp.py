@@ -134,50 +134,47 @@ def import_dcp(
         for v in tensors.values()
     )
     bar = _progress(progress, total, "ucp import")
-    w = AtomWriter(dst, overwrite=overwrite)
-    try:
-        # parameters first, so optimizer slots know their atom's shape
-        order = sorted(tensors, key=lambda k: (k not in params, k))
-        for fqn in order:
-            meta = tensors[fqn]
-            atom, slot = _names(fqn, params, model_prefix)
-            shape = tuple(int(d) for d in meta.size)
-            if atom not in w.atoms:
-                w.atom(atom, shape)
-            own = None if shape == w.atoms[atom]["shape"] else shape
-            w.array(atom, slot, to_numpy(torch.empty((), dtype=meta.properties.dtype)).dtype,
-                    slot_shape=own)  # fmt: skip
-            for chunk in meta.chunks:
-                offs = tuple(int(o) for o in chunk.offsets)
-                sizes = tuple(int(s) for s in chunk.sizes)
-                info = md.storage_data[MetadataIndex(fqn, torch.Size(offs))]
-                t = _read_chunk(folder, info, meta.properties.dtype, sizes)
-                box = tuple((o, o + s) for o, s in zip(offs, sizes))
-                w.write(atom, slot, box, to_numpy(t.reshape(sizes)), keep=t)
-                _advance(bar, t.numel() * t.element_size())
-            w.flush()
-        for fqn, meta in entries.items():
-            if isinstance(meta, BytesStorageMetadata):
-                info = md.storage_data.get(MetadataIndex(fqn))
-                if info is None:
-                    continue
-                try:
-                    with open(os.path.join(folder, info.relative_path), "rb") as f:
-                        f.seek(info.offset)
-                        objects[fqn] = jsonable(loads(f.read(info.length), fqn))
-                except UcpError as e:
-                    objects[fqn] = f"<not loaded: {e}>"
-        if step is None and isinstance(objects.get("step"), int):
-            step = objects["step"]
-        source = {"framework": "torch.distributed.checkpoint",
-                  "dcp": {"path": os.path.abspath(folder), "objects": objects}}  # fmt: skip
-        json.dumps(source)
-        return w.commit(step=step, source=source)
-    except BaseException:
-        w.abort()
-        raise
-    finally:
-        bar.stop()
+    with AtomWriter(dst, overwrite=overwrite) as w:
+        try:
+            # parameters first, so optimizer slots know their atom's shape
+            order = sorted(tensors, key=lambda k: (k not in params, k))
+            for fqn in order:
+                meta = tensors[fqn]
+                atom, slot = _names(fqn, params, model_prefix)
+                shape = tuple(int(d) for d in meta.size)
+                if atom not in w.atoms:
+                    w.atom(atom, shape)
+                own = None if shape == w.atoms[atom]["shape"] else shape
+                w.array(atom, slot, to_numpy(torch.empty((), dtype=meta.properties.dtype)).dtype,
+                        slot_shape=own)  # fmt: skip
+                for chunk in meta.chunks:
+                    offs = tuple(int(o) for o in chunk.offsets)
+                    sizes = tuple(int(s) for s in chunk.sizes)
+                    info = md.storage_data[MetadataIndex(fqn, torch.Size(offs))]
+                    t = _read_chunk(folder, info, meta.properties.dtype, sizes)
+                    box = tuple((o, o + s) for o, s in zip(offs, sizes))
+                    w.write(atom, slot, box, to_numpy(t.reshape(sizes)), keep=t)
+                    _advance(bar, t.numel() * t.element_size())
+                w.flush()
+            for fqn, meta in entries.items():
+                if isinstance(meta, BytesStorageMetadata):
+                    info = md.storage_data.get(MetadataIndex(fqn))
+                    if info is None:
+                        continue
+                    try:
+                        with open(os.path.join(folder, info.relative_path), "rb") as f:
+                            f.seek(info.offset)
+                            objects[fqn] = jsonable(loads(f.read(info.length), fqn))
+                    except UcpError as e:
+                        objects[fqn] = f"<not loaded: {e}>"
+            if step is None and isinstance(objects.get("step"), int):
+                step = objects["step"]
+            source = {"framework": "torch.distributed.checkpoint",
+                      "dcp": {"path": os.path.abspath(folder), "objects": objects}}  # fmt: skip
+            json.dumps(source)
+            return w.commit(step=step, source=source)
+        finally:
+            bar.stop()
 
 
 __all__ = ["DCPFormatError", "import_dcp", "read_metadata"]

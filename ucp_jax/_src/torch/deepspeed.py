@@ -354,14 +354,10 @@ def import_deepspeed(
     lay = _scan(folder)
     lay.tag = found_tag or os.path.basename(os.path.normpath(folder))
     kw = {} if max_inflight_bytes is None else {"max_inflight_bytes": max_inflight_bytes}
-    w = AtomWriter(dst, overwrite=overwrite, **kw)
-    try:
+    with AtomWriter(dst, overwrite=overwrite, **kw) as w:
         _import_zero(lay, w, progress)
         step = lay.meta.get("global_steps", lay.meta.get("iteration"))
         return w.commit(step=None if step is None else int(step), source=_source(lay, "zero"))
-    except BaseException:
-        w.abort()
-        raise
 
 
 def _import_zero(lay: _Layout, w: AtomWriter, progress: bool | None) -> None:
@@ -562,51 +558,50 @@ def import_deepspeed_universal(
     params = sorted(p for p in os.listdir(zero) if os.path.isdir(os.path.join(zero, p)))
     files = [os.path.join(zero, p, f) for p in params for f in os.listdir(os.path.join(zero, p))]
     bar = _progress(progress, sum(os.path.getsize(f) for f in files), "ucp import")
-    w = AtomWriter(dst, overwrite=overwrite)
     z3_step = None
     inner = osd.get(OSD) if isinstance(osd.get(OSD), dict) else None
     if inner and isinstance(inner.get("state"), dict) and inner["state"]:
         z3_step = _read_step(next(iter(inner["state"].values())))
-    try:
-        for name in params:
-            pdir = os.path.join(zero, name)
-            slots = sorted(f[:-3] for f in os.listdir(pdir) if f.endswith(".pt"))
-            for slot in sorted(slots, key=lambda s: (s != "fp32", s)):
-                path = os.path.join(pdir, slot + ".pt")
-                obj = load(path)
-                if slot == "step":
-                    w.atom(name, shapes.get(name, ()))
-                    w.write_scalar(name, "step", _read_step({"step": obj}))
-                else:
-                    t = obj["param"] if isinstance(obj, dict) else obj
-                    shape = tuple(t.shape)
-                    if t.dim() == 1 and name in shapes and shapes[name] != shape:
-                        shape = shapes[name]  # ZeRO-3 universal tensors are flat
-                    pattern = []
-                    if isinstance(obj, dict) and obj.get("vocab_tensor"):
-                        pattern.append({"type": "VocabPadded", "size": shape[0], "axis": 0})
-                    if isinstance(obj, dict) and obj.get("cat_dim", 0) and len(shape) > 1:
-                        pattern.append({"type": "Partitioned", "axis": int(obj["cat_dim"])})
-                    w.atom(name, shape, pattern=pattern)
-                    arr = t.reshape(shape).numpy()
-                    w.write(name, slot, tuple((0, d) for d in shape), arr)
-                _advance(bar, os.path.getsize(path))
-            if z3_step is not None and "step" not in slots:
-                w.write_scalar(name, "step", z3_step)
-            w.flush()
-        lay = _Layout(folder, found_tag, int(jsonable(osd.get("zero_stage", 0)) or 0), 1, 1,
-                      int(meta.get("dp_world_size", 1) or 1), {}, {}, meta,
-                      {k: v for k, v in osd.items() if k not in (OSD, "fp32_flat_groups")})  # fmt: skip
-        lay.osd0["param_groups"] = [
-            {k: v for k, v in g.items() if k != "params"} for g in osd.get("param_groups", [])
-        ]
-        step = meta.get("global_steps", meta.get("iteration"))
-        return w.commit(step=None if step is None else int(step), source=_source(lay, "universal"))
-    except BaseException:
-        w.abort()
-        raise
-    finally:
-        bar.stop()
+    with AtomWriter(dst, overwrite=overwrite) as w:
+        try:
+            for name in params:
+                pdir = os.path.join(zero, name)
+                slots = sorted(f[:-3] for f in os.listdir(pdir) if f.endswith(".pt"))
+                for slot in sorted(slots, key=lambda s: (s != "fp32", s)):
+                    path = os.path.join(pdir, slot + ".pt")
+                    obj = load(path)
+                    if slot == "step":
+                        w.atom(name, shapes.get(name, ()))
+                        w.write_scalar(name, "step", _read_step({"step": obj}))
+                    else:
+                        t = obj["param"] if isinstance(obj, dict) else obj
+                        shape = tuple(t.shape)
+                        if t.dim() == 1 and name in shapes and shapes[name] != shape:
+                            shape = shapes[name]  # ZeRO-3 universal tensors are flat
+                        pattern = []
+                        if isinstance(obj, dict) and obj.get("vocab_tensor"):
+                            pattern.append({"type": "VocabPadded", "size": shape[0], "axis": 0})
+                        if isinstance(obj, dict) and obj.get("cat_dim", 0) and len(shape) > 1:
+                            pattern.append({"type": "Partitioned", "axis": int(obj["cat_dim"])})
+                        w.atom(name, shape, pattern=pattern)
+                        arr = t.reshape(shape).numpy()
+                        w.write(name, slot, tuple((0, d) for d in shape), arr)
+                    _advance(bar, os.path.getsize(path))
+                if z3_step is not None and "step" not in slots:
+                    w.write_scalar(name, "step", z3_step)
+                w.flush()
+            lay = _Layout(folder, found_tag, int(jsonable(osd.get("zero_stage", 0)) or 0), 1, 1,
+                          int(meta.get("dp_world_size", 1) or 1), {}, {}, meta,
+                          {k: v for k, v in osd.items() if k not in (OSD, "fp32_flat_groups")})  # fmt: skip
+            lay.osd0["param_groups"] = [
+                {k: v for k, v in g.items() if k != "params"} for g in osd.get("param_groups", [])
+            ]
+            step = meta.get("global_steps", meta.get("iteration"))
+            return w.commit(
+                step=None if step is None else int(step), source=_source(lay, "universal")
+            )
+        finally:
+            bar.stop()
 
 
 __all__ = ["DeepSpeedFormatError", "import_deepspeed", "import_deepspeed_universal"]

@@ -246,8 +246,7 @@ def import_safetensors(
     else:
         spec_map = preset
     want = None if dtype is None else np.dtype(dtype)
-    w = AtomWriter(dst, overwrite=overwrite)
-    try:
+    with AtomWriter(dst, overwrite=overwrite) as w:
         if spec_map is None:
             for name, sf in tensors.items():
                 a = sf.array(name)
@@ -290,9 +289,6 @@ def import_safetensors(
                             else "custom", "metadata": meta},
         }  # fmt: skip
         return w.commit(step=step, source=source)
-    except BaseException:
-        w.abort()
-        raise
 
 
 def _cast(a: np.ndarray, want: np.dtype | None) -> np.ndarray:
