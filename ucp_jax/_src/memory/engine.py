@@ -22,7 +22,7 @@ from ..rules import CompiledRules, Rule
 from . import copies, persist, recovery
 from .layout import Layout, LeafMeta, build_pieces, make_groups
 from .redundancy import Fetch, Sources, fill, plan_fetches, roll
-from .shm import NodeStore, namespace_root
+from .shm import NodeStore, huge_pages, namespace_root
 
 log = logging.getLogger("ucp_jax")
 
@@ -108,7 +108,9 @@ class SnapshotManager:
             or 'xor' (each node keeps one parity lane of its group).
         namespace: names the job's shared-memory folder; a restarted job with the same namespace
             reattaches. Default: derived from `directory_for_persist`.
-        shm_dir: where namespaces live (default /dev/shm).
+        shm_dir: where namespaces live (default /dev/shm). On a tmpfs mounted with huge pages
+            (`huge=within_size` or `huge=advise`) the snapshots are 2 MiB pages and a restore
+            maps them ~100x faster than 4 KiB pages; `huge_pages` says which this is.
         keep: committed snapshots kept per node (at least 1).
         group_size: nodes per redundancy group (default 2 for 'replica', up to 4 for 'xor').
         donation_safe: True (default): `snapshot()` makes device-side copies of what it copies
@@ -174,6 +176,12 @@ class SnapshotManager:
         self.run = _agree_run_id()
         self.store = NodeStore(self.root, self.node)
         self.store.ensure()
+        self.huge_pages = huge_pages(self.root)
+        log.info(
+            "ucp.memory: snapshots in %s, %s", self.root,
+            "2 MiB pages" if self.huge_pages else
+            "4 KiB pages (a tmpfs mounted with huge=within_size restores ~100x faster per GiB)",
+        )  # fmt: skip
         self.stats = SnapshotStats()
         self.restored: recovery.RestoreInfo | None = None
         self._cache: dict[Any, _Prepared] = {}

@@ -133,10 +133,7 @@ class Blob:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, nbytes)
-            mm = None
-            if nbytes:
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = _map_new(fd, nbytes) if nbytes else None
         finally:
             os.close(fd)
         return cls(path, nbytes, mm)
@@ -166,6 +163,71 @@ class Blob:
             with contextlib.suppress(BufferError):
                 self._mm.close()
             self._mm = None
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module
+
+
+def _map_new(fd: int, nbytes: int) -> mmap.mmap:
+    """Map a new file writable with its pages allocated, as 2 MiB pages where the tmpfs allows.
+
+    The huge-page hint comes before any page exists (a tmpfs mounted with huge=advise needs it;
+    always/within_size mounts need nothing, never mounts ignore it). A snapshot restored from
+    2 MiB pages maps in ~1 ms per GiB instead of ~0.1 s with 4 KiB pages.
+    """
+    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            mm.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)  # allocate every page now, not on the first copy
+    except (OSError, ValueError):
+        np.frombuffer(mm, np.uint8)[:: mmap.PAGESIZE] = 0  # older kernels: touch each page
+    return mm
+
+
+def huge_pages(folder: str | os.PathLike[str]) -> bool:
+    """Whether files created in `folder` get 2 MiB pages (a tmpfs mounted with huge=...).
+
+    >>> huge_pages("/dev/shm")  # doctest: +SKIP
+    False
+    """
+    try:
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return False
+    try:
+        enabled = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        enabled = ""
+    return tmpfs_huge(mountinfo, os.path.realpath(folder), enabled)
+
+
+def tmpfs_huge(mountinfo: str, path: str, shmem_enabled: str = "") -> bool:
+    """Whether `path` lies on a tmpfs whose files get huge pages, from /proc/self/mountinfo text.
+
+    The mount is the last one whose mount point is the longest prefix of `path`; a tmpfs with
+    huge=always, within_size or advise (snapshot blobs ask for them) qualifies; the sysfs
+    shmem_enabled setting "[force]" turns huge pages on for every tmpfs, "[deny]" off.
+    """
+    if "[deny]" in shmem_enabled:
+        return False
+    best: tuple[int, str, str] | None = None
+    for line in mountinfo.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if not sep or len(fields) < 5 or len(rest) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= best[0]):
+            best = (len(point), rest[0], rest[2])
+    if best is None or best[1] != "tmpfs":
+        return False
+    if "[force]" in shmem_enabled:
+        return True
+    opts = dict(o.partition("=")[::2] for o in best[2].split(","))
+    return opts.get("huge", "never") in ("always", "within_size", "advise")
 
 
 class Writer:
