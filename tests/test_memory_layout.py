@@ -201,3 +201,44 @@ def test_exchange_merges_requests_and_serves_only_fetched_ranges():
     assert f.view(130, 3).tolist() == [2, 3, 4] and f.nbytes == 96
     with pytest.raises(RuntimeError, match="were not fetched"):
         f.view(40, 8)
+
+
+def _pieces_layout(redundancy, page_align=None):
+    """Two nodes: a 100-byte leaf each, and a 256 KiB leaf split into a row slab per node."""
+    metas = [
+        LeafMeta("small", (25,), np.dtype(np.float32), "param"),
+        LeafMeta("tiny", (25,), np.dtype(np.float32), "param"),
+        LeafMeta("big", (64, 1024), np.dtype(np.float32), "param"),
+    ]
+    regions = [[(((0, 25),), 0)], [(((0, 25),), 1)],
+               [(((0, 32), (0, 1024)), 0), (((32, 64), (0, 1024)), 1)]]  # fmt: skip
+    pieces = build_pieces(metas, regions, 2)
+    kw = {} if page_align is None else {"page_align": page_align}
+    return Layout(metas, 2, [[0, 1]], redundancy, pieces, **kw)
+
+
+def test_big_pieces_start_on_a_page_unless_they_continue_a_shard():
+    none = _pieces_layout(None)
+    off = {(p.leaf, p.node): p.offset for p in none.pieces}
+    # each node's slab of `big` (128 KiB) starts on a page: the two can be mapped back to back
+    assert off == {(0, 0): 0, (1, 1): 0, (2, 0): 4096, (2, 1): 4096}
+    rep = _pieces_layout("replica")
+    big1 = next(p for p in rep.pieces if p.leaf == 2 and p.node == 1)
+    big0 = next(p for p in rep.pieces if p.leaf == 2 and p.node == 0)
+    assert big0.offset == 4096
+    # node 0 keeps node 1's slab right after its own (the next slab of the shard): one view
+    assert rep.backup_offset[big1] == big0.offset + big0.nbytes
+    for lay in (none, rep):
+        again = Layout.from_json(lay.to_json())
+        assert again.pieces == lay.pieces and again.digest == lay.digest
+
+
+def test_layouts_of_the_previous_format_keep_their_offsets():
+    old = _pieces_layout(None, page_align=64)
+    text = old.to_json()
+    assert '"format":"ucp-mem-layout/1"' in text
+    again = Layout.from_json(text)
+    assert {(p.leaf, p.node): p.offset for p in again.pieces}[(2, 0)] == 128  # 64-byte aligned
+    assert again.digest == old.digest != _pieces_layout(None).digest
+    with pytest.raises(ValueError, match="not a snapshot layout this version reads"):
+        Layout.from_json(text.replace("ucp-mem-layout/1", "ucp-mem-layout/9"))

@@ -1,22 +1,28 @@
-"""Snapshot blobs on huge-page tmpfs: detection from mountinfo, and a real mount in a namespace.
+"""Snapshot pages: huge pages on tmpfs (detected from mountinfo, and real), a full tmpfs, and
+slabs of two files mapped back to back into one array (`stitch`).
 
 Restoring maps the snapshot's pages; with 4 KiB pages that is ~0.1 s per GiB of page-table work,
-with 2 MiB pages ~1 ms. Blobs ask for huge pages (a tmpfs mounted huge=advise needs the hint); the
+with 2 MiB pages ~1 ms. Blobs ask for huge pages (a tmpfs mounted huge=advise needs the hint); a
 worker mounts such a tmpfs in its own mount namespace and checks the pages really are 2 MiB, on
-the side that wrote the snapshot and on the side that restored it.
+the side that wrote the snapshot and on the side that restored it. Another mounts a tmpfs too
+small for the snapshot: a clear error, not a SIGBUS, and nothing left behind.
 """
 
 from __future__ import annotations
 
+import errno
+import gc
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ucp_jax._src.memory.shm import huge_pages, tmpfs_huge
+from ucp_jax._src.memory.stitch import PAGE, can_stitch, stitch
 
 ROOT = "22 1 0:21 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
 SHM = "25 22 0:23 / /dev/shm rw,nosuid,nodev shared:2 - tmpfs tmpfs rw,size=24684092k{opts}\n"
@@ -74,23 +80,76 @@ def _namespace_command() -> list[str] | None:
     return None
 
 
-def test_snapshots_on_a_huge_page_tmpfs_are_2mib_pages(tmp_path):
-    if not Path("/sys/kernel/mm/transparent_hugepage").exists():
-        pytest.skip("this kernel has no transparent huge pages")
+def _in_tmpfs(tmp_path: Path, mode: str) -> dict:
+    """Run tests/mp/tmpfs_worker.py MODE in a mount namespace of its own; its report."""
     cmd = _namespace_command()
     if cmd is None:
         pytest.skip("cannot make a mount namespace here (not root, no user namespaces)")
     report = tmp_path / "report.json"
-    worker = Path(__file__).parent / "mp" / "huge_pages_worker.py"
+    worker = Path(__file__).parent / "mp" / "tmpfs_worker.py"
     proc = subprocess.run(
-        [*cmd, sys.executable, str(worker), str(tmp_path / "mnt"), str(report)],
+        [*cmd, sys.executable, str(worker), mode, str(tmp_path / "mnt"), str(report)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(report.read_text())
+    return json.loads(report.read_text())
+
+
+def test_snapshots_on_a_huge_page_tmpfs_are_2mib_pages(tmp_path):
+    if not Path("/sys/kernel/mm/transparent_hugepage").exists():
+        pytest.skip("this kernel has no transparent huge pages")
+    r = _in_tmpfs(tmp_path, "huge")
     assert r["huge_pages"] is True
     assert r["source"] == "memory" and r["bitexact"] is True
     # The blob (8 MiB + 8 MiB + small) is mapped with 2 MiB entries when written and when restored.
     assert r["blob_bytes"] >= 16 << 20
     assert r["written_pmd_kib"] >= 12 << 10, r
     assert r["restored_pmd_kib"] >= 12 << 10, r
+
+
+def test_a_full_tmpfs_is_a_clear_error_and_leaves_nothing(tmp_path):
+    r = _in_tmpfs(tmp_path, "full")
+    assert r["errno"] == errno.ENOSPC, r
+    assert "no room for a 16.0 MiB snapshot" in r["error"] and "keep fewer snapshots" in r["error"]
+    assert r["latest"] is None
+    assert not any(f.endswith("data.bin") for f in r["files"]), r["files"]
+    assert r["free_after"] >= r["total"] - (1 << 20), r  # the pages it got were given back
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+def test_stitch_maps_ranges_of_two_files_back_to_back(tmp_path):
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 255, 5 * PAGE, np.uint8), rng.integers(0, 255, 3 * PAGE, np.uint8)
+    (tmp_path / "a").write_bytes(a.tobytes())
+    (tmp_path / "b").write_bytes(b.tobytes())
+    parts = [(tmp_path / "a", PAGE, 2 * PAGE), (tmp_path / "b", 0, PAGE), (tmp_path / "a", 0, 100)]
+    assert can_stitch(parts)
+    arr = stitch(parts)
+    assert not arr.flags.writeable
+    assert arr.tobytes() == a[PAGE : 3 * PAGE].tobytes() + b[:PAGE].tobytes() + a[:100].tobytes()
+    view = arr.view(np.float32)[1:]  # a view of it, as a restore hands to device_put
+    addr = arr.ctypes.data
+    assert addr % PAGE == 0 and _mapped(addr)
+    del arr
+    gc.collect()
+    assert _mapped(addr)  # the view keeps the mapping
+    assert view.size == (3 * PAGE + 100) // 4 - 1
+    del view
+    gc.collect()
+    assert not _mapped(addr)
+
+
+def test_stitch_needs_page_aligned_starts_and_whole_pages(tmp_path):
+    f = tmp_path / "f"
+    assert not can_stitch([(f, 64, PAGE), (f, 2 * PAGE, 10)])  # a start off a page
+    assert not can_stitch([(f, 0, PAGE + 64), (f, 2 * PAGE, 10)])  # a middle part not whole pages
+    assert not can_stitch([(f, 0, PAGE)])  # one part: a plain view does
+    assert can_stitch([(f, 0, PAGE), (f, 2 * PAGE, 10)])

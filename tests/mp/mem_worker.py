@@ -165,7 +165,7 @@ def main() -> None:
     report["restore_s"] = time.perf_counter() - t0
     info = mgr.restored
     report.update(step=info.step, source=info.source, lost=info.lost, path=info.path,
-                  fetched_bytes=info.fetched_bytes)  # fmt: skip
+                  fetched_bytes=info.fetched_bytes, copied_bytes=info.copied_bytes)  # fmt: skip
     report["digest"] = digest((params, opt_state))
     if cfg.get("continue"):
         step_fn = make_step(mesh, params, opt_state)

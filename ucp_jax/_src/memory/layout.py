@@ -8,7 +8,10 @@ A node's blob is `[its pieces | its redundancy bytes]`:
 
 - its pieces: the regions `plan.write_regions` gives its devices (each distinct shard once; a
   shard held by R data-parallel replicas split into R slabs copied by different replicas), each
-  piece C-contiguous in the leaf's layout, at a 64-byte aligned offset, with its global box;
+  piece C-contiguous in the leaf's layout, with its global box, at a 64-byte aligned offset;
+  pieces of 64 KiB or more start on a 4 KiB page, unless they continue the previous piece's
+  shard (the next slab, right after it), so that slabs of a shard in different blobs can be
+  mapped back to back into one array (`stitch`);
 - `redundancy="replica"`: also every piece of the previous node of its group (nodes are grouped
   consecutively; in a group of 2 the two nodes mirror each other), merged with its own pieces in
   (leaf, box) order, so that the slabs of a shard split between the two are adjacent: the node's
@@ -33,12 +36,26 @@ from ..dtypes import dtype_name, np_dtype
 from ..patterns import Box, box_size
 
 ALIGN = 64
-LAYOUT_FORMAT = "ucp-mem-layout/1"
+PAGE_ALIGN = 4096  # fixed (not this machine's page size): every process computes the same layout
+PAGE_MIN = 64 << 10  # pieces this big start on a page
+LAYOUT_FORMAT = "ucp-mem-layout/2"
+_FORMATS = {"ucp-mem-layout/1": ALIGN, LAYOUT_FORMAT: PAGE_ALIGN}  # format -> page alignment
 REDUNDANCY = (None, "replica", "xor")
 
 
-def align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def align(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _continues(prev: PieceRec | None, p: PieceRec) -> bool:
+    """Whether `p` is the slab of a shard that comes right after slab `prev`."""
+    return (
+        prev is not None
+        and prev.leaf == p.leaf
+        and len(p.box) > 0
+        and prev.box[0][1] == p.box[0][0]
+        and prev.box[1:] == p.box[1:]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +115,7 @@ class Layout:
         groups: Sequence[Sequence[int]],
         redundancy: str | None,
         pieces: Sequence[PieceRec],
+        page_align: int = PAGE_ALIGN,
     ) -> None:
         if redundancy not in REDUNDANCY:
             raise ValueError(f"redundancy must be one of {REDUNDANCY}, not {redundancy!r}")
@@ -110,7 +128,9 @@ class Layout:
         self.group_of = {n: g for g in self.groups for n in g}
         # Offsets are assigned here, deterministically: a node's own pieces (and, for replica,
         # the pieces it keeps for the previous node) in the order given (leaf by leaf, shard by
-        # shard, a shard's slabs in order: `plan.write_regions`'s order), 64-byte aligned.
+        # shard, a shard's slabs in order: `plan.write_regions`'s order), 64-byte aligned, big
+        # ones page aligned (not the next slab of the same shard: that stays right after it).
+        self.page_align = int(page_align)
         ranked = list(pieces)
         rank = {(p.leaf, p.box, p.node): i for i, p in enumerate(ranked)}
         own: list[list[PieceRec]] = [[] for _ in range(self.nodes)]
@@ -124,10 +144,11 @@ class Layout:
             if self.redundancy == "replica" and len(self.group_of[n]) > 1:
                 slots += [(p, True) for p in own[self.backup_of(n)]]
                 slots.sort(key=lambda s: rank[(s[0].leaf, s[0].box, s[0].node)])
-            end = 0
+            end, prev = 0, None
             for p, backup in slots:
-                off = align(end)
-                end = off + p.nbytes
+                page = p.nbytes >= PAGE_MIN and not _continues(prev, p)
+                off = align(end, self.page_align if page else ALIGN)
+                end, prev = off + p.nbytes, p
                 placed[(p.leaf, p.box, p.node, backup)] = off
             self.primary.append(align(end))
         self.pieces: list[PieceRec] = [
@@ -215,7 +236,7 @@ class Layout:
     def to_json(self) -> str:
         return json.dumps(
             {
-                "format": LAYOUT_FORMAT,
+                "format": next(f for f, a in _FORMATS.items() if a == self.page_align),
                 "nodes": self.nodes,
                 "groups": self.groups,
                 "redundancy": self.redundancy,
@@ -232,14 +253,14 @@ class Layout:
     @classmethod
     def from_json(cls, text: str) -> Layout:
         d: dict[str, Any] = json.loads(text)
-        if d.get("format") != LAYOUT_FORMAT:
-            raise ValueError(f"not a snapshot layout ({d.get('format')!r})")
+        if d.get("format") not in _FORMATS:
+            raise ValueError(f"not a snapshot layout this version reads ({d.get('format')!r})")
         leaves = [LeafMeta(n, tuple(s), np_dtype(t), k) for n, s, t, k in d["leaves"]]
         pieces = [
             PieceRec(leaf, tuple((a, b) for a, b in box), node, 0, nb)
             for leaf, box, node, nb in d["pieces"]
         ]
-        return cls(leaves, d["nodes"], d["groups"], d["redundancy"], pieces)
+        return cls(leaves, d["nodes"], d["groups"], d["redundancy"], pieces, _FORMATS[d["format"]])
 
 
 def build_pieces(

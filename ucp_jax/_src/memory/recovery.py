@@ -35,6 +35,7 @@ from . import exchange
 from .layout import Layout, LeafMeta, PieceRec
 from .redundancy import decode_node, decode_ranges
 from .shm import DATA, Blob, Entry, committed, list_nodes
+from .stitch import can_stitch, stitch
 
 log = logging.getLogger("ucp_jax")
 
@@ -74,6 +75,8 @@ class RestoreInfo:
         files: the snapshot files read (restored arrays may map them).
         fetched_bytes: bytes this process received from other processes (snapshots on
             machines it cannot see).
+        copied_bytes: bytes this process copied to assemble regions; the rest of what it
+            restored maps the snapshot's pages (on CPU devices: no copy at all).
     """
 
     step: int | None
@@ -84,6 +87,7 @@ class RestoreInfo:
     reason: str = ""
     files: list[str] = dataclasses.field(default_factory=list)
     fetched_bytes: int = 0
+    copied_bytes: int = 0
 
 
 _layouts: dict[tuple[str, str], Layout] = {}
@@ -235,11 +239,12 @@ def restore(
     cands, why = agree(root, tag)
     chosen = cands[0] if cands else None
     if chosen is not None:
-        params, opt, files, fetched = _read(chosen, params_target, opt_state_target, tag)
+        params, opt, blobs = _read(chosen, params_target, opt_state_target, tag)
+        fetched = sum(f.nbytes for f in blobs.fetched.values())
         source = "redundancy" if chosen.lost else "memory"
         info = RestoreInfo(chosen.step, source, str(root), chosen.lost, time.perf_counter() - t0)
-        info.files = [str(f) for f in files]
-        info.fetched_bytes = fetched
+        info.files = [str(f) for f in blobs.files]
+        info.fetched_bytes, info.copied_bytes = fetched, blobs.copied
         detail = f", node(s) {chosen.lost} decoded from {chosen.layout.redundancy}" * bool(
             chosen.lost
         )
@@ -278,6 +283,7 @@ class _Bytes:
         self._homes: dict[PieceRec, list[tuple[int, int]]] = {}
         self._open: dict[int, Any] = {}
         self.files: list[Path] = []
+        self.copied = 0  # bytes assembled by copying (not views of the snapshot's pages)
 
     def sees(self, node: int) -> bool:
         return node in self.cand.entries
@@ -380,8 +386,8 @@ def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:
 
 def _read(
     cand: Candidate, params_target: Any, opt_state_target: Any, tag: str
-) -> tuple[Any, Any, list[Path], int]:
-    """Build the targets from the candidate's bytes; returns (params, opt, files, bytes fetched).
+) -> tuple[Any, Any, _Bytes]:
+    """Build the targets from the candidate's bytes; returns (params, opt, what was read).
 
     A collective (the fetch of bytes other machines hold): every process calls it.
     """
@@ -400,7 +406,6 @@ def _read(
         leaves = [_read_leaf(b, li, lay, blobs) for b, li in bound]
     finally:
         blobs.close()
-    fetched = sum(f.nbytes for f in blobs.fetched.values())
     # Every shard of every leaf in one device_put: one dispatch instead of one per leaf.
     placed = [x for x in leaves if isinstance(x, _Placement)]
     shards = jax.device_put(
@@ -416,7 +421,7 @@ def _read(
         else:
             values.append(x)
     params, opt = unbind_state(params_target, opt_state_target, values)
-    return params, opt, blobs.files, fetched
+    return params, opt, blobs
 
 
 @dataclasses.dataclass
@@ -500,17 +505,44 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return buf[off : off + n].view(dtype).reshape(shape)
 
 
-def _contiguous(box: Box, pieces: list[PieceRec], blobs: _Bytes) -> np.ndarray | None:
-    """The region as one view when its pieces are consecutive slabs of it stored back to back.
-
-    (A shard split between replicas is stored so by the node that keeps both halves.)
-    """
+def _slabs(box: Box, pieces: list[PieceRec]) -> list[PieceRec] | None:
+    """The pieces in order when they are consecutive slabs (along the first axis) of `box`."""
     pieces = sorted(pieces, key=lambda p: p.box)
     for p, q in itertools.pairwise(pieces):
         if p.box[0][1] != q.box[0][0] or p.box[1:] != box[1:] or q.box[1:] != box[1:]:
             return None
     if pieces[0].box[0][0] != box[0][0] or pieces[-1].box[0][1] != box[0][1]:
         return None
+    return pieces
+
+
+def _contiguous(box: Box, pieces: list[PieceRec], blobs: _Bytes) -> np.ndarray | None:
+    """The region as one view when its pieces are consecutive slabs of it stored back to back.
+
+    (A shard split between replicas is stored so by the node that keeps both halves.) Else, when
+    the slabs are in blobs this process maps, page aligned: the slabs mapped back to back.
+    """
+    slabs = _slabs(box, pieces)
+    if slabs is None:
+        return None
+    view = _back_to_back(slabs, blobs)
+    return view if view is not None else _stitched(slabs, blobs)
+
+
+def _stitched(pieces: list[PieceRec], blobs: _Bytes) -> np.ndarray | None:
+    """Consecutive slabs read from snapshot files here, mapped into one array (no copy)."""
+    parts = []
+    for p in pieces:
+        node, off = blobs.homes(p)[0]
+        blob = blobs[node] if blobs.sees(node) else None
+        if not isinstance(blob, Blob):
+            return None
+        parts.append((blob.path, off, p.nbytes))
+    return stitch(parts) if can_stitch(parts) else None
+
+
+def _back_to_back(pieces: list[PieceRec], blobs: _Bytes) -> np.ndarray | None:
+    """Consecutive slabs stored back to back in one blob, as one view of it."""
     homes = [dict(blobs.homes(p)) for p in pieces]
     for node, first in blobs.homes(pieces[0]):
         offs = [h.get(node) for h in homes]
@@ -538,6 +570,7 @@ def _assemble(box: Box, li: int, lay: Layout, blobs: _Bytes) -> np.ndarray:
         if view is not None:
             return view.view(meta.dtype).reshape(shape)
     out = _aligned_empty(shape, meta.dtype)
+    blobs.copied += out.nbytes
     covered = 0
     for p in covering:
         inter = _intersect(p.box, box)

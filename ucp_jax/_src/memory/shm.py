@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import mmap
 import os
@@ -133,7 +134,11 @@ class Blob:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, nbytes)
-            mm = _map_new(fd, nbytes) if nbytes else None
+            mm = _map_new(fd, nbytes, path) if nbytes else None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # give back the pages it got
+            raise
         finally:
             os.close(fd)
         return cls(path, nbytes, mm)
@@ -168,22 +173,49 @@ class Blob:
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module
 
 
-def _map_new(fd: int, nbytes: int) -> mmap.mmap:
+def _map_new(fd: int, nbytes: int, path: Path) -> mmap.mmap:
     """Map a new file writable with its pages allocated, as 2 MiB pages where the tmpfs allows.
 
     The huge-page hint comes before any page exists (a tmpfs mounted with huge=advise needs it;
     always/within_size mounts need nothing, never mounts ignore it). A snapshot restored from
-    2 MiB pages maps in ~1 ms per GiB instead of ~0.1 s with 4 KiB pages.
+    2 MiB pages maps in ~1 ms per GiB instead of ~0.1 s with 4 KiB pages. Every page is allocated
+    here, so a full tmpfs is an error now rather than a SIGBUS in the middle of a copy.
+
+    Raises:
+        OSError: ENOSPC when the tmpfs has no room for `nbytes`.
     """
     mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             mm.madvise(mmap.MADV_HUGEPAGE)
     try:
-        mm.madvise(_MADV_POPULATE_WRITE)  # allocate every page now, not on the first copy
-    except (OSError, ValueError):
-        np.frombuffer(mm, np.uint8)[:: mmap.PAGESIZE] = 0  # older kernels: touch each page
+        try:
+            mm.madvise(_MADV_POPULATE_WRITE)  # allocate every page now (EFAULT: no room)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise _no_room(fd, path, nbytes) from e
+            try:  # kernels before 5.14: allocate, then map each page
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e2:
+                raise _no_room(fd, path, nbytes) from e2
+            np.frombuffer(mm, np.uint8)[:: mmap.PAGESIZE] = 0
+    except BaseException:
+        mm.close()
+        raise
     return mm
+
+
+def _no_room(fd: int, path: Path, nbytes: int) -> OSError:
+    st = os.statvfs(path.parent)
+    got = os.fstat(fd).st_blocks * 512  # given back when the file is removed
+    free, total = st.f_bavail * st.f_frsize + got, st.f_blocks * st.f_frsize
+    return OSError(
+        errno.ENOSPC,
+        f"ucp.memory: no room for a {nbytes / 2**20:.1f} MiB snapshot in {path.parent.parent} "
+        f"({free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB); keep fewer snapshots "
+        "(keep=), free old namespaces (SnapshotManager.free), or give the tmpfs more room "
+        "(mount -o remount,size=...)",
+    )
 
 
 def huge_pages(folder: str | os.PathLike[str]) -> bool:
@@ -287,12 +319,16 @@ class NodeStore:
             self._drop(path)
         path.mkdir()
         blob = next((b for b in self._pool if b.nbytes == nbytes), None)
-        if blob is not None:
-            self._pool.remove(blob)
-            os.rename(blob.path, path / DATA)
-            blob.path = path / DATA
-        else:
-            blob = Blob.create(path / DATA, nbytes)
+        try:
+            if blob is not None:
+                os.rename(blob.path, path / DATA)
+                self._pool.remove(blob)
+                blob.path = path / DATA
+            else:
+                blob = Blob.create(path / DATA, nbytes)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
         return Writer(self, path, blob, index)
 
     def retire(self, keep: int, pinned: set[Path] = frozenset()) -> list[Path]:  # type: ignore[assignment]

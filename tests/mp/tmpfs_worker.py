@@ -1,8 +1,11 @@
-"""Snapshots on a tmpfs mounted with huge pages; run in its own mount namespace (`unshare`).
+"""Snapshots on a tmpfs of its own; run in its own mount namespace (`unshare`).
 
-Usage: huge_pages_worker.py MOUNT_POINT REPORT_JSON. Mounts a tmpfs with huge=advise at
-MOUNT_POINT (the mount goes away with the namespace), snapshots an 8-device train state there,
-restores it in a second manager and writes what it saw to REPORT_JSON.
+Usage: tmpfs_worker.py huge|full MOUNT_POINT REPORT_JSON. Mounts a tmpfs at MOUNT_POINT (the
+mount goes away with the namespace) and writes what it saw to REPORT_JSON:
+
+* huge: a huge=advise tmpfs; snapshots an 8-device train state there and restores it in a
+  second manager; reports the pages' mapping sizes;
+* full: a 12 MiB tmpfs and a 16 MiB snapshot; reports the error and what is left in the tmpfs.
 """
 
 from __future__ import annotations
@@ -35,12 +38,8 @@ def pmd_mapped_kib(path: str) -> int:
     return total
 
 
-def main() -> None:
-    point, report = sys.argv[1], sys.argv[2]
-    os.makedirs(point, exist_ok=True)
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "huge=advise,size=1g", "tmpfs", point], check=True
-    )
+def state() -> tuple[dict, dict]:
+    """A 16 MiB (params, opt_state) on a (2, 4) mesh."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
     rng = np.random.default_rng(0)
     params = {
@@ -48,6 +47,12 @@ def main() -> None:
         "b": jax.device_put(rng.standard_normal((2048,), np.float32), NamedSharding(mesh, P("b"))),
     }  # fmt: skip
     opt = {"mu": jax.tree.map(lambda a: a * 2, params)}
+    return params, opt
+
+
+def huge(point: str) -> dict:
+    mount(point, "huge=advise,size=1g")
+    params, opt = state()
     want = jax.device_get((params, opt))
     mgr = SnapshotManager(None, shm_dir=point, namespace="hp", redundancy=None)
     mgr.snapshot(3, params, opt)
@@ -72,6 +77,39 @@ def main() -> None:
         ),
     }
     again.close()
+    return out
+
+
+def full(point: str) -> dict:
+    mount(point, "size=12m")
+    mgr = SnapshotManager(None, shm_dir=point, namespace="full", redundancy=None)
+    params, opt = state()  # 16 MiB
+    out: dict = {}
+    try:
+        mgr.snapshot(1, params, opt)
+        mgr.wait()
+    except RuntimeError as e:  # raised by wait() (or snapshot() on the CPU copy path)
+        out["error"] = str(e)
+        out["errno"] = getattr(e.__cause__, "errno", None)
+    st = os.statvfs(point)
+    out["free_after"] = st.f_bavail * st.f_frsize
+    out["total"] = st.f_blocks * st.f_frsize
+    out["files"] = sorted(
+        os.path.relpath(os.path.join(d, f), point) for d, _, fs in os.walk(point) for f in fs
+    )
+    out["latest"] = mgr.latest_step()
+    mgr.close()
+    return out
+
+
+def mount(point: str, opts: str) -> None:
+    os.makedirs(point, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", point], check=True)
+
+
+def main() -> None:
+    mode, point, report = sys.argv[1:4]
+    out = {"huge": huge, "full": full}[mode](point)
     with open(report, "w") as f:
         json.dump(out, f)
 
