@@ -6,6 +6,10 @@ namespace then resume bit for bit: from memory (2 processes, and 1 process with 
 node 1's shared memory is wiped too from the replica node 0 keeps (and training goes on with the
 same bits), and with both nodes of the group wiped from the persisted step 4 (logged).
 
+No redundancy: a 2-process job snapshots 3 steps, each node keeping half of every replicated
+shard; resumes on 2 processes and on 1 map those halves back to back (nothing copied but the few
+small slabs too short to start on a page).
+
 XOR: a 4-process x 2-device job (one parity group of 4) trains 3 steps; one process is killed and
 its shared memory wiped; a 2-process x 4-device job resumes bit-exact from the XOR parity (on
 another mesh); with a second node of the group wiped, 1 process falls back to the persisted
@@ -17,6 +21,7 @@ sharded across processes (exchanged with a ppermute when the snapshot is taken).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -146,13 +151,22 @@ def _resume(root: Path, out: dict, name: str, nprocs: int, devices: int, **cfg) 
     out[name + "_log"] = job.stderr(0) + (job.stderr(nprocs - 1) if nprocs > 1 else "")
 
 
+@contextlib.contextmanager
+def _scenario(tmp_path_factory, name: str):
+    """(folder, namespace, the config every job of the scenario shares); the namespace's shared
+    memory is removed afterwards."""
+    root = tmp_path_factory.mktemp(f"mem_{name}")
+    ns = f"test-{name}-{uuid.uuid4().hex[:8]}"
+    try:
+        yield root, ns, {"ckpt": str(root / "ckpt"), "namespace": ns}
+    finally:
+        shutil.rmtree(_shm(ns), ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mem_replica")
-    ns = f"test-replica-{uuid.uuid4().hex[:8]}"
-    base = {"ckpt": str(root / "ckpt"), "namespace": ns}
     out = {}
-    try:
+    with _scenario(tmp_path_factory, "replica") as (root, ns, base):
         out["train"] = _trained(root, "train", 2, 4, 1, steps=5, persist_every=2,
                                 redundancy="replica", **base)  # fmt: skip
 
@@ -167,8 +181,6 @@ def replica(tmp_path_factory):
         shutil.rmtree(_shm(ns) / "0")  # both nodes of the group are gone
         shutil.rmtree(_shm(ns) / "1", ignore_errors=True)  # (the last job recreated it, empty)
         resume("persisted", 2, 4, **{"continue": True})
-    finally:
-        shutil.rmtree(_shm(ns), ignore_errors=True)
     return out
 
 
@@ -184,16 +196,11 @@ def _check(reports, train, step, source):
 
 @pytest.fixture(scope="module")
 def no_redundancy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mem_none")
-    ns = f"test-none-{uuid.uuid4().hex[:8]}"
-    base = {"ckpt": str(root / "ckpt"), "namespace": ns}
     out = {}
-    try:
+    with _scenario(tmp_path_factory, "none") as (root, _, base):
         out["train"] = _trained(root, "train", 2, 4, 0, steps=3, redundancy=None, **base)
         _resume(root, out, "memory", 2, 4, **base, **{"continue": True})
         _resume(root, out, "memory_1proc", 1, 4, **base)
-    finally:
-        shutil.rmtree(_shm(ns), ignore_errors=True)
     return out
 
 
@@ -243,11 +250,8 @@ def test_two_nodes_of_a_group_wiped_falls_back_to_the_persisted_checkpoint(repli
 
 @pytest.fixture(scope="module")
 def xor(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mem_xor")
-    ns = f"test-xor-{uuid.uuid4().hex[:8]}"
-    base = {"ckpt": str(root / "ckpt"), "namespace": ns}
     out = {}
-    try:
+    with _scenario(tmp_path_factory, "xor") as (root, ns, base):
         out["train"] = _trained(root, "train", 4, 2, 2, steps=3, persist_every=2,
                                 redundancy="xor", device_copies=True, **base)  # fmt: skip
         shutil.rmtree(_shm(ns) / "2")
@@ -255,8 +259,6 @@ def xor(tmp_path_factory):
         shutil.rmtree(_shm(ns) / "1")
         shutil.rmtree(_shm(ns) / "2", ignore_errors=True)
         _resume(root, out, "persisted", 1, 4, **base)
-    finally:
-        shutil.rmtree(_shm(ns), ignore_errors=True)
     return out
 
 
