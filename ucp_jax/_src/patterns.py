@@ -42,6 +42,11 @@ def to_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
+def relative_slices(inner: Box, outer: Box) -> tuple[slice, ...]:
+    """Slices of box `inner` in an array holding box `outer` (inner lies within outer)."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+
+
 def index_to_box(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
     """A jax shard index (tuple of slices) as a box with concrete bounds."""
     out = []

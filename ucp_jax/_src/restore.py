@@ -18,7 +18,7 @@ from .dtypes import np_dtype
 from .errors import MismatchError, NotACheckpointError, PatternError
 from .gcpause import gc_paused
 from .manifest import STEP_SLOT, AtomInfo
-from .patterns import box_shape, box_size, index_to_box, to_slices
+from .patterns import box_shape, box_size, index_to_box, relative_slices, to_slices
 from .plan import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
 from .rules import CompiledRules, Rule
 
@@ -294,7 +294,7 @@ def _issue(
     out = _aligned_empty(box_shape(g.box), b.dtype)
     pending = []
     for p in g.pieces:
-        rel = tuple(slice(a - o, z - o) for (a, z), (o, _) in zip(p.leaf_box, g.box))
+        rel = relative_slices(p.leaf_box, g.box)
         if p.atom is None:
             stats.bytes_padding += box_size(p.leaf_box) * b.dtype.itemsize
             out[rel] = 0

@@ -22,7 +22,7 @@ from . import store
 from .dtypes import dtype_name
 from .errors import MismatchError
 from .manifest import AtomInfo, Manifest, SlotInfo, atom_dir
-from .patterns import to_slices
+from .patterns import relative_slices, to_slices
 from .plan import (
     LeafBinding,
     WriteTask,
@@ -157,7 +157,7 @@ class _SaveJob:
         if t.device is None:
             return np.asarray(t.binding.value)[to_slices(t.box)]
         shard = next(s for s in t.binding.value.addressable_shards if s.device == t.device)
-        local = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(t.box, t.shard_box))
+        local = relative_slices(t.box, t.shard_box)
         if t.box == t.shard_box:
             return shard.data
         if t.device.platform == "cpu":
@@ -225,7 +225,7 @@ class _SaveJob:
                 for p in t.binding.pieces(t.box):
                     if p.atom is None:
                         continue
-                    rel = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(p.leaf_box, t.box))
+                    rel = relative_slices(p.leaf_box, t.box)
                     chunk = p.leaf_to_atom(data[rel])
                     arr = arrays[(p.atom, t.binding.slot)]
                     futs.append(arr[to_slices(p.atom_box)].write(chunk))

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..patterns import to_slices
+from ..patterns import relative_slices, to_slices
 from .redundancy import Fetch
 
 
@@ -74,8 +74,8 @@ def group_by_device(fetches: list[Fetch], donation_safe: bool) -> list[DeviceCop
         if whole:
             plans.setdefault(f.device, []).append((si, None, None))
         else:
-            start = tuple(a - s0 for (a, _), (s0, _) in zip(f.box, f.shard_box))
-            limit = tuple(b - s0 for (_, b), (s0, _) in zip(f.box, f.shard_box))
+            rel = relative_slices(f.box, f.shard_box)
+            start, limit = tuple(s.start for s in rel), tuple(s.stop for s in rel)
             plans.setdefault(f.device, []).append((si, start, limit))
         g.fetches.append(fi)
     for dev, g in groups.items():
@@ -112,8 +112,7 @@ def host_views(fetches: list[Fetch], leaves: list[Any], rolled: dict[Any, Any]) 
             continue
         view = np.asarray(shard(f.kind, f.leaf, f.shift, f.device))
         if f.box != f.shard_box:
-            view = view[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in
-                              zip(f.box, f.shard_box))]  # fmt: skip
+            view = view[relative_slices(f.box, f.shard_box)]
         datas[fi] = view
     return datas
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import MismatchError, NotACheckpointError
 from ..gcpause import gc_paused
-from ..patterns import Box, box_shape, box_size, index_to_box
+from ..patterns import Box, box_shape, box_size, index_to_box, relative_slices
 from ..plan import LeafBinding, bind_state, unbind_state
 from ..rules import CompiledRules, Rule
 from . import exchange
@@ -380,10 +380,6 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) or not out else None
 
 
-def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
-
-
 def _read(
     cand: Candidate, params_target: Any, opt_state_target: Any, tag: str
 ) -> tuple[Any, Any, _Bytes]:
@@ -575,7 +571,7 @@ def _assemble(box: Box, li: int, lay: Layout, blobs: _Bytes) -> np.ndarray:
     for p in covering:
         inter = _intersect(p.box, box)
         src = blobs.read(p).view(meta.dtype).reshape(box_shape(p.box))
-        out[_rel(inter, box)] = src[_rel(inter, p.box)]
+        out[relative_slices(inter, box)] = src[relative_slices(inter, p.box)]
         covered += box_size(inter)
     if covered != box_size(box):
         raise MismatchError(
