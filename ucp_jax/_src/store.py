@@ -15,6 +15,7 @@ import tensorstore as ts
 
 from .dtypes import zarr_dtype
 from .errors import NotACheckpointError
+from .libc import libc
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo
 
 # One context for the whole process, so that `memory://` stores are shared between calls.
@@ -404,16 +405,12 @@ def _sync_range(path: str, flags: int, *, drop: bool = False) -> None:
 @functools.cache
 def _libc_sync_file_range() -> Any:
     """libc's sync_file_range (Linux), looked up on first use; None elsewhere."""
-    if os.name != "posix":
-        return None
-    try:
-        import ctypes
+    import ctypes
 
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # the loaded libc: no ldconfig
+    fn = getattr(libc(), "sync_file_range", None)
+    if fn is not None:
         fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-        return fn
-    except (OSError, AttributeError):
-        return None
+    return fn
 
 
 def sync_tree(root: str, *, threads: int = 16) -> int:

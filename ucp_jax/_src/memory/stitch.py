@@ -11,9 +11,9 @@ unmapped when the last array using it is gone.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
-import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,30 +21,26 @@ from typing import Any
 
 import numpy as np
 
+from ..libc import libc
+
 PAGE = mmap.PAGESIZE
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10  # Linux
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-_lock = threading.Lock()
-_libc: Any = None
 
 
+@functools.cache
 def _lib() -> Any:
-    """libc's mmap/munmap (the loaded libc), or None where there is none (then: no stitching)."""
-    global _libc
-    with _lock:
-        if _libc is None:
-            try:
-                lib = ctypes.CDLL(None, use_errno=True)
-                lib.mmap.restype = ctypes.c_void_p
-                lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                     ctypes.c_int, ctypes.c_int, ctypes.c_long]  # fmt: skip
-                lib.munmap.restype = ctypes.c_int
-                lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-                _libc = lib
-            except (OSError, AttributeError):
-                _libc = False
-    return _libc or None
+    """libc with mmap/munmap typed, or None where there is none (then: no stitching)."""
+    lib = libc()
+    if lib is None or not hasattr(lib, "mmap") or not hasattr(lib, "munmap"):
+        return None
+    lib.mmap.restype = ctypes.c_void_p
+    lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                         ctypes.c_int, ctypes.c_int, ctypes.c_long]  # fmt: skip
+    lib.munmap.restype = ctypes.c_int
+    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
 
 
 def can_stitch(parts: Sequence[tuple[Path, int, int]]) -> bool:

@@ -24,6 +24,7 @@ import tensorstore as ts
 from .. import store
 from ..dtypes import dtype_name
 from ..errors import MismatchError
+from ..libc import libc
 from ..manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir
 from ..patterns import Box, box_shape, to_slices
 from ..version import __version__
@@ -354,10 +355,5 @@ def limit_malloc_arenas(n: int = 2) -> bool:
     writers); with one arena per thread, freed memory stays resident. Two arenas halve the
     peak RSS of `ucp convert` at the same speed. Returns whether it applied (glibc only).
     """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None)  # the loaded libc (no ldconfig subprocess)
-        return bool(libc.mallopt(-8, int(n)))  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        return False
+    mallopt = getattr(libc(), "mallopt", None)
+    return bool(mallopt(-8, int(n))) if mallopt is not None else False  # M_ARENA_MAX
