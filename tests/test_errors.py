@@ -175,7 +175,7 @@ def test_open_reads_any_slice(saved):
 def test_failed_save_lets_issued_writes_land_first(tmp_path, monkeypatch):
     """A save failing mid-write waits for the writes it issued before raising (regression)."""
     from ucp_jax._src import save as save_mod
-    from ucp_jax._src.patterns import Piece
+    from ucp_jax._src.mapping.patterns import Piece
 
     drained: list[list] = []
     real_wait = save_mod._wait_all

@@ -115,7 +115,7 @@ def _fail_before_commit(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _stored_keys(root: str, name: str) -> list[str]:
     """Keys stored under root/name, local folder (incl. its staging folder) or kvstore."""
-    from ucp_jax._src.store import Location
+    from ucp_jax._src.format.store import Location
 
     loc = Location.parse(root)
     if loc.local_path is not None:

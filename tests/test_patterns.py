@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax as ucp
-from ucp_jax._src.patterns import LeafContext, as_chain, chain_pieces, full_box, to_slices
-from ucp_jax._src.rules import CompiledRules
+from ucp_jax._src.mapping.patterns import LeafContext, as_chain, chain_pieces, full_box, to_slices
+from ucp_jax._src.mapping.rules import CompiledRules
 
 RNG = np.random.default_rng(0)
 
@@ -361,7 +361,7 @@ def test_transposed_bad_perm():
 
 
 def test_pattern_json_roundtrip():
-    from ucp_jax._src.patterns import pattern_from_json
+    from ucp_jax._src.mapping.patterns import pattern_from_json
 
     for p in [ucp.Replicated(), ucp.Averaged(), ucp.Partitioned(1), ucp.Transposed((1, 0)),
               ucp.VocabPadded(7, 1), ucp.Fused((2, 2), 0, "t", atoms=("a", "b")),

@@ -216,7 +216,7 @@ def test_import_is_durable_before_commit(tmp_path, monkeypatch):
         fsync(fd)
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
-    from ucp_jax._src import store
+    from ucp_jax._src.format import store
 
     at_commit: list[int] = []
     commit = store.Staging.commit
@@ -241,11 +241,11 @@ def test_import_is_durable_before_commit(tmp_path, monkeypatch):
 
 def test_failed_import_leaves_nothing_behind(tmp_path, monkeypatch):
     """An import that dies midway (here: the third write) drops its staging folder."""
-    from ucp_jax._src.torch import _writer
+    from ucp_jax._src.torch import writer
 
     sd = {f"w{i}": torch.randn(8, 4) for i in range(5)}
     st.save_file(sd, tmp_path / "m.safetensors")
-    write, calls = _writer.AtomWriter.write, []
+    write, calls = writer.AtomWriter.write, []
 
     def failing(self, *a, **k):  # type: ignore[no-untyped-def]
         calls.append(1)
@@ -253,7 +253,7 @@ def test_failed_import_leaves_nothing_behind(tmp_path, monkeypatch):
             raise OSError("disk on fire")
         return write(self, *a, **k)
 
-    monkeypatch.setattr(_writer.AtomWriter, "write", failing)
+    monkeypatch.setattr(writer.AtomWriter, "write", failing)
     with pytest.raises(OSError, match="disk on fire"):
         import_safetensors(tmp_path / "m.safetensors", tmp_path / "u")
     assert not (tmp_path / "u").exists() and not (tmp_path / ".u.ucp-tmp").exists()

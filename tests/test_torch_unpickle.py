@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ucp_jax._src.torch._unpickle import (  # noqa: E402
+from ucp_jax._src.torch.unpickle import (  # noqa: E402
     FragmentAddress,
     LazyTensor,
     LossScaler,

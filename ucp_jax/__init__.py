@@ -19,17 +19,17 @@ from ._src.errors import MismatchError as MismatchError
 from ._src.errors import NotACheckpointError as NotACheckpointError
 from ._src.errors import PatternError as PatternError
 from ._src.errors import UcpError as UcpError
-from ._src.manifest import AtomInfo as AtomInfo
-from ._src.manifest import SlotInfo as SlotInfo
-from ._src.patterns import Averaged as Averaged
-from ._src.patterns import Fused as Fused
-from ._src.patterns import Partitioned as Partitioned
-from ._src.patterns import Pattern as Pattern
-from ._src.patterns import Replicated as Replicated
-from ._src.patterns import Stacked as Stacked
-from ._src.patterns import Transposed as Transposed
-from ._src.patterns import VocabPadded as VocabPadded
-from ._src.version import __version__ as __version__
+from ._src.format.manifest import AtomInfo as AtomInfo
+from ._src.format.manifest import SlotInfo as SlotInfo
+from ._src.format.version import __version__ as __version__
+from ._src.mapping.patterns import Averaged as Averaged
+from ._src.mapping.patterns import Fused as Fused
+from ._src.mapping.patterns import Partitioned as Partitioned
+from ._src.mapping.patterns import Pattern as Pattern
+from ._src.mapping.patterns import Replicated as Replicated
+from ._src.mapping.patterns import Stacked as Stacked
+from ._src.mapping.patterns import Transposed as Transposed
+from ._src.mapping.patterns import VocabPadded as VocabPadded
 
 if TYPE_CHECKING:
     from ._src.checkpoint import Checkpoint as Checkpoint

@@ -47,7 +47,7 @@ class _RecordingArray:
 def _instrument() -> None:
     """Record every region the save writes, wherever the array was opened or created."""
     from ucp_jax._src import save as save_mod
-    from ucp_jax._src import store as store_mod
+    from ucp_jax._src.format import store as store_mod
 
     open_array, create = store_mod.open_array, save_mod._create
 

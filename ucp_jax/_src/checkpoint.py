@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from . import store
 from .errors import ChecksumError, MismatchError
-from .manifest import AtomInfo, Manifest
+from .format import store
+from .format.manifest import AtomInfo, Manifest
 
 
 def _wrap_io(e: Exception, where: str) -> Exception:

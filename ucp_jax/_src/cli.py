@@ -8,10 +8,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import store
 from .checkpoint import Checkpoint
-from .dtypes import np_dtype
 from .errors import UcpError
+from .format import store
+from .format.dtypes import np_dtype
 
 
 def _mib(n: int) -> str:
@@ -172,7 +172,7 @@ def _run_torch_command(args: Any) -> int:
         )
         return 1
     if "MALLOC_ARENA_MAX" not in os.environ:  # bounded memory: see limit_malloc_arenas
-        from .torch._writer import limit_malloc_arenas
+        from .torch.writer import limit_malloc_arenas
 
         limit_malloc_arenas(2)
     t0 = time.perf_counter()

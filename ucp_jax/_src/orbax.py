@@ -55,12 +55,12 @@ from typing import Any, NamedTuple
 import orbax.checkpoint as ocp
 
 from . import save as save_mod
-from . import store
 from .checkpoint import Checkpoint
 from .errors import NotACheckpointError
-from .manifest import COMMIT, MANIFEST, Manifest
+from .format import store
+from .format.manifest import COMMIT, MANIFEST, Manifest
+from .mapping.rules import Rule
 from .restore import restore as ucp_restore
-from .rules import Rule
 
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 

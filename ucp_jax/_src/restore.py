@@ -14,13 +14,13 @@ import numpy as np
 import tensorstore as ts
 
 from .checkpoint import Checkpoint, _wrap_io, list_checkpoints, open_checkpoint
-from .dtypes import np_dtype
 from .errors import MismatchError, NotACheckpointError, PatternError
-from .gcpause import gc_paused
-from .manifest import STEP_SLOT, AtomInfo
-from .patterns import box_shape, box_size, index_to_box, relative_slices, to_slices
-from .plan import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
-from .rules import CompiledRules, Rule
+from .format.dtypes import np_dtype
+from .format.manifest import STEP_SLOT, AtomInfo
+from .mapping.binding import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
+from .mapping.patterns import box_shape, box_size, index_to_box, relative_slices, to_slices
+from .mapping.rules import CompiledRules, Rule
+from .util.gcpause import gc_paused
 
 DEFAULT_READ_BYTES = int(os.environ.get("UCP_INFLIGHT_BYTES", str(1 << 30)))
 

@@ -18,12 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import store
-from .dtypes import dtype_name
 from .errors import MismatchError
-from .manifest import AtomInfo, Manifest, SlotInfo, atom_dir
-from .patterns import relative_slices, to_slices
-from .plan import (
+from .format import store
+from .format.dtypes import dtype_name
+from .format.manifest import AtomInfo, Manifest, SlotInfo, atom_dir
+from .format.version import __version__
+from .mapping.binding import (
     LeafBinding,
     WriteTask,
     atom_boundaries,
@@ -32,9 +32,9 @@ from .plan import (
     my_write_tasks,
     write_regions,
 )
-from .rules import CompiledRules, Rule
-from .sync import barrier
-from .version import __version__
+from .mapping.patterns import relative_slices, to_slices
+from .mapping.rules import CompiledRules, Rule
+from .util.sync import barrier
 
 log = logging.getLogger("ucp_jax")
 DEFAULT_INFLIGHT_BYTES = int(os.environ.get("UCP_INFLIGHT_BYTES", str(1 << 30)))

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .names import named_leaves
-from .optim import classify_opt_state
+from .mapping.names import named_leaves
+from .mapping.slots import classify_opt_state
 
 SpecSource = Any  # a pytree of PartitionSpec, or a callable (leaf name, leaf) -> PartitionSpec
 

@@ -16,9 +16,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..patterns import Box, index_to_box
-from ..plan import bind_state, write_regions
-from ..rules import CompiledRules, Rule
+from ..mapping.binding import bind_state, write_regions
+from ..mapping.patterns import Box, index_to_box
+from ..mapping.rules import CompiledRules, Rule
 from . import copies, persist, recovery
 from .layout import Layout, LeafMeta, build_pieces, make_groups
 from .redundancy import Fetch, Sources, fill, plan_fetches, roll

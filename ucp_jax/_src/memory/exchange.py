@@ -54,7 +54,7 @@ def publish_text(key: str, text: str) -> None:
 
 def get_text(key: str) -> str:
     """The text another process published under `key` with `publish_text` (waits for it)."""
-    from ..sync import BARRIER_TIMEOUT_S
+    from ..util.sync import BARRIER_TIMEOUT_S
 
     raw = _client().blocking_key_value_get(key, int(BARRIER_TIMEOUT_S * 1000))
     return zlib.decompress(base64.b64decode(raw)).decode()

@@ -6,7 +6,7 @@ rebuild any node's bytes from the others'.
 
 A node's blob is `[its pieces | its redundancy bytes]`:
 
-- its pieces: the regions `plan.write_regions` gives its devices (each distinct shard once; a
+- its pieces: the regions `binding.write_regions` gives its devices (each distinct shard once; a
   shard held by R data-parallel replicas split into R slabs copied by different replicas), each
   piece C-contiguous in the leaf's layout, with its global box, at a 64-byte aligned offset;
   pieces of 64 KiB or more start on a 4 KiB page, unless they continue the previous piece's
@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import dtype_name, np_dtype
-from ..patterns import Box, box_size
+from ..format.dtypes import dtype_name, np_dtype
+from ..mapping.patterns import Box, box_size
 
 ALIGN = 64
 PAGE_ALIGN = 4096  # fixed (not this machine's page size): every process computes the same layout
@@ -128,7 +128,7 @@ class Layout:
         self.group_of = {n: g for g in self.groups for n in g}
         # Offsets are assigned here, deterministically: a node's own pieces (and, for replica,
         # the pieces it keeps for the previous node) in the order given (leaf by leaf, shard by
-        # shard, a shard's slabs in order: `plan.write_regions`'s order), 64-byte aligned, big
+        # shard, a shard's slabs in order: `binding.write_regions`'s order), 64-byte aligned, big
         # ones page aligned (not the next slab of the same shard: that stays right after it).
         self.page_align = int(page_align)
         ranked = list(pieces)
@@ -270,7 +270,7 @@ def build_pieces(
 
     Args:
         leaves: the leaves.
-        regions: per leaf, (box, node) of each region (from `plan.write_regions`).
+        regions: per leaf, (box, node) of each region (from `binding.write_regions`).
         nodes: number of nodes.
     """
     out = []

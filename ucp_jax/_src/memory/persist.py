@@ -1,6 +1,6 @@
 """Persist a snapshot as a universal checkpoint, from its host copy in shared memory.
 
-The save is planned on the training thread (the same `plan.write_regions` as the snapshot, so
+The save is planned on the training thread (the same `binding.write_regions` as the snapshot, so
 every region a process must write is one of its own pieces) and written later, in the
 background, from the pieces' bytes in shared memory: the devices are never read again.
 """
@@ -12,8 +12,8 @@ import os
 import time
 from typing import Any
 
-from ..patterns import box_shape
-from ..rules import Rule
+from ..mapping.patterns import box_shape
+from ..mapping.rules import Rule
 from ..save import DEFAULT_INFLIGHT_BYTES, _SaveJob
 from .layout import Layout
 from .shm import Blob

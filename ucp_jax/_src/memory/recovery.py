@@ -27,10 +27,10 @@ import jax
 import numpy as np
 
 from ..errors import MismatchError, NotACheckpointError
-from ..gcpause import gc_paused
-from ..patterns import Box, box_shape, box_size, index_to_box, relative_slices
-from ..plan import LeafBinding, bind_state, unbind_state
-from ..rules import CompiledRules, Rule
+from ..mapping.binding import LeafBinding, bind_state, unbind_state
+from ..mapping.patterns import Box, box_shape, box_size, index_to_box, relative_slices
+from ..mapping.rules import CompiledRules, Rule
+from ..util.gcpause import gc_paused
 from . import exchange
 from .layout import Layout, LeafMeta, PieceRec
 from .redundancy import decode_node, decode_ranges

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..patterns import Box
+from ..mapping.patterns import Box
 from .layout import Layout, PieceRec
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..libc import libc
+from ..util.libc import libc
 
 PAGE = mmap.PAGESIZE
 _MAP_FAILED = ctypes.c_void_p(-1).value

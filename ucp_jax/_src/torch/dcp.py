@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from ..errors import NotACheckpointError, UcpError
-from ._unpickle import load_pickle, loads, torch_value_globals
-from ._writer import AtomWriter, to_numpy
 from .deepspeed import _advance, _progress, jsonable
+from .unpickle import load_pickle, loads, torch_value_globals
+from .writer import AtomWriter, to_numpy
 
 _OPTIM = re.compile(r"^(?:optim|optimizer)\.state\.(?P<param>.+)\.(?P<field>[A-Za-z_][\w]*)$")
 

@@ -7,7 +7,7 @@ reads the rank files once, in order, and writes each fragment straight to its pl
 (flat ranges become boxes), so memory stays about one rank file plus the writes in flight.
 Megatron-style tensor/pipeline parallel files (`mp_rank_XX`, `layer_XX-model_YY`) are merged with
 the patterns of `universal_checkpoint_info`, as DeepSpeed's `ds_to_universal` does. DeepSpeed
-itself is not needed: its pickles are read weights-only with data stand-ins (see _unpickle).
+itself is not needed: its pickles are read weights-only with data stand-ins (see unpickle).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import NotACheckpointError
-from ..gcpause import gc_paused
-from ._unpickle import LazyTensor
-from ._unpickle import load_lazy as load
-from ._writer import AtomWriter
+from ..util.gcpause import gc_paused
 from .tp_merge import DeepSpeedFormatError, _Merger
+from .unpickle import LazyTensor
+from .unpickle import load_lazy as load
+from .writer import AtomWriter
 
 _OPTIM_RE = re.compile(
     r"^(?:bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_?optim_states\.pt$"

@@ -27,7 +27,7 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..errors import MismatchError
-from ..manifest import PARAM_SLOT, STEP_SLOT
+from ..format.manifest import PARAM_SLOT, STEP_SLOT
 from .deepspeed import _advance, _progress
 
 DS_VERSION = "0.19.8"  # written when the source was not DeepSpeed; DeepSpeed checks >= 0.3.17

@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import MismatchError, NotACheckpointError, UcpError
-from ._writer import AtomWriter
+from .writer import AtomWriter
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

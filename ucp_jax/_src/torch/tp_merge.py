@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MismatchError, UcpError
-from ._writer import AtomWriter
+from .writer import AtomWriter
 
 
 class DeepSpeedFormatError(UcpError, ValueError):

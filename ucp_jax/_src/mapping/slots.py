@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from .manifest import SLOT_ALIASES
+from ..format.manifest import SLOT_ALIASES
 from .names import key_to_str, path_to_name
 
 OPT_PREFIX = "opt_state"

@@ -10,11 +10,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from .dtypes import dtype_name, np_dtype
-from .errors import PatternError
-from .manifest import PARAM_SLOT, VALUE_SLOT
+from ..errors import PatternError
+from ..format.dtypes import dtype_name, np_dtype
+from ..format.manifest import PARAM_SLOT, VALUE_SLOT
 from .names import named_leaves
-from .optim import OPT_PREFIX, classify_opt_state
 from .patterns import (
     Box,
     LeafContext,
@@ -27,6 +26,7 @@ from .patterns import (
     index_to_box,
 )
 from .rules import CompiledRules
+from .slots import OPT_PREFIX, classify_opt_state
 
 SPLIT_MIN_BYTES = 4 << 20  # replicated regions at least this big are split among their replicas
 

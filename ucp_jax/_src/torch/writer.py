@@ -21,13 +21,13 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .. import store
-from ..dtypes import dtype_name
 from ..errors import MismatchError
-from ..libc import libc
-from ..manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir
-from ..patterns import Box, box_shape, to_slices
-from ..version import __version__
+from ..format import store
+from ..format.dtypes import dtype_name
+from ..format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir
+from ..format.version import __version__
+from ..mapping.patterns import Box, box_shape, to_slices
+from ..util.libc import libc
 
 DEFAULT_INFLIGHT_BYTES = int(os.environ.get("UCP_IMPORT_INFLIGHT_BYTES", str(64 << 20)))
 

@@ -530,7 +530,7 @@ class _LazyUnpickler(RestrictedUnpickler):
     def persistent_load(self, pid: Any) -> Any:
         import numpy as np
 
-        from ..dtypes import np_dtype
+        from ..format.dtypes import np_dtype
 
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage" and len(pid) >= 3):
             raise UnsafePickleError(f"{self._path}: unexpected persistent id {pid!r}")

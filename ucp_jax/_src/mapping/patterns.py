@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .errors import PatternError
+from ..errors import PatternError
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per axis
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import tensorstore as ts
 
+from ..errors import NotACheckpointError
+from ..util.libc import libc
 from .dtypes import zarr_dtype
-from .errors import NotACheckpointError
-from .libc import libc
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo
 
 # One context for the whole process, so that `memory://` stores are shared between calls.

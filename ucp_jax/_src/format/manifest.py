@@ -8,7 +8,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import FormatVersionError, NotACheckpointError
+from ..errors import FormatVersionError, NotACheckpointError
 
 FORMAT = "ucp/1"
 FORMAT_VERSION = 1

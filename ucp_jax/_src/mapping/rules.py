@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import PatternError
+from ..errors import PatternError
 from .patterns import Pattern, PatternChain, as_chain, pattern_from_json
 
 Rule = tuple[str, Any]

@@ -1,0 +1,1 @@
+"""Small utilities the layers share: libc calls, GC pauses, cross-process barriers."""
