@@ -90,7 +90,7 @@ def _fail_midwrite(monkeypatch: pytest.MonkeyPatch, after: int = 3) -> None:
 
     Pass the save max_inflight_bytes=1, so that those regions are durable before it raises.
     """
-    stream = save_mod._SaveJob._stream
+    stream = save_mod.SaveJob._stream
 
     def failing(self):  # type: ignore[no-untyped-def]
         for i, item in enumerate(stream(self)):
@@ -98,7 +98,7 @@ def _fail_midwrite(monkeypatch: pytest.MonkeyPatch, after: int = 3) -> None:
                 raise Injected("disk on fire")
             yield item
 
-    monkeypatch.setattr(save_mod._SaveJob, "_stream", failing)
+    monkeypatch.setattr(save_mod.SaveJob, "_stream", failing)
 
 
 def _fail_before_commit(monkeypatch: pytest.MonkeyPatch) -> None:

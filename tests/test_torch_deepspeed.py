@@ -20,11 +20,8 @@ from ds.fixtures import CASES, STEPS, ds_ckpts  # noqa: E402, F401
 
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main as ucp_main  # noqa: E402
-from ucp_jax._src.torch.deepspeed import (  # noqa: E402
-    DeepSpeedFormatError,
-    import_deepspeed,
-    import_deepspeed_universal,
-)
+from ucp_jax._src.torch.deepspeed import DeepSpeedFormatError, import_deepspeed  # noqa: E402
+from ucp_jax._src.torch.deepspeed_universal import import_deepspeed_universal  # noqa: E402
 from ucp_jax._src.torch.unpickle import load  # noqa: E402
 from ucp_jax._src.torch.writer import to_numpy  # noqa: E402
 

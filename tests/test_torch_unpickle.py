@@ -14,15 +14,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from ucp_jax._src.torch.lazy import LazyTensor, load_lazy  # noqa: E402
 from ucp_jax._src.torch.unpickle import (  # noqa: E402
     FragmentAddress,
-    LazyTensor,
     LossScaler,
     UnsafePickleError,
     ZeroStageEnum,
     allowed,
     load,
-    load_lazy,
     loads,
     pickle_globals,
 )

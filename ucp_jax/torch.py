@@ -15,17 +15,27 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
         "pip install 'ucp_jax[torch]'"
     ) from _e
 
+from ._src.torch.dcp import DCPFormatError as DCPFormatError
 from ._src.torch.dcp import import_dcp as import_dcp
 from ._src.torch.deepspeed import import_deepspeed as import_deepspeed
-from ._src.torch.deepspeed import import_deepspeed_universal as import_deepspeed_universal
+from ._src.torch.deepspeed_common import DeepSpeedFormatError as DeepSpeedFormatError
+from ._src.torch.deepspeed_universal import (
+    import_deepspeed_universal as import_deepspeed_universal,
+)
 from ._src.torch.export import export_deepspeed_universal as export_deepspeed_universal
 from ._src.torch.safetensors import PRESETS as PRESETS
+from ._src.torch.safetensors import AtomFrom as AtomFrom
+from ._src.torch.safetensors import SafetensorsError as SafetensorsError
 from ._src.torch.safetensors import import_safetensors as import_safetensors
 from ._src.torch.unpickle import UnsafePickleError as UnsafePickleError
 from ._src.torch.unpickle import load as load_weights_only
 
 __all__ = [
     "PRESETS",
+    "AtomFrom",
+    "DCPFormatError",
+    "DeepSpeedFormatError",
+    "SafetensorsError",
     "UnsafePickleError",
     "export_deepspeed_universal",
     "import_dcp",

@@ -74,14 +74,14 @@ def _throttle() -> None:
     """Slow the write phase down, so that the kill lands in it with seconds to spare."""
     from ucp_jax._src import save as save_mod
 
-    stream = save_mod._SaveJob._stream
+    stream = save_mod.SaveJob._stream
 
     def slow_stream(self):  # type: ignore[no-untyped-def]
         for item in stream(self):
             time.sleep(THROTTLE_S)
             yield item
 
-    save_mod._SaveJob._stream = slow_stream
+    save_mod.SaveJob._stream = slow_stream
 
 
 def main() -> None:

@@ -17,22 +17,6 @@ from .format import store
 from .format.manifest import AtomInfo, Manifest
 
 
-def _wrap_io(e: Exception, where: str) -> Exception:
-    msg = str(e)
-    # "Not enough data": a truncated chunk file (tensorstore says FAILED_PRECONDITION, not DATA_LOSS)
-    if (
-        "Digest mismatch" in msg
-        or "checksum" in msg.lower()
-        or "DATA_LOSS" in msg
-        or "Not enough data" in msg
-    ):
-        return ChecksumError(
-            f"{where}: stored bytes fail their crc32c checksum ({msg}); the checkpoint is "
-            "corrupt: restore an earlier checkpoint"
-        )
-    return e
-
-
 class Checkpoint:
     """A committed universal checkpoint, opened for inspection and region reads.
 
@@ -117,7 +101,7 @@ class Checkpoint:
                     )
                 )
             except ValueError as e:
-                raise _wrap_io(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
+                raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
         for (name, slot, shape, si), (listing, opening) in zip(todo, started):
             try:
                 missing = store.missing_of(listing, shape, si)
@@ -129,7 +113,7 @@ class Checkpoint:
                     )
                 self._arrays[(name, slot)] = opening.result()
             except ValueError as e:
-                raise _wrap_io(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
+                raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
 
     def read(self, name: str, slot: str = "fp32", index: Any = ...) -> np.ndarray:
         """Read any slice of one atom slot; only that region is read from storage.
@@ -150,7 +134,7 @@ class Checkpoint:
         try:
             return np.asarray(arr[index].read().result())
         except ValueError as e:
-            raise _wrap_io(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
+            raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
 
 
 def open_checkpoint(path: Any) -> Checkpoint:

@@ -12,20 +12,13 @@ from .checkpoint import Checkpoint
 from .errors import UcpError
 from .format import store
 from .format.dtypes import np_dtype
+from .mapping.patterns import chain_text
+from .util import config
+from .util.libc import limit_malloc_arenas
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
-
-
-def _pattern_text(pattern: list[dict[str, Any]]) -> str:
-    if not pattern:
-        return "identity"
-    parts = []
-    for p in pattern:
-        args = ", ".join(f"{k}={v}" for k, v in p.items() if k != "type" and v is not None)
-        parts.append(f"{p['type']}({args})")
-    return " -> ".join(parts)
 
 
 def inspect_checkpoint(path: str, as_json: bool = False, out: Any = None) -> int:
@@ -61,7 +54,7 @@ def inspect_checkpoint(path: str, as_json: bool = False, out: Any = None) -> int
     for name in sorted(m.atoms):
         a = m.atoms[name]
         slots = ",".join(f"{k}:{v.dtype}" for k, v in a.slots.items())
-        rows.append((name, str(tuple(a.shape)), slots, _pattern_text(a.pattern), _mib(a.nbytes)))
+        rows.append((name, str(tuple(a.shape)), slots, chain_text(a.pattern), _mib(a.nbytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
@@ -112,14 +105,8 @@ def verify_checkpoint(path: str, out: Any = None) -> int:
 
 def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
     """Chunk-aligned boxes covering an array, one shard file at a time (bounded memory)."""
-    if not shape:
-        yield ()
-        return
-    if any(d == 0 for d in shape):
-        return
-    counts = [-(-int(d) // int(c)) for d, c in zip(shape, chunks)]
-    for idx in store._grid(counts):
-        yield tuple(slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape))
+    for _, box in store.chunk_grid(shape, chunks):
+        yield box
 
 
 def _add_torch_commands(sub: Any) -> None:
@@ -160,20 +147,18 @@ def _run_torch_command(args: Any) -> int:
     import os
     import time
 
-    module = {"deepspeed": "deepspeed", "safetensors": "safetensors", "dcp": "dcp"}.get(
-        args.kind, "export"
-    )
+    modules = {"deepspeed": ("deepspeed", "deepspeed_universal"), "safetensors": ("safetensors",),
+               "dcp": ("dcp",)}.get(args.kind, ("export",))  # fmt: skip
     try:  # DeepSpeed and safetensors imports need no torch; DCP and the export do
-        mod = importlib.import_module(f"ucp_jax._src.torch.{module}")
+        mods = [importlib.import_module(f"ucp_jax._src.torch.{m}") for m in modules]
+        mod = mods[0]
     except ImportError as e:
         print(
             f"ucp {args.cmd}: needs PyTorch ({e}); install it with pip install 'ucp_jax[torch]'",
             file=sys.stderr,
         )
         return 1
-    if "MALLOC_ARENA_MAX" not in os.environ:  # bounded memory: see limit_malloc_arenas
-        from .torch.writer import limit_malloc_arenas
-
+    if config.cli_caps_malloc_arenas():  # bounded memory: see limit_malloc_arenas
         limit_malloc_arenas(2)
     t0 = time.perf_counter()
     progress = False if args.no_progress else None
@@ -188,7 +173,7 @@ def _run_torch_command(args: Any) -> int:
         universal = os.path.isdir(os.path.join(src, "zero")) or os.path.isfile(
             os.path.join(src, "latest_universal")
         )
-        fn = mod.import_deepspeed_universal if universal else mod.import_deepspeed
+        fn = mods[1].import_deepspeed_universal if universal else mod.import_deepspeed
         out = fn(src, args.dst, tag=args.tag, overwrite=args.overwrite, progress=progress)
     elif args.kind == "safetensors":
         out = mod.import_safetensors(

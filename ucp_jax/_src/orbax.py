@@ -58,7 +58,7 @@ from . import save as save_mod
 from .checkpoint import Checkpoint
 from .errors import NotACheckpointError
 from .format import store
-from .format.manifest import COMMIT, MANIFEST, Manifest
+from .format.manifest import MANIFEST, Manifest
 from .mapping.rules import Rule
 from .restore import restore as ucp_restore
 
@@ -76,7 +76,7 @@ class _InPlace:
     """The commit protocol inside Orbax: write into Orbax's (temporary) item folder as it is.
 
     Orbax creates, renames and cleans that folder itself; ucp writes the arrays and the manifest
-    there (the `staging` of `_SaveJob`), and `UniversalCheckpointHandler.finalize` adds `COMMIT`.
+    there (the `staging` of `SaveJob`), and `UniversalCheckpointHandler.finalize` adds `COMMIT`.
     """
 
     def __init__(self, loc: store.Location) -> None:
@@ -105,7 +105,7 @@ def _step_from_directory(directory: Any) -> int | None:
     return int(m.group(1)) if m else None
 
 
-async def _write(job: save_mod._SaveJob, host: list[Any]) -> None:
+async def _write(job: save_mod.SaveJob, host: list[Any]) -> None:
     job.write(host)
 
 
@@ -144,7 +144,7 @@ class UniversalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         path = os.fspath(directory)
         step = args.step if args.step is not None else _step_from_directory(path)
         try:
-            job = save_mod._SaveJob(
+            job = save_mod.SaveJob(
                 path,
                 args.params,
                 args.opt_state,
@@ -152,7 +152,6 @@ class UniversalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 rules=args.rules,
                 extra=args.extra,
                 overwrite=True,
-                max_inflight_bytes=save_mod.DEFAULT_INFLIGHT_BYTES,
                 staging=_InPlace(store.Location.parse(path)),
             )
             host = job.copy_all_to_host()
@@ -186,7 +185,7 @@ class UniversalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"{loc.url}: finalize called but manifest.json is missing; the universal save "
                 "into this folder did not finish"
             )
-        loc.write(COMMIT, b"ucp/1\n")
+        store.write_commit(loc)
 
     def restore(self, directory: Any, args: UniversalRestore | None = None) -> UniversalState:  # type: ignore[override]
         """Restore onto the targets' shardings (any mesh); `rules` when the layout changed."""

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,16 +10,27 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from .checkpoint import Checkpoint, _wrap_io, list_checkpoints, open_checkpoint
+from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
 from .errors import MismatchError, NotACheckpointError, PatternError
 from .format.dtypes import np_dtype
 from .format.manifest import STEP_SLOT, AtomInfo
+from .format.store import wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
-from .mapping.patterns import box_shape, box_size, index_to_box, relative_slices, to_slices
+from .mapping.patterns import (
+    Fused,
+    box_shape,
+    box_size,
+    chain_from_json,
+    fused_marks_to_json,
+    index_to_box,
+    relative_slices,
+    to_slices,
+)
 from .mapping.rules import CompiledRules, Rule
+from .util import config
+from .util.buffers import aligned_empty
 from .util.gcpause import gc_paused
-
-DEFAULT_READ_BYTES = int(os.environ.get("UCP_INFLIGHT_BYTES", str(1 << 30)))
+from .util.inflight import InflightWindow
 
 
 @dataclasses.dataclass
@@ -168,7 +176,7 @@ def _common_step(ckpt: Checkpoint, b: LeafBinding, atoms: Sequence[str]) -> str:
 
 def _check_fused(b: LeafBinding, atom: str, marks: Sequence[Any], info: AtomInfo) -> None:
     """A fused atom must be unfused as it was saved, and never silently left in TP=1 order."""
-    want = [{"sizes": list(m.sizes), "axis": m.axis} for m in marks]
+    want = fused_marks_to_json(marks)
     if want and info.fused and want != info.fused:
         raise PatternError(
             f"restore: leaf {b.name!r} fuses atom {atom!r} as {want}, but it was saved as "
@@ -176,15 +184,16 @@ def _check_fused(b: LeafBinding, atom: str, marks: Sequence[Any], info: AtomInfo
         )
     if want or not info.fused:
         return
-    for p in info.pattern:
-        axis_name = p.get("shard_axis") if p.get("type") == "Fused" else None
+    for p in chain_from_json(info.pattern):
+        axis_name = p.shard_axis if isinstance(p, Fused) else None
         n = b.ctx.mesh_axes.get(axis_name, 1) if axis_name else 1
         if n > 1:
+            assert isinstance(p, Fused)
             raise PatternError(
                 f"restore: atom {atom!r} was saved as a fusion {info.fused} whose layout depends "
                 f"on mesh axis {axis_name!r} (size {n} in leaf {b.name!r}'s mesh), but the rule "
                 f"for {b.name!r} has no ucp.Fused, so it would come back in TP=1 order; add "
-                f"ucp.Fused({tuple(p['sizes'])}, axis={p['axis']}, shard_axis={axis_name!r}), "
+                f"ucp.Fused({p.sizes}, axis={p.axis}, shard_axis={axis_name!r}), "
                 "or ucp.Fused(..., shard_axis=None) if the model wants the canonical order"
             )
 
@@ -197,7 +206,7 @@ def restore(
     *,
     rules: Sequence[Rule] = (),
     cast: bool = False,
-    max_inflight_bytes: int = DEFAULT_READ_BYTES,
+    max_inflight_bytes: int | None = None,
 ) -> tuple[Any, Any]:
     """Restore params (and optax state) onto the layout of the targets, from any saved layout.
 
@@ -212,7 +221,8 @@ def restore(
         rules: (regex, pattern) pairs for the target layout; when empty, the rules recorded at
             save time are used.
         cast: allow converting the stored dtype to the target's (e.g. fp32 master -> bf16).
-        max_inflight_bytes: bound on host memory of reads waiting to be placed.
+        max_inflight_bytes: bound on host memory of reads waiting to be placed (default:
+            `UCP_INFLIGHT_BYTES`, 1 GiB).
 
     Returns:
         (params, opt_state) with the targets' tree structures; opt_state is None when no target.
@@ -239,7 +249,8 @@ def restore(
         ]
     )
     stats = ReadStats()
-    values = _read_all(ckpt, resolved, stats, max_inflight_bytes)
+    budget = config.inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
+    values = _read_all(ckpt, resolved, stats, budget)
     _last_stats = stats
     return unbind_state(params_target, opt_state_target, values)
 
@@ -249,35 +260,15 @@ def _read_all(
 ) -> list[Any]:
     """Issue reads leaf by leaf, keeping at most `budget` bytes of host data in flight."""
     out: list[Any] = [None] * len(resolved)
-    window: collections.deque[tuple[int, int, list[Any]]] = collections.deque()
-    pending = 0
+    window: InflightWindow[tuple[int, list[Any]]] = InflightWindow(budget)
     for i, r in enumerate(resolved):
         issued = [_issue(ckpt, r, g, stats) for g in r.groups]
         nbytes = sum(box_size(g.box) for g in r.groups) * r.binding.dtype.itemsize
-        window.append((i, nbytes, issued))
-        pending += nbytes
-        while window and pending > budget:
-            j, nb, iss = window.popleft()
+        for j, iss in window.push((i, issued), nbytes):
             out[j] = _finish(ckpt, resolved[j], iss)
-            pending -= nb
-    for j, _, iss in window:
+    for j, iss in window.drain():
         out[j] = _finish(ckpt, resolved[j], iss)
     return out
-
-
-_ALIGN = 64  # XLA:CPU places host buffers aligned to this without a copy
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data is _ALIGN-byte aligned.
-
-    TensorStore reads straight into it and, on CPU, `jax.device_put` then uses it in place
-    instead of copying: one copy of the restored bytes fewer, and no second allocation.
-    """
-    n = math.prod(shape) * dtype.itemsize
-    raw = np.empty(n + _ALIGN, np.uint8)
-    off = (-raw.ctypes.data) % _ALIGN
-    return raw[off : off + n].view(dtype).reshape(shape)
 
 
 def _issue(
@@ -291,7 +282,7 @@ def _issue(
     """
     b = r.binding
     stats.bytes_needed += box_size(g.box) * b.dtype.itemsize
-    out = _aligned_empty(box_shape(g.box), b.dtype)
+    out = aligned_empty(box_shape(g.box), b.dtype)
     pending = []
     for p in g.pieces:
         rel = relative_slices(p.leaf_box, g.box)
@@ -347,7 +338,7 @@ def _result(ckpt: Checkpoint, b: LeafBinding, atom: str | None, fut: Any) -> Any
     try:
         return fut.result()
     except ValueError as e:
-        raise _wrap_io(e, f"{ckpt.path}: leaf {b.name!r} atom {atom!r}") from e
+        raise wrap_io_error(e, f"{ckpt.path}: leaf {b.name!r} atom {atom!r}") from e
 
 
 __all__ = ["Checkpoint", "NotACheckpointError", "list_checkpoints", "open_checkpoint", "restore"]

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import atexit
-import collections
 import itertools
 import json
 import logging
-import os
 import sys
 import threading
-import time
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,8 +18,7 @@ import numpy as np
 from .errors import MismatchError
 from .format import store
 from .format.dtypes import dtype_name
-from .format.manifest import AtomInfo, Manifest, SlotInfo, atom_dir
-from .format.version import __version__
+from .format.manifest import AtomInfo, Manifest, SlotInfo, atom_dir, source_header
 from .mapping.binding import (
     LeafBinding,
     WriteTask,
@@ -32,16 +28,17 @@ from .mapping.binding import (
     my_write_tasks,
     write_regions,
 )
-from .mapping.patterns import relative_slices, to_slices
+from .mapping.patterns import chain_to_json, fused_marks_to_json, relative_slices, to_slices
 from .mapping.rules import CompiledRules, Rule
+from .util import config
+from .util.inflight import InflightWindow
 from .util.sync import barrier
 
 log = logging.getLogger("ucp_jax")
-DEFAULT_INFLIGHT_BYTES = int(os.environ.get("UCP_INFLIGHT_BYTES", str(1 << 30)))
 _SAVE_COUNTER = itertools.count()
 
 
-class _SaveJob:
+class SaveJob:
     """One save: the plan (computed identically on every process) and this process's share."""
 
     def __init__(
@@ -54,7 +51,7 @@ class _SaveJob:
         rules: Sequence[Rule],
         extra: Any,
         overwrite: bool,
-        max_inflight_bytes: int,
+        max_inflight_bytes: int | None = None,
         staging: Any = None,
     ) -> None:
         self.loc = store.Location.parse(path)
@@ -63,6 +60,8 @@ class _SaveJob:
         if staging is None:
             staging = store.Staging(self.loc, overwrite=overwrite)
         self.staging = staging
+        if max_inflight_bytes is None:
+            max_inflight_bytes = config.inflight_bytes()
         self.budget = max(int(max_inflight_bytes), 1)
         self.seq = next(_SAVE_COUNTER)
         self.tag = f"ucp-save-{self.seq}-{zlib.crc32(self.loc.url.encode()):08x}"
@@ -99,15 +98,12 @@ class _SaveJob:
             atoms=atoms,
             leaves={b.name: describe_leaf(b) for b in bindings},
             rules=compiled.to_json(),
-            source={
-                "library": "ucp_jax",
-                "version": __version__,
-                "jax": jax.__version__,
-                "platform": jax.default_backend(),
-                "process_count": jax.process_count(),
-                "device_count": jax.device_count(),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            },
+            source=source_header(
+                jax=jax.__version__,
+                platform=jax.default_backend(),
+                process_count=jax.process_count(),
+                device_count=jax.device_count(),
+            ),
             extra=extra,
         )
         self.staging.check()
@@ -139,8 +135,8 @@ class _SaveJob:
                     f"{b.slot!r}; fix the rules so that every atom slot comes from one leaf"
                 )
             if b.kind == "param" or not entry["pattern"]:
-                entry["pattern"] = [p.to_json() for p in b.chain]
-                entry["fused"] = [{"sizes": list(m.sizes), "axis": m.axis} for m in fused]
+                entry["pattern"] = chain_to_json(b.chain)
+                entry["fused"] = fused_marks_to_json(fused)
                 entry["leaf"] = b.name
             chunks, inner = store.choose_chunks(
                 shape, b.dtype.itemsize, cuts.get(atom, [set() for _ in shape])
@@ -182,21 +178,14 @@ class _SaveJob:
 
     def _stream(self) -> Iterator[tuple[WriteTask, np.ndarray]]:
         """Copy region by region, prefetching a few ahead (blocking saves)."""
-        window: collections.deque[tuple[WriteTask, Any]] = collections.deque()
-        it = iter(self.tasks)
-        ahead = 0
-        for t in it:
+        window: InflightWindow[tuple[WriteTask, Any]] = InflightWindow(self.budget // 2)
+        for t in self.tasks:
             d = self._device_data(t)
             if isinstance(d, jax.Array):
                 d.copy_to_host_async()
-            window.append((t, d))
-            ahead += t.nbytes
-            while window and ahead > self.budget // 2:
-                t0, d0 = window.popleft()
-                ahead -= t0.nbytes
+            for t0, d0 in window.push((t, d), t.nbytes):
                 yield t0, np.asarray(d0)
-        while window:
-            t0, d0 = window.popleft()
+        for t0, d0 in window.drain():
             yield t0, np.asarray(d0)
 
     # --------------------------------------------------------------------------------- writing
@@ -217,8 +206,7 @@ class _SaveJob:
             if key not in arrays:
                 arrays[key] = store.open_array(self.staging.target, shape, info, write=True)
         source = zip(self.tasks, host) if host is not None else self._stream()
-        inflight: collections.deque[tuple[int, list[Any]]] = collections.deque()
-        pending = 0
+        inflight: InflightWindow[list[Any]] = InflightWindow(self.budget)
         try:
             for t, data in source:
                 futs = []
@@ -229,18 +217,14 @@ class _SaveJob:
                     chunk = p.leaf_to_atom(data[rel])
                     arr = arrays[(p.atom, t.binding.slot)]
                     futs.append(arr[to_slices(p.atom_box)].write(chunk))
-                inflight.append((t.nbytes, futs))
-                pending += t.nbytes
-                while pending > self.budget and inflight:
-                    n, fs = inflight.popleft()
+                for fs in inflight.push(futs, t.nbytes):
                     _wait_all(fs)
-                    pending -= n
-            while inflight:
-                _wait_all(inflight.popleft()[1])
+            for fs in inflight.drain():
+                _wait_all(fs)
         finally:
             # On an error, let every write already issued land before the error propagates, so
             # that no stale write can reach a retried save's fresh staging area.
-            for _, fs in inflight:
+            for fs in inflight.drain():
                 _wait_all(fs, raise_first=False)
         barrier(self.tag + "-written")
         if jax.process_index() == 0:
@@ -273,7 +257,7 @@ class SaveHandle:
     >>> h.wait()  # doctest: +SKIP
     """
 
-    def __init__(self, job: _SaveJob, host: list[np.ndarray]) -> None:
+    def __init__(self, job: SaveJob, host: list[np.ndarray]) -> None:
         self.path = job.loc.url
         self.step = job.manifest.step
         self._error: BaseException | None = None
@@ -283,7 +267,7 @@ class SaveHandle:
         )
         self._thread.start()
 
-    def _run(self, job: _SaveJob, host: list[np.ndarray]) -> None:
+    def _run(self, job: SaveJob, host: list[np.ndarray]) -> None:
         try:
             job.write(host)
         except BaseException as e:  # re-raised on wait() or on the next save
@@ -339,7 +323,7 @@ def save(
     rules: Sequence[Rule] = (),
     extra: Any = None,
     overwrite: bool = False,
-    max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+    max_inflight_bytes: int | None = None,
 ) -> None:
     """Save params (and optax state) as a universal checkpoint; returns once committed.
 
@@ -351,10 +335,12 @@ def save(
         params: pytree of jax.Array (any sharding), numpy arrays or scalars.
         opt_state: optax state for these params, or None.
         step: training step recorded in the manifest.
-        rules: (regex, pattern) pairs mapping leaves to atoms; see DESIGN.md.
+        rules: (regex, pattern) pairs mapping leaves to atoms; see the README's "Patterns and
+            rules".
         extra: JSON-serialisable user data stored in the manifest.
         overwrite: replace an existing checkpoint at `path`.
-        max_inflight_bytes: bound on host memory held by copies waiting to be written.
+        max_inflight_bytes: bound on host memory held by copies waiting to be written
+            (default: `UCP_INFLIGHT_BYTES`, 1 GiB).
 
     Raises:
         FileExistsError: `path` holds a checkpoint and overwrite is False.
@@ -363,7 +349,7 @@ def save(
     >>> ucp.save("/tmp/ckpt/step_10", params, opt_state, step=10)  # doctest: +SKIP
     """
     _finish_pending()
-    job = _SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
+    job = SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
                    overwrite=overwrite, max_inflight_bytes=max_inflight_bytes)  # fmt: skip
     job.write(None)
 
@@ -395,8 +381,8 @@ def async_save(
     """
     global _pending
     _finish_pending()
-    job = _SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
-                   overwrite=overwrite, max_inflight_bytes=DEFAULT_INFLIGHT_BYTES)  # fmt: skip
+    job = SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
+                   overwrite=overwrite)  # fmt: skip
     host = job.copy_all_to_host()
     handle = SaveHandle(job, host)
     with _lock:

@@ -4,22 +4,42 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import FormatVersionError, NotACheckpointError
+from .version import __version__
 
 FORMAT = "ucp/1"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT"
+COMMIT_MARKER = b"ucp/1\n"  # the bytes of COMMIT, written last by every commit protocol
 
 # optax field name -> slot name (DeepSpeed's names, so a DeepSpeed universal folder maps 1:1).
 SLOT_ALIASES = {"mu": "exp_avg", "nu": "exp_avg_sq"}
 PARAM_SLOT = "fp32"
 STEP_SLOT = "step"  # per-atom optimizer step (DeepSpeed); an optax count on restore
 VALUE_SLOT = "value"
+
+
+def source_header(**fields: Any) -> dict[str, Any]:
+    """The manifest's `source` record of a checkpoint this library writes (saves and imports).
+
+    `fields` (the writer's own: jax version, process count, the source framework, ...) come
+    between the library's name and version and the time of writing.
+
+    >>> list(source_header(jax="0.10"))
+    ['library', 'version', 'jax', 'time']
+    """
+    return {
+        "library": "ucp_jax",
+        "version": __version__,
+        **fields,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def atom_dir(atom: str) -> str:

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import tensorstore as ts
 
-from ..errors import NotACheckpointError
+from ..errors import ChecksumError, NotACheckpointError
 from ..util.libc import libc
 from .dtypes import zarr_dtype
-from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo
+from .manifest import COMMIT, COMMIT_MARKER, MANIFEST, Manifest, SlotInfo
 
 # One context for the whole process, so that `memory://` stores are shared between calls.
 CONTEXT = ts.Context({"file_io_concurrency": {"limit": 64}, "data_copy_concurrency": {}})
@@ -200,12 +201,6 @@ def array_spec(loc: Location, shape: Sequence[int], info: SlotInfo) -> dict[str,
     }
 
 
-def create_array(loc: Location, shape: Sequence[int], info: SlotInfo) -> ts.TensorStore:
-    """Create (replace) a stored array and its metadata."""
-    spec = array_spec(loc, shape, info)
-    return ts.open(spec, create=True, delete_existing=True, context=CONTEXT).result()
-
-
 def open_array(
     loc: Location, shape: Sequence[int], info: SlotInfo, *, write: bool = False
 ) -> ts.TensorStore:
@@ -232,23 +227,29 @@ def chunk_key(index: Sequence[int]) -> str:
     return "/".join(["c", *map(str, index)])
 
 
+def chunk_grid(
+    shape: Sequence[int], chunks: Sequence[int]
+) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...]]]:
+    """Every chunk of a regular grid over an array: (grid index, its region as slices).
+
+    A 0-d array has one chunk, an array with an empty axis none.
+
+    >>> [idx for idx, _ in chunk_grid((3, 4), (2, 4))]
+    [(0, 0), (1, 0)]
+    >>> [box for _, box in chunk_grid((3,), (2,))]
+    [(slice(0, 2, None),), (slice(2, 3, None),)]
+    """
+    if any(int(d) == 0 for d in shape):
+        return
+    counts = [-(-int(d) // int(c)) for d, c in zip(shape, chunks)]
+    for idx in itertools.product(*(range(n) for n in counts)):
+        box = tuple(slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape))
+        yield tuple(idx), box
+
+
 def expected_chunk_keys(shape: Sequence[int], info: SlotInfo) -> set[str]:
     """Keys of every chunk (shard) file a complete stored array has, relative to its directory."""
-    if any(d == 0 for d in shape):
-        return set()
-    counts = [-(-int(d) // int(c)) for d, c in zip(shape, info.chunks)]
-    return {chunk_key(idx) for idx in _grid(counts)}
-
-
-def _grid(counts: Sequence[int]) -> Any:
-    import itertools
-
-    return itertools.product(*(range(n) for n in counts))
-
-
-def missing_chunks(loc: Location, shape: Sequence[int], info: SlotInfo) -> list[str]:
-    """Chunk files a stored array should have but does not (a missing file would read as zeros)."""
-    return missing_of(list_chunks_async(loc, info), shape, info)
+    return {chunk_key(idx) for idx, _ in chunk_grid(shape, info.chunks)}
 
 
 def list_chunks_async(loc: Location, info: SlotInfo) -> ts.Future:
@@ -260,6 +261,34 @@ def missing_of(listing: ts.Future, shape: Sequence[int], info: SlotInfo) -> list
     """The chunk files absent from a `list_chunks_async` listing."""
     present = {k.decode() for k in listing.result()}
     return sorted(expected_chunk_keys(shape, info) - present)
+
+
+def wrap_io_error(e: Exception, where: str) -> Exception:
+    """A TensorStore read error as a ChecksumError when it means corrupt or truncated bytes.
+
+    Other errors are returned as they are. `where` names the array for the message.
+
+    >>> type(wrap_io_error(ValueError("DATA_LOSS: Digest mismatch"), "atom 'w'")).__name__
+    'ChecksumError'
+    """
+    msg = str(e)
+    # "Not enough data": a truncated chunk file (tensorstore says FAILED_PRECONDITION, not DATA_LOSS)
+    if (
+        "Digest mismatch" in msg
+        or "checksum" in msg.lower()
+        or "DATA_LOSS" in msg
+        or "Not enough data" in msg
+    ):
+        return ChecksumError(
+            f"{where}: stored bytes fail their crc32c checksum ({msg}); the checkpoint is "
+            "corrupt: restore an earlier checkpoint"
+        )
+    return e
+
+
+def write_commit(loc: Location) -> None:
+    """Write the COMMIT marker: the last write of every commit protocol."""
+    loc.write(COMMIT, COMMIT_MARKER)
 
 
 def load_manifest(loc: Location) -> Manifest:
@@ -344,10 +373,9 @@ class Staging:
     def commit(self, manifest: Manifest) -> None:
         """Write manifest and COMMIT, then publish atomically (process 0 only)."""
         self.target.write(MANIFEST, manifest.dumps())
+        write_commit(self.target)
         if self.final.local_path is None:
-            self.target.write(COMMIT, b"ucp/1\n")
             return
-        self.target.write(COMMIT, b"ucp/1\n")
         final = self.final.local_path
         assert self.target.local_path is not None
         if os.path.exists(final):

@@ -61,10 +61,23 @@ def index_to_box(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
 
 @dataclasses.dataclass(frozen=True)
 class FusedMark:
-    """Records that an atom is a fusion of sub-params: `sizes` along atom axis `axis`."""
+    """Records that an atom is a fusion of sub-params: `sizes` along atom axis `axis`.
+
+    >>> FusedMark((64, 16, 16), 1).to_json()
+    {'sizes': [64, 16, 16], 'axis': 1}
+    """
 
     sizes: tuple[int, ...]
     axis: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The mark as the manifest records it (an atom's `fused` list)."""
+        return {"sizes": [int(s) for s in self.sizes], "axis": int(self.axis)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> FusedMark:
+        """The inverse of `to_json`."""
+        return cls(tuple(int(s) for s in d["sizes"]), int(d["axis"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,7 +415,14 @@ _KINDS: dict[str, type[Pattern]] = {
 
 
 def pattern_from_json(d: Mapping[str, Any]) -> Pattern:
-    """Rebuild a pattern from its manifest JSON."""
+    """Rebuild a pattern from its manifest JSON.
+
+    >>> pattern_from_json({"type": "Transposed", "perm": [1, 0]})
+    Transposed(perm=(1, 0))
+
+    Raises:
+        PatternError: an unknown pattern type (written by a newer ucp_jax).
+    """
     d = dict(d)
     kind = d.pop("type")
     if kind == "Identity":
@@ -414,6 +434,58 @@ def pattern_from_json(d: Mapping[str, Any]) -> Pattern:
         if isinstance(v, list):
             d[k] = tuple(v)
     return cls(**d)
+
+
+def register_pattern(cls: type[Pattern]) -> type[Pattern]:
+    """Make a Pattern subclass readable from manifests by its `kind` (usable as a decorator).
+
+    The built-in patterns are registered here; a new pattern class is written in this module and
+    added to `_KINDS`, or, outside it (tests, experiments), registered with this function.
+    """
+    _KINDS[cls.kind] = cls
+    return cls
+
+
+def chain_to_json(chain: Sequence[Pattern]) -> list[dict[str, Any]]:
+    """A pattern chain (atom outward) as the manifest records it.
+
+    >>> chain_to_json((VocabPadded(50257), Partitioned(1)))
+    [{'type': 'VocabPadded', 'size': 50257, 'axis': 0}, {'type': 'Partitioned', 'axis': 1}]
+    """
+    return [p.to_json() for p in chain]
+
+
+def chain_from_json(data: Sequence[Mapping[str, Any]]) -> PatternChain:
+    """The inverse of `chain_to_json`.
+
+    Raises:
+        PatternError: an unknown pattern type (written by a newer ucp_jax).
+    """
+    return tuple(pattern_from_json(d) for d in data)
+
+
+def chain_text(data: Sequence[Mapping[str, Any]]) -> str:
+    """A recorded chain (manifest JSON) as text for people, e.g. 'VocabPadded(size=10, axis=0)'.
+
+    Reads the JSON as it is (no validation), so that `ucp inspect` shows any manifest.
+
+    >>> chain_text([{"type": "Fused", "sizes": [4, 2], "axis": 1, "shard_axis": None}])
+    'Fused(sizes=[4, 2], axis=1)'
+    >>> chain_text([])
+    'identity'
+    """
+    if not data:
+        return "identity"
+    parts = []
+    for p in data:
+        args = ", ".join(f"{k}={v}" for k, v in p.items() if k != "type" and v is not None)
+        parts.append(f"{p['type']}({args})")
+    return " -> ".join(parts)
+
+
+def fused_marks_to_json(marks: Sequence[FusedMark]) -> list[dict[str, Any]]:
+    """The `fused` record of an atom: one entry per fusion mark."""
+    return [m.to_json() for m in marks]
 
 
 def as_chain(p: Pattern | Sequence[Pattern] | None) -> PatternChain:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import PatternError
-from .patterns import Pattern, PatternChain, as_chain, pattern_from_json
+from .patterns import PatternChain, as_chain, chain_from_json, chain_to_json
 
 Rule = tuple[str, Any]
 
@@ -55,16 +55,9 @@ class CompiledRules:
             )
 
     def to_json(self) -> list[list[Any]]:
-        return [[regex, [p.to_json() for p in chain]] for regex, _, chain in self.rules]
+        return [[regex, chain_to_json(chain)] for regex, _, chain in self.rules]
 
     @classmethod
     def from_json(cls, data: Sequence[Sequence[Any]]) -> CompiledRules:
-        rules: list[Rule] = [
-            (regex, tuple(pattern_from_json(p) for p in chain)) for regex, chain in data
-        ]
+        rules: list[Rule] = [(regex, chain_from_json(chain)) for regex, chain in data]
         return cls(rules)
-
-
-def describe(chain: Sequence[Pattern]) -> str:
-    """Short text of a chain for messages, e.g. 'Fused(...) -> Stacked(...)'."""
-    return " -> ".join(repr(p) for p in chain) or "identity"

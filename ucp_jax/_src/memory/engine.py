@@ -19,16 +19,13 @@ import numpy as np
 from ..mapping.binding import bind_state, write_regions
 from ..mapping.patterns import Box, index_to_box
 from ..mapping.rules import CompiledRules, Rule
+from ..util import config
 from . import copies, persist, recovery
 from .layout import Layout, LeafMeta, build_pieces, make_groups
 from .redundancy import Fetch, Sources, fill, plan_fetches, roll
 from .shm import NodeStore, huge_pages, namespace_root
 
 log = logging.getLogger("ucp_jax")
-
-# UCP_SNAPSHOT_DEVICE_COPIES=1: on CPU devices too, copy through device-side copies (the path
-# accelerators take), instead of straight from the CPU buffers; the tests run both paths on CPU.
-_ENV_DEVICE_COPIES = "UCP_SNAPSHOT_DEVICE_COPIES"
 
 
 @dataclasses.dataclass
@@ -308,7 +305,8 @@ class SnapshotManager:
         by_shift: dict[int, list[int]] = {}
         for li, shift in rolls:
             by_shift.setdefault(shift, []).append(li)
-        host_memory = os.environ.get(_ENV_DEVICE_COPIES, "0") in ("", "0") and all(
+        # UCP_SNAPSHOT_DEVICE_COPIES=1: CPU devices too take the accelerators' path (tests)
+        host_memory = not config.snapshot_device_copies() and all(
             f.device is None or f.device.platform == "cpu" for f in fetches
         )
         return _Prepared(layout, layout.to_json(), fetches, by_shift, layout.gaps(self.node),

@@ -31,6 +31,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..util import config
+from ..util.sync import coordination_client
+
 Request = tuple[int, int, int, int]  # (node, serving process, blob offset, nbytes)
 
 
@@ -49,24 +52,16 @@ def publish_text(key: str, text: str) -> None:
     service message should carry.
     """
     if jax.process_count() > 1:
-        _client().key_value_set(key, base64.b64encode(zlib.compress(text.encode(), 6)).decode())
+        coordination_client().key_value_set(
+            key, base64.b64encode(zlib.compress(text.encode(), 6)).decode()
+        )
 
 
 def get_text(key: str) -> str:
     """The text another process published under `key` with `publish_text` (waits for it)."""
-    from ..util.sync import BARRIER_TIMEOUT_S
-
-    raw = _client().blocking_key_value_get(key, int(BARRIER_TIMEOUT_S * 1000))
+    timeout_ms = int(config.barrier_timeout_s() * 1000)
+    raw = coordination_client().blocking_key_value_get(key, timeout_ms)
     return zlib.decompress(base64.b64decode(raw)).decode()
-
-
-def _client() -> Any:
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError("several jax processes but no jax.distributed client to agree with")
-    return client
 
 
 def merge(ranges: Sequence[tuple[int, int, int, int]]) -> list[Request]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..mapping.patterns import box_shape
 from ..mapping.rules import Rule
-from ..save import DEFAULT_INFLIGHT_BYTES, _SaveJob
+from ..save import SaveJob
 from .layout import Layout
 from .shm import Blob
 
@@ -31,14 +31,13 @@ def step_path(directory: Any, step: int) -> str:
 
 def make_job(
     directory: Any, step: int, params: Any, opt_state: Any, rules: tuple[Rule, ...]
-) -> _SaveJob:
+) -> SaveJob:
     """Plan the universal checkpoint of this step (collective-free; every process plans it)."""
-    return _SaveJob(step_path(directory, step), params, opt_state, step=step, rules=rules,
-                    extra={"source": "ucp.memory"}, overwrite=True,
-                    max_inflight_bytes=DEFAULT_INFLIGHT_BYTES)  # fmt: skip
+    return SaveJob(step_path(directory, step), params, opt_state, step=step, rules=rules,
+                   extra={"source": "ucp.memory"}, overwrite=True)  # fmt: skip
 
 
-def write(job: _SaveJob, blob: Blob, layout: Layout, node: int) -> None:
+def write(job: SaveJob, blob: Blob, layout: Layout, node: int) -> None:
     """Write this process's share of the checkpoint from the snapshot's bytes, then commit."""
     t0 = time.perf_counter()
     by_key = {(layout.leaves[p.leaf].name, p.box): p for p in layout.by_node[node]}

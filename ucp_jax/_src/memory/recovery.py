@@ -16,7 +16,6 @@ import dataclasses
 import difflib
 import itertools
 import logging
-import mmap
 import os
 import re
 import time
@@ -30,6 +29,7 @@ from ..errors import MismatchError, NotACheckpointError
 from ..mapping.binding import LeafBinding, bind_state, unbind_state
 from ..mapping.patterns import Box, box_shape, box_size, index_to_box, relative_slices
 from ..mapping.rules import CompiledRules, Rule
+from ..util.buffers import aligned_empty
 from ..util.gcpause import gc_paused
 from . import exchange
 from .layout import Layout, LeafMeta, PieceRec
@@ -489,18 +489,6 @@ def _read_leaf(b: LeafBinding, li: int, lay: Layout, blobs: _Bytes) -> Any:
     return _Placement(tuple(b.shape), b.sharding, hosts, devices)
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary (big ones pre-faulted)."""
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if n >= 1 << 20 and hasattr(mmap, "MAP_POPULATE"):
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-        mm = mmap.mmap(-1, n, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return np.frombuffer(mm, np.uint8).view(dtype).reshape(shape)  # page aligned
-    buf = np.empty(n + 64, np.uint8)
-    off = -buf.ctypes.data % 64
-    return buf[off : off + n].view(dtype).reshape(shape)
-
-
 def _slabs(box: Box, pieces: list[PieceRec]) -> list[PieceRec] | None:
     """The pieces in order when they are consecutive slabs (along the first axis) of `box`."""
     pieces = sorted(pieces, key=lambda p: p.box)
@@ -565,7 +553,7 @@ def _assemble(box: Box, li: int, lay: Layout, blobs: _Bytes) -> np.ndarray:
         view = _contiguous(box, covering, blobs)
         if view is not None:
             return view.view(meta.dtype).reshape(shape)
-    out = _aligned_empty(shape, meta.dtype)
+    out = aligned_empty(shape, meta.dtype, prefault=True)
     blobs.copied += out.nbytes
     covered = 0
     for p in covering:

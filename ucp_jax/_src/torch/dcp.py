@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from ..errors import NotACheckpointError, UcpError
-from .deepspeed import _advance, _progress, jsonable
+from .lazy import jsonable
+from .progress import Progress
 from .unpickle import load_pickle, loads, torch_value_globals
 from .writer import AtomWriter, to_numpy
 
@@ -133,7 +134,7 @@ def import_dcp(
         int(np.prod(v.size)) * torch.empty((), dtype=v.properties.dtype).element_size()
         for v in tensors.values()
     )
-    bar = _progress(progress, total, "ucp import")
+    bar = Progress(progress, total, "ucp import")
     with AtomWriter(dst, overwrite=overwrite) as w:
         try:
             # parameters first, so optimizer slots know their atom's shape
@@ -154,7 +155,7 @@ def import_dcp(
                     t = _read_chunk(folder, info, meta.properties.dtype, sizes)
                     box = tuple((o, o + s) for o, s in zip(offs, sizes))
                     w.write(atom, slot, box, to_numpy(t.reshape(sizes)), keep=t)
-                    _advance(bar, t.numel() * t.element_size())
+                    bar.advance(t.numel() * t.element_size())
                 w.flush()
             for fqn, meta in entries.items():
                 if isinstance(meta, BytesStorageMetadata):

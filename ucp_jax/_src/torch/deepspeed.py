@@ -1,4 +1,4 @@
-"""DeepSpeed checkpoints -> universal atoms: ZeRO-1/2/3 folders and ds_to_universal folders.
+"""DeepSpeed ZeRO-1/2/3 checkpoints -> universal atoms (ds_to_universal folders: deepspeed_universal).
 
 A ZeRO checkpoint keeps, per data-parallel rank, flat fp32 master and optimizer partitions of each
 parameter group, with the address of every parameter's fragment (ZeRO-1/2: `param_slice_mappings`;
@@ -13,23 +13,30 @@ itself is not needed: its pickles are read weights-only with data stand-ins (see
 from __future__ import annotations
 
 import dataclasses
-import enum
-import glob
-import json
 import math
 import os
 import re
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from ..errors import NotACheckpointError
 from ..util.gcpause import gc_paused
-from .tp_merge import DeepSpeedFormatError, _Merger
-from .unpickle import LazyTensor
-from .unpickle import load_lazy as load
+from ..util.inflight import InflightWindow
+from .deepspeed_common import (
+    OSD,
+    UC_INFO,
+    DeepSpeedFormatError,
+    DeepSpeedRun,
+    deepspeed_source,
+    param_groups,
+    read_step,
+    resolve_folder,
+)
+from .lazy import LazyTensor
+from .lazy import load_lazy as load
+from .progress import Progress
+from .tp_merge import Merger
 from .writer import AtomWriter
 
 _OPTIM_RE = re.compile(
@@ -40,124 +47,29 @@ _Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_
 _LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 _EXPERT_RE = re.compile(r"^(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$|^expp_rank_")
 
-OSD = "optimizer_state_dict"
-UC_INFO = "universal_checkpoint_info"
-STATE_SLOTS = ("fp32", "exp_avg", "exp_avg_sq")
-
-
-# ------------------------------------------------------------------------------- utilities
-
-
-def jsonable(x: Any) -> Any:
-    """Plain JSON data from checkpoint metadata (tuples, sizes, enums, 0-d tensors, stand-ins)."""
-    if isinstance(x, bool | int | float | str) or x is None:
-        if isinstance(x, float) and not math.isfinite(x):
-            return str(x)
-        return x
-    if isinstance(x, enum.Enum):
-        return jsonable(x.value)
-    if isinstance(x, LazyTensor) or (hasattr(x, "numel") and hasattr(x, "item")):
-        return jsonable(x.item()) if x.numel() == 1 else f"<tensor {tuple(x.shape)}>"
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [jsonable(v) for v in x]
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {f.name: jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
-    if hasattr(x, "__dict__"):
-        return {k: jsonable(v) for k, v in vars(x).items()}
-    return repr(x)
-
-
-def _progress(enabled: bool | None, total: int, what: str) -> Any:
-    """A rich progress bar over bytes (off when stderr is not a terminal, unless forced)."""
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
-        return _NoProgress()
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,  # fmt: skip
-        TransferSpeedColumn,
-    )
-
-    p = Progress(
-        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeRemainingColumn(), console=Console(stderr=True), transient=False,
-    )  # fmt: skip
-    p.start()
-    p._ucp_task = p.add_task(what, total=total)  # type: ignore[attr-defined]
-    return p
-
-
-class _NoProgress:
-    def advance(self, n: int) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-
-def _advance(p: Any, n: int) -> None:
-    if isinstance(p, _NoProgress):
-        return
-    p.advance(p._ucp_task, n)
-
-
-def resolve_folder(src: Any, tag: str | None, latest: str = "latest") -> tuple[str, str | None]:
-    """The folder holding the rank files: `src/tag`, `src/<contents of latest>`, or `src` itself."""
-    src = os.fspath(src)
-    if not os.path.isdir(src):
-        raise NotACheckpointError(f"{src}: no such directory")
-    if tag is not None:
-        folder = os.path.join(src, str(tag))
-        if not os.path.isdir(folder):
-            tags = sorted(d for d in os.listdir(src) if os.path.isdir(os.path.join(src, d)))
-            raise NotACheckpointError(f"{src}: no tag {tag!r} (tags here: {tags[:10]})")
-        return folder, str(tag)
-    lf = os.path.join(src, latest)
-    if os.path.isfile(lf):
-        with open(lf) as f:
-            t = f.read().strip()
-        folder = os.path.join(src, t)
-        if not os.path.isdir(folder):
-            raise NotACheckpointError(f"{lf} names tag {t!r} but {folder} does not exist")
-        return folder, t
-    return src, None
-
-
-def _read_step(state: dict[str, Any]) -> Any:
-    step = state.get("step")
-    if step is None:
-        return None
-    if isinstance(step, LazyTensor):
-        return step.numpy().reshape(())
-    return np.asarray(step)
-
 
 # --------------------------------------------------------------------------------- layout
 
 
 @dataclasses.dataclass
-class _Layout:
-    folder: str
-    tag: str | None
-    stage: int
-    tp: int
-    pp: int
-    dp: int
-    optim: dict[tuple[int, int], str]  # (dp, mp) -> file
-    model: dict[int, str]  # mp -> model states file (dp 0 for ZeRO-3)
-    meta: dict[str, Any]  # first model states (small entries only)
-    osd0: dict[str, Any]  # first optim file's optimizer_state_dict (no tensors kept)
+class RankFiles(DeepSpeedRun):
+    """A ZeRO checkpoint folder: its run (degrees, metadata) and where each rank's files are.
+
+    Attributes:
+        optim: (dp, mp) -> optimizer states file.
+        model: mp -> model states file (dp 0's for ZeRO-3).
+        (and DeepSpeedRun's: folder, tag, stage, tp, pp, dp, meta (the first model states file's
+        small entries), osd (the first optimizer file's small entries, no tensors kept))
+    """
+
+    optim: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+    model: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
-def _scan(folder: str) -> _Layout:
-    names = sorted(os.listdir(folder))
+def _find_rank_files(
+    folder: str, names: list[str]
+) -> tuple[dict[tuple[int, int], str], dict[int, str], dict[tuple[int, int], str]]:
+    """(optim files by (dp, mp), model files by mp, ZeRO-3 model files by (dp, mp))."""
     optim: dict[tuple[int, int], str] = {}
     model: dict[int, str] = {}
     z3_model: dict[tuple[int, int], str] = {}
@@ -173,6 +85,11 @@ def _scan(folder: str) -> _Layout:
             model[int(m["mp"])] = os.path.join(folder, n)
         elif m := _Z3_MODEL_RE.match(n):
             z3_model[(int(m["dp"]), int(m["mp"]))] = os.path.join(folder, n)
+    return optim, model, z3_model
+
+
+def _check_ranks(folder: str, names: list[str], optim: dict[tuple[int, int], str]) -> list[int]:
+    """Every (dp, mp) optimizer file is there; returns the mp ranks."""
     if not optim:
         hint = ""
         if os.path.isdir(os.path.join(folder, "zero")):
@@ -189,6 +106,34 @@ def _scan(folder: str) -> _Layout:
         for m in mps:
             if (d, m) not in optim:
                 raise DeepSpeedFormatError(f"{folder}: no optimizer file for dp {d}, mp {m}")
+    return mps
+
+
+def _degrees(folder: str, names: list[str], meta: dict[str, Any], stage: int, n_mp: int
+             ) -> tuple[int, int]:  # fmt: skip
+    """(tp, pp): as recorded, else from the layer files' names, else all model parallel is TP."""
+    dims = meta.get("checkpoint_parallel_dimensions") or {}
+    tp = int(dims.get("tp_degree") or 0)
+    pp = int(dims.get("pp_degree") or 0)
+    if not tp or not pp:
+        layers = [n for n in names if _LAYER_RE.match(n)]
+        if layers and stage < 3:
+            tp = len({n for n in layers if n.startswith("layer_01-")}) or 1
+            pp = max(1, n_mp // tp)
+        else:
+            tp, pp = n_mp, 1
+    if tp * pp != n_mp:
+        raise DeepSpeedFormatError(
+            f"{folder}: {n_mp} model-parallel ranks but tp_degree {tp} x pp_degree {pp}"
+        )
+    return tp, pp
+
+
+def _scan(folder: str) -> RankFiles:
+    """Find and check the rank files of a ZeRO folder; read its degrees and small metadata."""
+    names = sorted(os.listdir(folder))
+    optim, model, z3_model = _find_rank_files(folder, names)
+    mps = _check_ranks(folder, names, optim)
     first = load(optim[(0, 0)])[OSD]
     stage = int(first.get("zero_stage", 1))
     if stage >= 3:
@@ -199,32 +144,15 @@ def _scan(folder: str) -> _Layout:
         raise DeepSpeedFormatError(f"{folder}: no model states file (mp_rank_XX_model_states.pt)")
     meta_full = load(model[min(model)])
     meta = {k: v for k, v in meta_full.items() if k not in ("module", "optimizer")}
-    dims = meta.get("checkpoint_parallel_dimensions") or {}
-    tp = int(dims.get("tp_degree") or 0)
-    pp = int(dims.get("pp_degree") or 0)
-    if not tp or not pp:
-        layers = [n for n in names if _LAYER_RE.match(n)]
-        if layers and stage < 3:
-            tp = len({n for n in layers if n.startswith("layer_01-")}) or 1
-            pp = max(1, len(mps) // tp)
-        else:
-            tp, pp = len(mps), 1
-    if tp * pp != len(mps):
-        raise DeepSpeedFormatError(
-            f"{folder}: {len(mps)} model-parallel ranks but tp_degree {tp} x pp_degree {pp}"
-        )
+    tp, pp = _degrees(folder, names, meta, stage, len(mps))
     osd0 = {k: v for k, v in first.items() if not isinstance(v, list | dict) or k == "param_groups"}
-    osd0["param_groups"] = _param_groups(first)
-    return _Layout(folder, None, stage, tp, pp, len(dps), optim, model, meta, osd0)
+    base = first.get("base_optimizer_state") or first.get(OSD) or {}
+    osd0["param_groups"] = param_groups(base.get("param_groups") if isinstance(base, dict) else [])
+    dp = len({d for d, _ in optim})
+    return RankFiles(folder, None, stage, tp, pp, dp, meta, osd0, optim, model)
 
 
-def _param_groups(osd: dict[str, Any]) -> list[dict[str, Any]]:
-    base = osd.get("base_optimizer_state") or osd.get(OSD) or {}
-    groups = base.get("param_groups", []) if isinstance(base, dict) else []
-    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
-
-
-def _per_tp_shapes(lay: _Layout) -> dict[str, list[tuple[int, ...] | None]]:
+def _per_tp_shapes(lay: RankFiles) -> dict[str, list[tuple[int, ...] | None]]:
     """Parameter name -> its slice shape on each TP rank (PP stages united, as ds_to_universal)."""
     out: dict[str, list[tuple[int, ...] | None]] = {}
     for mp, path in sorted(lay.model.items()):
@@ -238,38 +166,11 @@ def _per_tp_shapes(lay: _Layout) -> dict[str, list[tuple[int, ...] | None]]:
     return out
 
 
-def _source(lay: _Layout, kind: str) -> dict[str, Any]:
-    m, o = lay.meta, lay.osd0
-    ds = {
-        "format": kind,
-        "path": os.path.abspath(lay.folder),
-        "tag": lay.tag,
-        "zero_stage": lay.stage,
-        "tp_degree": lay.tp,
-        "pp_degree": lay.pp,
-        "dp_degree": lay.dp,
-        "ds_version": m.get("ds_version") or o.get("ds_version"),
-        "global_steps": m.get("global_steps", m.get("iteration")),
-        "global_samples": m.get("global_samples"),
-        "skipped_steps": m.get("skipped_steps"),
-        "param_groups": o.get("param_groups"),
-        "clip_grad": o.get("clip_grad"),
-        "loss_scaler": o.get("loss_scaler"),
-        "dynamic_loss_scale": o.get("dynamic_loss_scale"),
-        "lr_scheduler": m.get("lr_scheduler"),
-        UC_INFO: m.get(UC_INFO),
-        "ds_config": m.get("ds_config"),
-    }
-    out = jsonable(ds)
-    json.dumps(out)
-    return {"framework": "deepspeed", "deepspeed": out}
-
-
 # ---------------------------------------------------------------------------------- import
 
 
 def _fragments_z12(
-    lay: _Layout, osd: dict[str, Any], pp_index: int, uc: dict[str, Any]
+    lay: RankFiles, osd: dict[str, Any], pp_index: int, uc: dict[str, Any]
 ) -> Iterator[tuple[str, str, LazyTensor, Any]]:
     """(param, slot, flat fragment, step) of one ZeRO-1/2 rank file, in file order."""
     skip = (uc or {}).get("pipeline_replicated_parameter_patterns", []) or []
@@ -281,7 +182,7 @@ def _fragments_z12(
         for key, val in st.items():
             if key != "step" and isinstance(val, LazyTensor) and val.dim() > 0:
                 flats[key] = val
-        step = _read_step(st)
+        step = read_step(st)
         for name, frag in mapping.items():
             if pp_index > 0 and any(re.match(p, name) for p in skip):
                 continue
@@ -301,7 +202,7 @@ def _fragments_z3(
         for key, val in st.items():
             if key != "step" and isinstance(val, LazyTensor) and val.dim() > 0:
                 flats[key] = val
-        step = _read_step(st)
+        step = read_step(st)
         meta = groups[idx] if idx < len(groups) else {}
         count = int(meta.get("partition_count", dp))
         rank = int(meta.get("partition_rank", dp_rank))
@@ -338,7 +239,8 @@ def import_deepspeed(
         tag: the tag to import (default: the one `latest` names).
         overwrite: replace an existing checkpoint at `dst`.
         progress: show a progress bar (default: when stderr is a terminal).
-        max_inflight_bytes: bound on bytes of writes in flight.
+        max_inflight_bytes: bound on bytes read ahead and written in flight (default:
+            `UCP_IMPORT_INFLIGHT_BYTES`, 64 MiB).
 
     Returns:
         The location of the written checkpoint.
@@ -353,20 +255,18 @@ def import_deepspeed(
     folder, found_tag = resolve_folder(src, tag)
     lay = _scan(folder)
     lay.tag = found_tag or os.path.basename(os.path.normpath(folder))
-    kw = {} if max_inflight_bytes is None else {"max_inflight_bytes": max_inflight_bytes}
-    with AtomWriter(dst, overwrite=overwrite, **kw) as w:
+    with AtomWriter(dst, overwrite=overwrite, max_inflight_bytes=max_inflight_bytes) as w:
         _import_zero(lay, w, progress)
-        step = lay.meta.get("global_steps", lay.meta.get("iteration"))
-        return w.commit(step=None if step is None else int(step), source=_source(lay, "zero"))
+        return w.commit(step=lay.step(), source=deepspeed_source(lay, "zero"))
 
 
-def _import_zero(lay: _Layout, w: AtomWriter, progress: bool | None) -> None:
+def _import_zero(lay: RankFiles, w: AtomWriter, progress: bool | None) -> None:
     uc = lay.meta.get(UC_INFO) or {}
     shapes = _per_tp_shapes(lay)
-    merger = _Merger(w, uc, lay.tp, shapes)
+    merger = Merger(w, uc, lay.tp, shapes)
     files = [(d, m, lay.optim[(d, m)]) for d in range(lay.dp) for m in range(lay.tp * lay.pp)]
     _precreate(lay, merger)
-    bar = _progress(progress, sum(os.path.getsize(f) for *_, f in files), "ucp import")
+    bar = Progress(progress, sum(os.path.getsize(f) for *_, f in files), "ucp import")
     pos: dict[tuple[str, int, str], int] = {}
     z3_shapes: dict[int, list[dict[str, Any]]] = {}
 
@@ -403,7 +303,7 @@ def _import_zero(lay: _Layout, w: AtomWriter, progress: bool | None) -> None:
                 for name, slot, frag, start, step in _fragments_z3(osd, z3_shapes[t], d, lay.dp):
                     yield from split((name, t, slot, frag, start, step))
                 _frozen_z3(lay, merger, d, m, t)
-            _advance(bar, os.path.getsize(path))
+            bar.advance(os.path.getsize(path))
 
     try:
         # Reads run ahead on threads (bounded in bytes) while the writes of earlier fragments
@@ -420,26 +320,18 @@ def _import_zero(lay: _Layout, w: AtomWriter, progress: bool | None) -> None:
 
 def _read_ahead(items: Iterator[tuple[Any, ...]], budget: int, threads: int = 4) -> Iterator[Any]:
     """(item, item[3].numpy()) in order, reading up to `budget` bytes ahead on a thread pool."""
-    import collections
     from concurrent.futures import ThreadPoolExecutor
 
-    window: collections.deque[tuple[Any, Any, int]] = collections.deque()
-    ahead = 0
+    window: InflightWindow[tuple[Any, Any]] = InflightWindow(budget)
     with ThreadPoolExecutor(threads, thread_name_prefix="ucp-read") as pool:
         for item in items:
-            n = item[3].nbytes
-            window.append((item, pool.submit(item[3].numpy), n))
-            ahead += n
-            while window and ahead > budget:
-                it, fut, nb = window.popleft()
-                ahead -= nb
+            for it, fut in window.push((item, pool.submit(item[3].numpy)), item[3].nbytes):
                 yield it, fut.result()
-        while window:
-            it, fut, _ = window.popleft()
+        for it, fut in window.drain():
             yield it, fut.result()
 
 
-def _precreate(lay: _Layout, merger: _Merger) -> None:
+def _precreate(lay: RankFiles, merger: Merger) -> None:
     """Declare every atom and create all its slots concurrently (dtypes from the first file)."""
     osd = load(lay.optim[(0, 0)])[OSD]
     if lay.stage <= 2:
@@ -454,7 +346,7 @@ def _precreate(lay: _Layout, merger: _Merger) -> None:
     for key, val in st.items():
         if isinstance(val, LazyTensor) and val.dim() > 0:
             slots.append((key, val.dtype, None))
-    step = _read_step(st)
+    step = read_step(st)
     if step is not None:
         slots.append(("step", step.dtype, ()))
     frozen = set()
@@ -472,7 +364,7 @@ def _precreate(lay: _Layout, merger: _Merger) -> None:
     merger.w.create_many(todo)
 
 
-def _frozen_z3(lay: _Layout, merger: _Merger, d: int, m: int, t: int) -> None:
+def _frozen_z3(lay: RankFiles, merger: Merger, d: int, m: int, t: int) -> None:
     """Frozen parameters of ZeRO-3: each rank's model states hold its fragment."""
     path = os.path.join(lay.folder, f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt")
     if not os.path.isfile(path):
@@ -488,7 +380,7 @@ def _frozen_z3(lay: _Layout, merger: _Merger, d: int, m: int, t: int) -> None:
             merger.put(name, t, "fp32", flat, d * part, keep=None)
 
 
-def _module_fallback(lay: _Layout, merger: _Merger) -> None:
+def _module_fallback(lay: RankFiles, merger: Merger) -> None:
     """Parameters without optimizer state (never got a gradient, frozen): fp32 from the module."""
     if lay.stage >= 3:
         return
@@ -512,96 +404,4 @@ def _module_fallback(lay: _Layout, merger: _Merger) -> None:
     merger.check_done()
 
 
-# ------------------------------------------------------------------ ds_to_universal folders
-
-
-def import_deepspeed_universal(
-    src: Any,
-    dst: Any,
-    *,
-    tag: str | None = None,
-    overwrite: bool = False,
-    progress: bool | None = None,
-) -> str:
-    """Import a folder written by DeepSpeed's `ds_to_universal` (`zero/<param>/<slot>.pt`).
-
-    Args:
-        src: the universal tag folder (holding `zero/`), or its parent with `latest_universal`.
-        dst: where to write the universal checkpoint.
-        tag, overwrite, progress: as for `import_deepspeed`.
-
-    Returns:
-        The location of the written checkpoint.
-
-    >>> ucp.torch.import_deepspeed_universal("ds_univ/global_step3", "/tmp/ucp/step_3")  # doctest: +SKIP
-    """
-    folder, found_tag = resolve_folder(src, tag, latest="latest_universal")
-    zero = os.path.join(folder, "zero")
-    if not os.path.isdir(zero):
-        raise DeepSpeedFormatError(
-            f"{folder}: no zero/ folder; this is not a ds_to_universal output "
-            "(for a ZeRO checkpoint use import_deepspeed)"
-        )
-    models = sorted(glob.glob(os.path.join(folder, "*model_states.pt")))
-    meta: dict[str, Any] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    if models:
-        full = load(models[0])
-        meta = {k: v for k, v in full.items() if k not in ("module", "optimizer")}
-        for group in full.get("param_shapes") or []:
-            for name, shape in group.items():
-                shapes[name] = tuple(int(d) for d in shape)
-    osd: dict[str, Any] = {}
-    opt_path = os.path.join(zero, "optimizer_state.pt")
-    if os.path.isfile(opt_path):
-        osd = load(opt_path)
-    params = sorted(p for p in os.listdir(zero) if os.path.isdir(os.path.join(zero, p)))
-    files = [os.path.join(zero, p, f) for p in params for f in os.listdir(os.path.join(zero, p))]
-    bar = _progress(progress, sum(os.path.getsize(f) for f in files), "ucp import")
-    z3_step = None
-    inner = osd.get(OSD) if isinstance(osd.get(OSD), dict) else None
-    if inner and isinstance(inner.get("state"), dict) and inner["state"]:
-        z3_step = _read_step(next(iter(inner["state"].values())))
-    with AtomWriter(dst, overwrite=overwrite) as w:
-        try:
-            for name in params:
-                pdir = os.path.join(zero, name)
-                slots = sorted(f[:-3] for f in os.listdir(pdir) if f.endswith(".pt"))
-                for slot in sorted(slots, key=lambda s: (s != "fp32", s)):
-                    path = os.path.join(pdir, slot + ".pt")
-                    obj = load(path)
-                    if slot == "step":
-                        w.atom(name, shapes.get(name, ()))
-                        w.write_scalar(name, "step", _read_step({"step": obj}))
-                    else:
-                        t = obj["param"] if isinstance(obj, dict) else obj
-                        shape = tuple(t.shape)
-                        if t.dim() == 1 and name in shapes and shapes[name] != shape:
-                            shape = shapes[name]  # ZeRO-3 universal tensors are flat
-                        pattern = []
-                        if isinstance(obj, dict) and obj.get("vocab_tensor"):
-                            pattern.append({"type": "VocabPadded", "size": shape[0], "axis": 0})
-                        if isinstance(obj, dict) and obj.get("cat_dim", 0) and len(shape) > 1:
-                            pattern.append({"type": "Partitioned", "axis": int(obj["cat_dim"])})
-                        w.atom(name, shape, pattern=pattern)
-                        arr = t.reshape(shape).numpy()
-                        w.write(name, slot, tuple((0, d) for d in shape), arr)
-                    _advance(bar, os.path.getsize(path))
-                if z3_step is not None and "step" not in slots:
-                    w.write_scalar(name, "step", z3_step)
-                w.flush()
-            lay = _Layout(folder, found_tag, int(jsonable(osd.get("zero_stage", 0)) or 0), 1, 1,
-                          int(meta.get("dp_world_size", 1) or 1), {}, {}, meta,
-                          {k: v for k, v in osd.items() if k not in (OSD, "fp32_flat_groups")})  # fmt: skip
-            lay.osd0["param_groups"] = [
-                {k: v for k, v in g.items() if k != "params"} for g in osd.get("param_groups", [])
-            ]
-            step = meta.get("global_steps", meta.get("iteration"))
-            return w.commit(
-                step=None if step is None else int(step), source=_source(lay, "universal")
-            )
-        finally:
-            bar.stop()
-
-
-__all__ = ["DeepSpeedFormatError", "import_deepspeed", "import_deepspeed_universal"]
+__all__ = ["DeepSpeedFormatError", "RankFiles", "import_deepspeed"]

@@ -28,7 +28,8 @@ import torch
 from ..checkpoint import Checkpoint
 from ..errors import MismatchError
 from ..format.manifest import PARAM_SLOT, STEP_SLOT
-from .deepspeed import _advance, _progress
+from ..mapping.patterns import Partitioned, VocabPadded, chain_from_json
+from .progress import Progress
 
 DS_VERSION = "0.19.8"  # written when the source was not DeepSpeed; DeepSpeed checks >= 0.3.17
 MOMENT_SLOTS = ("exp_avg", "exp_avg_sq")
@@ -97,94 +98,21 @@ def export_deepspeed_universal(
             raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
         shutil.rmtree(dst)
     src = (ck.manifest.source or {}).get("deepspeed") or {}
-    count = _count(ck)
-    rename = _renamer(names)
-    params = {}
-    for atom, info in ck.atoms.items():
-        if PARAM_SLOT not in info.slots or info.role is not None:
-            continue
-        torch_name = rename(atom)
-        if torch_name is not None:
-            params[atom] = torch_name
-    if not params:
-        raise MismatchError(
-            f"export: {ck.path} has no parameter atoms (atoms with an 'fp32' slot); nothing to export"
-        )
+    params = _parameters(ck, _renamer(names))
     tmp = dst + ".ucp-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     zero = os.path.join(tmp, "zero")
     os.makedirs(zero)
-    total = sum(ck.atoms[a].nbytes for a in params)
-    bar = _progress(progress, total, "ucp export")
-    shapes: collections.OrderedDict[str, torch.Size] = collections.OrderedDict()
-    step_value = None
+    bar = Progress(progress, sum(ck.atoms[a].nbytes for a in params), "ucp export")
     try:
-        for atom, torch_name in params.items():
-            info = ck.atoms[atom]
-            pdir = os.path.join(zero, torch_name)
-            os.makedirs(pdir, exist_ok=True)
-            extra: dict[str, Any] = {"cat_dim": 0}
-            for p in info.pattern:
-                if p.get("type") == "Partitioned" and len(info.shape) > 1:
-                    extra["cat_dim"] = int(p.get("axis", 0))
-                if p.get("type") == "VocabPadded":
-                    extra["vocab_tensor"] = True
-            for slot in (PARAM_SLOT, *MOMENT_SLOTS):
-                if slot not in info.slots:
-                    continue
-                t = _tensor(ck.read(atom, slot)).float()
-                _save({**extra, "param": t}, os.path.join(pdir, f"{slot}.pt"))
-            if STEP_SLOT in info.slots:
-                step = float(np.asarray(ck.read(atom, STEP_SLOT)))
-            else:
-                step = count
-            if step is not None and any(s in info.slots for s in MOMENT_SLOTS):
-                _save(torch.tensor(step, dtype=torch.float32), os.path.join(pdir, "step.pt"))
-                step_value = step if step_value is None else step_value
-            shapes[torch_name] = torch.Size(info.shape)
-            _advance(bar, info.nbytes)
+        shapes, step_value = _write_params(ck, params, zero, _count(ck), bar)
         groups = param_groups if param_groups is not None else src.get("param_groups")
-        if not groups:
-            groups = [{} for _ in range(EMPTY_GROUPS)]
-        groups = [_group(g) for g in groups]
+        groups = [_group(g) for g in groups or [{} for _ in range(EMPTY_GROUPS)]]
         version = src.get("ds_version") or DS_VERSION
-        osd: dict[str, Any] = {
-            "ds_version": version,
-            "dynamic_loss_scale": bool(src.get("dynamic_loss_scale") or False),
-            "overflow": False,
-            "param_groups": groups,
-            # ZeRO-3's universal loader reads the step and hyperparameters from here
-            "optimizer_state_dict": {
-                "state": {0: {"step": torch.tensor(step_value or 0.0, dtype=torch.float32)}},
-                "param_groups": [{**groups[0], "params": [0]}],
-            },
-        }
-        if src.get("clip_grad") is not None:
-            osd["clip_grad"] = float(src["clip_grad"])
-        if src.get("zero_stage") is not None:
-            osd["zero_stage"] = int(src["zero_stage"])
-        _save(osd, os.path.join(zero, "optimizer_state.pt"))
+        _save(_optimizer_state(src, groups, version, step_value),
+              os.path.join(zero, "optimizer_state.pt"))  # fmt: skip
         global_steps = ck.step if ck.step is not None else int(step_value or 0)
-        model = {
-            "module": {},
-            "buffer_names": [],
-            "optimizer": None,
-            "param_shapes": [shapes],
-            "frozen_param_shapes": None,
-            "shared_params": {},
-            "frozen_param_fragments": None,
-            "lr_scheduler": src.get("lr_scheduler"),
-            "data_sampler": None,
-            "random_ltd": None,
-            "sparse_tensor_module_names": [],
-            "skipped_steps": int(src.get("skipped_steps") or 0),
-            "global_steps": int(global_steps),
-            "global_samples": int(src.get("global_samples") or 0),
-            "dp_world_size": int(src.get("dp_degree") or 1),
-            "mp_world_size": 1,
-            "ds_version": version,
-            "universal_checkpoint_info": dict(src.get("universal_checkpoint_info") or {}),
-        }
+        model = _model_states(src, shapes, version, global_steps)
         _save(model, os.path.join(tmp, "mp_rank_00_model_states.pt"))
         _save(model, os.path.join(tmp, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
         os.rename(tmp, dst)
@@ -196,6 +124,111 @@ def export_deepspeed_universal(
     with open(os.path.join(os.path.dirname(dst), "latest_universal"), "w") as f:
         f.write(os.path.basename(dst))
     return dst
+
+
+def _parameters(ck: Checkpoint, rename: Callable[[str], str | None]) -> dict[str, str]:
+    """Atom -> torch name of every parameter atom (an `fp32` slot, no optimizer role) exported."""
+    params = {}
+    for atom, info in ck.atoms.items():
+        if PARAM_SLOT not in info.slots or info.role is not None:
+            continue
+        torch_name = rename(atom)
+        if torch_name is not None:
+            params[atom] = torch_name
+    if not params:
+        raise MismatchError(
+            f"export: {ck.path} has no parameter atoms (atoms with an 'fp32' slot); nothing to export"
+        )
+    return params
+
+
+def _slot_extra(info: Any) -> dict[str, Any]:
+    """The keys DeepSpeed's universal files carry next to `param`: `cat_dim`, `vocab_tensor`."""
+    extra: dict[str, Any] = {"cat_dim": 0}
+    for p in chain_from_json(info.pattern):
+        if isinstance(p, Partitioned) and len(info.shape) > 1:
+            extra["cat_dim"] = int(p.axis)
+        if isinstance(p, VocabPadded):
+            extra["vocab_tensor"] = True
+    return extra
+
+
+def _write_params(
+    ck: Checkpoint, params: dict[str, str], zero: str, count: float | None, bar: Progress
+) -> tuple[collections.OrderedDict[str, torch.Size], float | None]:
+    """`zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt` of every parameter.
+
+    Returns:
+        (torch name -> shape, in order; the first step written, or None).
+    """
+    shapes: collections.OrderedDict[str, torch.Size] = collections.OrderedDict()
+    step_value = None
+    for atom, torch_name in params.items():
+        info = ck.atoms[atom]
+        pdir = os.path.join(zero, torch_name)
+        os.makedirs(pdir, exist_ok=True)
+        extra = _slot_extra(info)
+        for slot in (PARAM_SLOT, *MOMENT_SLOTS):
+            if slot not in info.slots:
+                continue
+            t = _tensor(ck.read(atom, slot)).float()
+            _save({**extra, "param": t}, os.path.join(pdir, f"{slot}.pt"))
+        if STEP_SLOT in info.slots:
+            step = float(np.asarray(ck.read(atom, STEP_SLOT)))
+        else:
+            step = count
+        if step is not None and any(s in info.slots for s in MOMENT_SLOTS):
+            _save(torch.tensor(step, dtype=torch.float32), os.path.join(pdir, "step.pt"))
+            step_value = step if step_value is None else step_value
+        shapes[torch_name] = torch.Size(info.shape)
+        bar.advance(info.nbytes)
+    return shapes, step_value
+
+
+def _optimizer_state(src: Mapping[str, Any], groups: list[dict[str, Any]], version: str,
+                     step_value: float | None) -> dict[str, Any]:  # fmt: skip
+    """`zero/optimizer_state.pt`: the global optimizer state DeepSpeed's universal loader reads."""
+    osd: dict[str, Any] = {
+        "ds_version": version,
+        "dynamic_loss_scale": bool(src.get("dynamic_loss_scale") or False),
+        "overflow": False,
+        "param_groups": groups,
+        # ZeRO-3's universal loader reads the step and hyperparameters from here
+        "optimizer_state_dict": {
+            "state": {0: {"step": torch.tensor(step_value or 0.0, dtype=torch.float32)}},
+            "param_groups": [{**groups[0], "params": [0]}],
+        },
+    }
+    if src.get("clip_grad") is not None:
+        osd["clip_grad"] = float(src["clip_grad"])
+    if src.get("zero_stage") is not None:
+        osd["zero_stage"] = int(src["zero_stage"])
+    return osd
+
+
+def _model_states(src: Mapping[str, Any], shapes: collections.OrderedDict[str, torch.Size],
+                  version: str, global_steps: int) -> dict[str, Any]:  # fmt: skip
+    """`mp_rank_00_model_states.pt`: no weights (they are in zero/), the shapes and the run."""
+    return {
+        "module": {},
+        "buffer_names": [],
+        "optimizer": None,
+        "param_shapes": [shapes],
+        "frozen_param_shapes": None,
+        "shared_params": {},
+        "frozen_param_fragments": None,
+        "lr_scheduler": src.get("lr_scheduler"),
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": [],
+        "skipped_steps": int(src.get("skipped_steps") or 0),
+        "global_steps": int(global_steps),
+        "global_samples": int(src.get("global_samples") or 0),
+        "dp_world_size": int(src.get("dp_degree") or 1),
+        "mp_world_size": 1,
+        "ds_version": version,
+        "universal_checkpoint_info": dict(src.get("universal_checkpoint_info") or {}),
+    }
 
 
 def _group(g: Mapping[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import MismatchError, NotACheckpointError, UcpError
+from ..mapping.patterns import FusedMark
 from .writer import AtomWriter
 
 _DTYPES = {
@@ -188,7 +189,9 @@ def _layers(preset: Mapping[str, AtomFrom], names: set[str]) -> list[int]:
     return sorted(found)
 
 
-def plan(preset: Mapping[str, AtomFrom], names: set[str]) -> dict[str, tuple[AtomFrom, list[str]]]:
+def resolve_preset(
+    preset: Mapping[str, AtomFrom], names: set[str]
+) -> dict[str, tuple[AtomFrom, list[str]]]:
     """Target atom -> (spec, concrete source names), for every layer found; checks coverage."""
     out: dict[str, tuple[AtomFrom, list[str]]] = {}
     layers = _layers(preset, names)
@@ -253,7 +256,7 @@ def import_safetensors(
                 w.atom(name, a.shape)
                 w.write(name, "fp32", tuple((0, d) for d in a.shape), _cast(a, want))
         else:
-            for atom, (spec, srcs) in plan(spec_map, set(tensors)).items():
+            for atom, (spec, srcs) in resolve_preset(spec_map, set(tensors)).items():
                 arrays = [tensors[s].array(s) for s in srcs]
                 if spec.transpose:
                     if any(a.ndim != 2 for a in arrays):
@@ -271,7 +274,7 @@ def import_safetensors(
                 shape[spec.axis] = sum(a.shape[spec.axis] for a in arrays)
                 fused = []
                 if len(arrays) > 1:
-                    fused = [{"sizes": [a.shape[spec.axis] for a in arrays], "axis": spec.axis}]
+                    fused = [FusedMark(tuple(a.shape[spec.axis] for a in arrays), spec.axis)]
                 w.atom(atom, shape, fused=fused)
                 off = 0
                 for a in arrays:

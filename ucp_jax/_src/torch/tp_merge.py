@@ -14,12 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MismatchError, UcpError
+from ..errors import MismatchError
+from ..mapping.patterns import Averaged, Partitioned, Pattern, Replicated, VocabPadded
+from .deepspeed_common import DeepSpeedFormatError
 from .writer import AtomWriter
-
-
-class DeepSpeedFormatError(UcpError, ValueError):
-    """The folder is not a DeepSpeed checkpoint this importer understands (says what it found)."""
 
 
 @dataclasses.dataclass
@@ -33,7 +31,7 @@ class _Kind:
     widths: Any = None  # per sub-param, per TP rank widths (UCP >= 0.4)
 
 
-class _Merger:
+class Merger:
     """Places TP-slice fragments into atoms: concatenations directly, the rest buffered per param."""
 
     def __init__(
@@ -102,18 +100,19 @@ class _Merger:
             s0[0] = min(s0[0], int(self.uc["original_vocab_size"]))
         return tuple(s0)
 
-    def pattern(self, name: str) -> list[dict[str, Any]]:
+    def pattern(self, name: str) -> list[Pattern]:
+        """The chain (atom outward) that records how the source held the atom."""
         k = self.kind(name)
-        out: list[dict[str, Any]] = []
+        out: list[Pattern] = []
         if k.vocab:
-            out.append({"type": "VocabPadded", "size": self.atom_shape(name)[0], "axis": 0})
+            out.append(VocabPadded(self.atom_shape(name)[0], axis=0))
         if self.tp > 1:
             if k.how == "cat":
-                out.append({"type": "Partitioned", "axis": k.dim})
+                out.append(Partitioned(k.dim))
             elif k.how == "replicated":
-                out.append({"type": "Replicated"})
+                out.append(Replicated())
             elif k.how == "average":
-                out.append({"type": "Averaged"})
+                out.append(Averaged())
         return out
 
     def declare(self, name: str) -> None:

@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import math
 import os
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -24,12 +23,18 @@ import tensorstore as ts
 from ..errors import MismatchError
 from ..format import store
 from ..format.dtypes import dtype_name
-from ..format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir
-from ..format.version import __version__
-from ..mapping.patterns import Box, box_shape, to_slices
-from ..util.libc import libc
-
-DEFAULT_INFLIGHT_BYTES = int(os.environ.get("UCP_IMPORT_INFLIGHT_BYTES", str(64 << 20)))
+from ..format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
+from ..mapping.patterns import (
+    Box,
+    FusedMark,
+    Pattern,
+    box_shape,
+    chain_to_json,
+    fused_marks_to_json,
+    to_slices,
+)
+from ..util import config
+from ..util.inflight import InflightWindow
 
 
 def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Box, int]]:
@@ -100,12 +105,14 @@ class AtomWriter:
     """
 
     def __init__(
-        self, dst: Any, *, overwrite: bool = False, max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
+        self, dst: Any, *, overwrite: bool = False, max_inflight_bytes: int | None = None
     ) -> None:
         self.loc = store.Location.parse(dst)
         self.staging = store.Staging(self.loc, overwrite=overwrite)
         self.staging.check()
         self.staging.prepare()
+        if max_inflight_bytes is None:
+            max_inflight_bytes = config.import_inflight_bytes()
         self.budget = max(int(max_inflight_bytes), 1)
         # Local files: written without a sync each, their writeback started as each completes,
         # all fsynced once before COMMIT (see store.sync_tree): durable, without a blocking
@@ -117,9 +124,8 @@ class AtomWriter:
         self._settling: list[Future[None]] = []
         self.atoms: dict[str, dict[str, Any]] = {}
         self._arrays: dict[tuple[str, str], Any] = {}
-        self._inflight: collections.deque[tuple[int, Any, Any, Any]] = collections.deque()
-        self._pending = 0
-        self.bytes_written = 0
+        # (write future, what must stay alive until it lands, (atom, slot, box))
+        self._inflight: InflightWindow[tuple[Any, Any, Any]] = InflightWindow(self.budget)
 
     # ------------------------------------------------------------------------------- atoms
 
@@ -128,15 +134,23 @@ class AtomWriter:
         name: str,
         shape: Sequence[int],
         *,
-        pattern: list[dict[str, Any]] | None = None,
-        fused: list[dict[str, Any]] | None = None,
+        pattern: Sequence[Pattern] = (),
+        fused: Sequence[FusedMark] = (),
     ) -> None:
-        """Declare an atom (idempotent; the shape must not change)."""
+        """Declare an atom (idempotent; the shape must not change).
+
+        Args:
+            name: the atom's name.
+            shape: its shape.
+            pattern: the chain (atom outward) that maps it to the source's layout, recorded in
+                the manifest (e.g. `VocabPadded`, `Partitioned` for TP-sliced sources).
+            fused: the sub-param fusions it holds (e.g. q, k, v concatenated).
+        """
         shape = tuple(int(d) for d in shape)
         a = self.atoms.get(name)
         if a is None:
-            self.atoms[name] = {"shape": shape, "slots": {}, "pattern": pattern or [],
-                                "fused": fused or []}  # fmt: skip
+            self.atoms[name] = {"shape": shape, "slots": {}, "pattern": chain_to_json(pattern),
+                                "fused": fused_marks_to_json(fused)}  # fmt: skip
         elif a["shape"] != shape:
             raise MismatchError(
                 f"import: parameter {name!r} has shape {a['shape']} in one file and {shape} in "
@@ -200,11 +214,8 @@ class AtomWriter:
         arr = self.array(atom, slot, data.dtype)
         data = np.asarray(data).reshape(box_shape(box))
         fut = arr[to_slices(box)].write(data)
-        self._inflight.append((data.nbytes, fut, (data, keep), (atom, slot, box)))
-        self._pending += data.nbytes
-        self.bytes_written += data.nbytes
-        while self._pending > self.budget and self._inflight:
-            self._retire()
+        for item in self._inflight.push((fut, (data, keep), (atom, slot, box)), data.nbytes):
+            self._retire(item)
 
     def write_scalar(self, atom: str, slot: str, value: Any) -> None:
         """A scalar slot (e.g. `step`) of an atom of any shape."""
@@ -245,10 +256,9 @@ class AtomWriter:
                 continue
             self.write(atom, slot, tuple(target), piece[tuple(cut)], keep=keep)
 
-    def _retire(self) -> None:
-        n, fut, _, (atom, slot, box) = self._inflight.popleft()
+    def _retire(self, item: tuple[Any, Any, Any]) -> None:
+        fut, _, (atom, slot, box) = item
         fut.commit.result()
-        self._pending -= n
         if self._local is not None:
             for path in self._shard_files(atom, slot, box):
                 store.start_writeback(path)
@@ -288,8 +298,8 @@ class AtomWriter:
 
     def flush(self) -> None:
         """Wait until every write issued so far is durable (and its source may be released)."""
-        while self._inflight:
-            self._retire()
+        for item in self._inflight.drain():
+            self._retire(item)
 
     # ------------------------------------------------------------------------------- commit
 
@@ -309,12 +319,7 @@ class AtomWriter:
                 shape=a["shape"], dtype=main.dtype, slots=a["slots"], pattern=a["pattern"],
                 leaf=name, fused=a["fused"],
             )  # fmt: skip
-        src = {
-            "library": "ucp_jax",
-            "version": __version__,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **source,
-        }
+        src = {**source_header(), **source}
         self.staging.commit(Manifest(step=step, atoms=atoms, source=src, extra=extra))
         return self.loc.url
 
@@ -346,14 +351,3 @@ def to_numpy(t: Any) -> np.ndarray:
 
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
-
-
-def limit_malloc_arenas(n: int = 2) -> bool:
-    """Cap glibc's malloc arenas (as MALLOC_ARENA_MAX=n would) for this process.
-
-    An import allocates and frees large buffers on many threads (reads ahead, TensorStore's
-    writers); with one arena per thread, freed memory stays resident. Two arenas halve the
-    peak RSS of `ucp convert` at the same speed. Returns whether it applied (glibc only).
-    """
-    mallopt = getattr(libc(), "mallopt", None)
-    return bool(mallopt(-8, int(n))) if mallopt is not None else False  # M_ARENA_MAX

@@ -1,0 +1,280 @@
+"""Torch-free, lazy reading of zip-format `.pt` files: containers now, tensor bytes on demand.
+
+`load_lazy` unpickles with the allow-list of `unpickle` (containers, tensor rebuilds, DeepSpeed's
+stand-ins) and returns every tensor as a `LazyTensor` (file, offset, dtype, shape, strides) that
+reads its bytes only when asked (`.numpy()`), so an importer holds one fragment at a time.
+`jsonable` turns what was read into plain JSON for a manifest's `source`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import math
+import os
+import zipfile
+from typing import Any
+
+from .unpickle import STAND_INS, RestrictedUnpickler, UnsafePickleError, numpy_globals
+
+_STORAGE_DTYPES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "UntypedStorage": "uint8",
+}  # fmt: skip
+
+
+class LazyTensor:
+    """A tensor of a torch file, not read yet: file, byte offset, dtype, shape, strides (elements).
+
+    `numpy()` reads exactly its bytes (pread); `narrow`/`reshape` of contiguous tensors are free.
+    """
+
+    __slots__ = ("dtype", "offset", "path", "shape", "stride")
+
+    def __init__(self, path: str, offset: int, dtype: Any, shape: tuple[int, ...],
+                 stride: tuple[int, ...]) -> None:  # fmt: skip
+        self.path, self.offset, self.dtype = path, offset, dtype
+        self.shape, self.stride = tuple(int(d) for d in shape), tuple(int(d) for d in stride)
+
+    def __repr__(self) -> str:
+        return (
+            f"LazyTensor({self.shape}, {self.dtype}, {os.path.basename(self.path)}@{self.offset})"
+        )
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.dtype.itemsize
+
+    def is_contiguous(self) -> bool:
+        expect = 1
+        for d, st in zip(reversed(self.shape), reversed(self.stride)):
+            if d != 1 and st != expect:
+                return False
+            expect *= d
+        return True
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        if dim != 0 or not self.is_contiguous():
+            raise ValueError("LazyTensor.narrow: only along dim 0 of a contiguous tensor")
+        row = self.numel() // self.shape[0] if self.shape and self.shape[0] else 0
+        shape = (int(length), *self.shape[1:])
+        return LazyTensor(self.path, self.offset + int(start) * row * self.dtype.itemsize,
+                          self.dtype, shape, _contiguous_strides(shape))  # fmt: skip
+
+    def reshape(self, *shape: Any) -> LazyTensor:
+        if len(shape) == 1 and isinstance(shape[0], tuple | list):
+            shape = tuple(shape[0])
+        shape = tuple(int(d) for d in shape)
+        if -1 in shape:
+            known = 1
+            for d in shape:
+                known *= d if d != -1 else 1
+            shape = tuple(self.numel() // known if d == -1 else d for d in shape)
+        if not self.is_contiguous():
+            raise ValueError("LazyTensor.reshape: not contiguous")
+        return LazyTensor(self.path, self.offset, self.dtype, shape, _contiguous_strides(shape))
+
+    def numpy(self) -> Any:
+        """Read the tensor into a new numpy array."""
+        import numpy as np
+
+        n = self.numel()
+        if n == 0:
+            return np.zeros(self.shape, self.dtype)
+        if self.is_contiguous():
+            buf = np.empty(n * self.dtype.itemsize, np.uint8)
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(self.offset)
+                got = f.readinto(buf)
+            if got != buf.nbytes:
+                raise UnsafePickleError(f"{self.path}: tensor data truncated at {self.offset}")
+            return buf.view(self.dtype).reshape(self.shape)
+        span = 1 + sum((d - 1) * st for d, st in zip(self.shape, self.stride))
+        flat = LazyTensor(self.path, self.offset, self.dtype, (span,), (1,)).numpy()
+        item = self.dtype.itemsize
+        view = np.lib.stride_tricks.as_strided(
+            flat, self.shape, tuple(st * item for st in self.stride)
+        )
+        return view.copy()
+
+    def item(self) -> Any:
+        return self.numpy().reshape(-1)[0].item()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(out))
+
+
+class _StorageType:
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+
+
+class _Storage:
+    __slots__ = ("dtype", "offset", "path")
+
+    def __init__(self, path: str, offset: int, dtype: Any) -> None:
+        self.path, self.offset, self.dtype = path, offset, dtype
+
+
+class TorchSize(tuple):
+    """Stands in for torch.Size."""
+
+
+def _rebuild_tensor(storage: _Storage, storage_offset: int, size: Any, stride: Any,
+                    *_: Any) -> LazyTensor:  # fmt: skip
+    off = storage.offset + int(storage_offset) * storage.dtype.itemsize
+    return LazyTensor(storage.path, off, storage.dtype, tuple(size), tuple(stride))
+
+
+def _rebuild_parameter(data: Any, *_: Any) -> Any:
+    return data
+
+
+def _rebuild_from_type_v2(func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
+    return func(*args)
+
+
+def _lazy_globals() -> dict[str, Any]:
+    import codecs
+    import collections
+
+    import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
+
+    out: dict[str, Any] = dict(STAND_INS)
+    out.update(numpy_globals())
+    out.update({
+        "collections.OrderedDict": collections.OrderedDict,
+        "builtins.set": set, "builtins.frozenset": frozenset, "builtins.complex": complex,
+        "builtins.slice": slice, "builtins.bytearray": bytearray, "_codecs.encode": codecs.encode,
+        "torch.Size": TorchSize,
+        "torch.device": lambda *a: str(a[0]) if a else "cpu",
+        "torch.serialization._get_layout": str,
+        "torch._utils._rebuild_tensor": _rebuild_tensor,
+        "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+        "torch._utils._rebuild_parameter": _rebuild_parameter,
+        "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+        "torch.Tensor": "torch.Tensor", "torch.nn.parameter.Parameter": "Parameter",
+    })  # fmt: skip
+    for name, dt in _STORAGE_DTYPES.items():
+        out[f"torch.{name}"] = _StorageType(dt)
+    for dt in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+               "uint8", "bool"):  # fmt: skip
+        out[f"torch.{dt}"] = f"torch.{dt}"
+    return out
+
+
+class _LazyUnpickler(RestrictedUnpickler):
+    def __init__(self, file: Any, path: str, storages: dict[str, int], byteorder: str) -> None:
+        super().__init__(file, _lazy_globals(), path)
+        self._path, self._storages = path, storages
+
+    def persistent_load(self, pid: Any) -> Any:
+        import numpy as np
+
+        from ..format.dtypes import np_dtype
+
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage" and len(pid) >= 3):
+            raise UnsafePickleError(f"{self._path}: unexpected persistent id {pid!r}")
+        stype, key = pid[1], str(pid[2])
+        if not isinstance(stype, _StorageType):
+            raise UnsafePickleError(f"{self._path}: storage of unknown type {stype!r}")
+        if key not in self._storages:
+            raise UnsafePickleError(f"{self._path}: storage {key!r} is missing from the archive")
+        dt = np.dtype(np_dtype(stype.dtype))
+        return _Storage(self._path, self._storages[key], dt)
+
+
+def load_lazy(path: str | os.PathLike[str]) -> Any:
+    """Load a zip-format torch file without torch: containers come back, tensors as LazyTensor.
+
+    The pickle is read by a restricted unpickler (allow-list: containers, tensor rebuilds, the
+    DeepSpeed stand-ins); tensor bytes are not read until `LazyTensor.numpy()`, so memory stays
+    at what the caller reads. Legacy (non-zip) torch files are refused: load them with `load`.
+
+    Raises:
+        UnsafePickleError: a global outside the allow-list, or a malformed file.
+    """
+    import struct
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise UnsafePickleError(f"{path}: not a zip-format torch file (saved by torch < 1.6?)")
+    with zipfile.ZipFile(path) as z, open(path, "rb") as raw:
+        names = [n for n in z.namelist() if n.endswith("data.pkl")]
+        if len(names) != 1:
+            raise UnsafePickleError(f"{path}: a zip file without exactly one data.pkl")
+        prefix = names[0][: -len("data.pkl")]
+        order = (
+            z.read(prefix + "byteorder").decode()
+            if prefix + "byteorder" in z.namelist()
+            else "little"
+        )
+        if order.strip() != "little":
+            raise UnsafePickleError(f"{path}: big-endian tensors are not supported")
+        storages: dict[str, int] = {}
+        for info in z.infolist():
+            if not info.filename.startswith(prefix + "data/"):
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise UnsafePickleError(f"{path}: compressed tensor data is not supported")
+            raw.seek(info.header_offset)
+            head = raw.read(30)
+            if head[:4] != b"PK\x03\x04":
+                raise UnsafePickleError(f"{path}: bad zip local header for {info.filename}")
+            n, m = struct.unpack("<HH", head[26:30])
+            storages[info.filename[len(prefix) + 5 :]] = info.header_offset + 30 + n + m
+        data = z.read(names[0])
+    try:
+        return _LazyUnpickler(io.BytesIO(data), path, storages, order).load()
+    except UnsafePickleError:
+        raise
+    except Exception as e:
+        raise UnsafePickleError(f"{path}: not a readable torch file ({e})") from e
+
+
+def jsonable(x: Any) -> Any:
+    """Plain JSON data from checkpoint metadata (tuples, sizes, enums, 0-d tensors, stand-ins).
+
+    >>> jsonable({"betas": (0.9, 0.95), "eps": float("inf")})
+    {'betas': [0.9, 0.95], 'eps': 'inf'}
+    """
+    if isinstance(x, bool | int | float | str) or x is None:
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        return x
+    if isinstance(x, enum.Enum):
+        return jsonable(x.value)
+    if isinstance(x, LazyTensor) or (hasattr(x, "numel") and hasattr(x, "item")):
+        return jsonable(x.item()) if x.numel() == 1 else f"<tensor {tuple(x.shape)}>"
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if hasattr(x, "__dict__"):
+        return {k: jsonable(v) for k, v in vars(x).items()}
+    return repr(x)
+
+
+__all__ = ["LazyTensor", "jsonable", "load_lazy"]

@@ -1,0 +1,87 @@
+"""Every environment switch of ucp_jax, read when it is needed (not at import).
+
+Each function reads its variable on every call, so a test or a launcher may set it at any time
+before the call it affects. The README's "Environment switches" table lists them all.
+"""
+
+from __future__ import annotations
+
+import os
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not an integer (bytes); "
+            f"unset it or give a whole number such as {default}"
+        ) from None
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not a number (seconds); "
+            f"unset it or give a number such as {default:g}"
+        ) from None
+
+
+def inflight_bytes() -> int:
+    """Host bytes a save or restore keeps in flight (`UCP_INFLIGHT_BYTES`, default 1 GiB).
+
+    >>> inflight_bytes() > 0
+    True
+    """
+    return _int("UCP_INFLIGHT_BYTES", GIB)
+
+
+def import_inflight_bytes() -> int:
+    """Bytes an importer keeps in flight, reads ahead and writes (`UCP_IMPORT_INFLIGHT_BYTES`,
+    default 64 MiB: imports stream whole rank files and want a small resident set).
+
+    >>> import_inflight_bytes() > 0
+    True
+    """
+    return _int("UCP_IMPORT_INFLIGHT_BYTES", 64 * MIB)
+
+
+def barrier_timeout_s() -> float:
+    """How long a cross-process barrier or key-value wait may take (`UCP_BARRIER_TIMEOUT_S`,
+    default 1800 s).
+
+    >>> barrier_timeout_s() > 0
+    True
+    """
+    return _float("UCP_BARRIER_TIMEOUT_S", 1800.0)
+
+
+def snapshot_device_copies() -> bool:
+    """Whether snapshots of CPU devices go through device-side copies, the path accelerators take
+    (`UCP_SNAPSHOT_DEVICE_COPIES=1`; default off: they copy straight from the CPU buffers).
+
+    >>> isinstance(snapshot_device_copies(), bool)
+    True
+    """
+    return os.environ.get("UCP_SNAPSHOT_DEVICE_COPIES", "0") not in ("", "0")
+
+
+def cli_caps_malloc_arenas() -> bool:
+    """Whether the `ucp` command caps glibc's malloc arenas at 2 (it does unless
+    `MALLOC_ARENA_MAX` is set, in which case glibc applies that value itself).
+
+    >>> isinstance(cli_caps_malloc_arenas(), bool)
+    True
+    """
+    return "MALLOC_ARENA_MAX" not in os.environ
