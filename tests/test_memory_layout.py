@@ -17,8 +17,9 @@ import pytest
 
 from ucp_jax._src.mapping.patterns import box_shape, to_slices
 from ucp_jax._src.memory import recovery
-from ucp_jax._src.memory.layout import Layout, LeafMeta, build_pieces, make_groups
+from ucp_jax._src.memory.layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
 from ucp_jax._src.memory.redundancy import Sources, decode_node, fill, plan_fetches
+from ucp_jax._src.memory.schemes import Replica
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,7 @@ def _job(nodes: int, redundancy: str | None, group_size: int):
             regs.append((box, dev.process_index))
         regions.append(regs)
     pieces = build_pieces(metas, regions, nodes)
-    layout = Layout(metas, nodes, make_groups(nodes, group_size), redundancy, pieces)
+    layout = SnapshotLayout(metas, nodes, make_groups(nodes, group_size), redundancy, pieces)
     sources = Sources(shard_maps, writers)
     arrays = list(leaves.values())
     blobs = {}
@@ -97,7 +98,7 @@ class _View:
         return self.a[off : off + n]
 
 
-def _check_pieces(layout: Layout, arrays, node: int, data: np.ndarray) -> None:
+def _check_pieces(layout: SnapshotLayout, arrays, node: int, data: np.ndarray) -> None:
     for p in layout.by_node[node]:
         meta = layout.leaves[p.leaf]
         got = data[p.offset : p.offset + p.nbytes].view(meta.dtype).reshape(box_shape(p.box))
@@ -159,14 +160,10 @@ def test_redundancy_memory_overhead():
     assert rep.red_bytes == none.red_bytes == [0] * 4
     # replica: a node's blob holds its own pieces and the previous node's, and nothing else
     for n in range(4):
-        assert rep.size(n) == none.size(n) + none.size(rep.backup_of(n))
+        assert rep.size(n) == none.size(n) + none.size(Replica.backup_of(rep, n))
         held = sorted(
             [(p.offset, p.nbytes) for p in rep.by_node[n]]
-            + [
-                (off, p.nbytes)
-                for p, off in rep.backup_offset.items()
-                if rep.holder_of(p.node) == n
-            ]
+            + [(off, p.nbytes) for p, locs in rep.copies.items() for h, off in locs if h == n]
         )
         assert all(a + na <= b for (a, na), (b, _) in itertools.pairwise(held))  # no overlap
         assert sum(nb for _, nb in held) + sum(nb for _, nb in rep.gaps(n)) == rep.size(n)
@@ -174,7 +171,7 @@ def test_redundancy_memory_overhead():
 
 def test_layout_json_roundtrip():
     layout, _, _ = _job(3, "xor", 3)
-    again = Layout.from_json(layout.to_json())
+    again = SnapshotLayout.from_json(layout.to_json())
     assert again.digest == layout.digest
     assert again.pieces == layout.pieces and again.groups == layout.groups
 
@@ -214,7 +211,7 @@ def _pieces_layout(redundancy, page_align=None):
                [(((0, 32), (0, 1024)), 0), (((32, 64), (0, 1024)), 1)]]  # fmt: skip
     pieces = build_pieces(metas, regions, 2)
     kw = {} if page_align is None else {"page_align": page_align}
-    return Layout(metas, 2, [[0, 1]], redundancy, pieces, **kw)
+    return SnapshotLayout(metas, 2, [[0, 1]], redundancy, pieces, **kw)
 
 
 def test_big_pieces_start_on_a_page_unless_they_continue_a_shard():
@@ -227,9 +224,9 @@ def test_big_pieces_start_on_a_page_unless_they_continue_a_shard():
     big0 = next(p for p in rep.pieces if p.leaf == 2 and p.node == 0)
     assert big0.offset == 4096
     # node 0 keeps node 1's slab right after its own (the next slab of the shard): one view
-    assert rep.backup_offset[big1] == big0.offset + big0.nbytes
+    assert rep.copy_offset(big1, 0) == big0.offset + big0.nbytes
     for lay in (none, rep):
-        again = Layout.from_json(lay.to_json())
+        again = SnapshotLayout.from_json(lay.to_json())
         assert again.pieces == lay.pieces and again.digest == lay.digest
 
 
@@ -237,8 +234,8 @@ def test_layouts_of_the_previous_format_keep_their_offsets():
     old = _pieces_layout(None, page_align=64)
     text = old.to_json()
     assert '"format":"ucp-mem-layout/1"' in text
-    again = Layout.from_json(text)
+    again = SnapshotLayout.from_json(text)
     assert {(p.leaf, p.node): p.offset for p in again.pieces}[(2, 0)] == 128  # 64-byte aligned
     assert again.digest == old.digest != _pieces_layout(None).digest
     with pytest.raises(ValueError, match="not a snapshot layout this version reads"):
-        Layout.from_json(text.replace("ucp-mem-layout/1", "ucp-mem-layout/9"))
+        SnapshotLayout.from_json(text.replace("ucp-mem-layout/1", "ucp-mem-layout/9"))

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from ._src.checkpoint import Checkpoint as Checkpoint
     from ._src.checkpoint import list_checkpoints as list_checkpoints
     from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
+    from ._src.restore import ReadStats as ReadStats
+    from ._src.restore import last_read_stats as last_read_stats
     from ._src.restore import restore as restore
     from ._src.save import SaveHandle as SaveHandle
     from ._src.save import async_save as async_save
@@ -48,6 +50,8 @@ _LAZY = {
     "list_checkpoints": ("._src.checkpoint", "list_checkpoints"),
     "open": ("._src.checkpoint", "open_checkpoint"),
     "restore": ("._src.restore", "restore"),
+    "ReadStats": ("._src.restore", "ReadStats"),
+    "last_read_stats": ("._src.restore", "last_read_stats"),
     "SaveHandle": ("._src.save", "SaveHandle"),
     "async_save": ("._src.save", "async_save"),
     "save": ("._src.save", "save"),

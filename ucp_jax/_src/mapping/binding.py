@@ -10,7 +10,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import PatternError
 from ..format.dtypes import dtype_name, np_dtype
 from ..format.manifest import PARAM_SLOT, VALUE_SLOT
 from .names import named_leaves
@@ -243,24 +242,20 @@ class ReadGroup:
     pieces: list[Piece]
 
 
+def device_regions(b: LeafBinding) -> dict[Box, list[Any]]:
+    """The distinct regions of a sharded leaf this process's devices hold, each with its devices."""
+    assert b.sharding is not None
+    groups: dict[Box, list[Any]] = {}
+    for dev, index in b.sharding.addressable_devices_indices_map(b.shape).items():
+        groups.setdefault(index_to_box(index, b.shape), []).append(dev)
+    return groups
+
+
 def read_groups(b: LeafBinding) -> list[ReadGroup]:
     """The distinct regions of a target leaf that this process's devices need (each read once)."""
     if b.sharding is None:
         return [ReadGroup(full_box(b.shape), [], b.pieces(full_box(b.shape)))]
-    groups: dict[Box, list[Any]] = {}
-    for dev, index in b.sharding.addressable_devices_indices_map(b.shape).items():
-        groups.setdefault(index_to_box(index, b.shape), []).append(dev)
-    return [ReadGroup(box, devs, b.pieces(box)) for box, devs in sorted(groups.items())]
-
-
-def check_rule_shapes(b: LeafBinding) -> None:
-    """Raise a PatternError early if the chain cannot map this leaf's shape at all."""
-    try:
-        b.atoms()
-    except PatternError:
-        raise
-    except (ValueError, IndexError) as e:  # pragma: no cover - defensive
-        raise PatternError(f"leaf {b.name!r}: its rule cannot be applied ({e})") from e
+    return [ReadGroup(box, devs, b.pieces(box)) for box, devs in sorted(device_regions(b).items())]
 
 
 def describe_leaf(b: LeafBinding) -> dict[str, Any]:

@@ -21,8 +21,9 @@ from ..mapping.patterns import Box, index_to_box
 from ..mapping.rules import CompiledRules, Rule
 from ..util import config
 from . import copies, persist, recovery
-from .layout import Layout, LeafMeta, build_pieces, make_groups
+from .layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
 from .redundancy import Fetch, Sources, fill, plan_fetches, roll
+from .schemes import RedundancyScheme, scheme_for
 from .shm import NodeStore, huge_pages, namespace_root
 
 log = logging.getLogger("ucp_jax")
@@ -32,7 +33,7 @@ log = logging.getLogger("ucp_jax")
 class _Prepared:
     """What a snapshot of one state structure copies (cached: it is the same every step)."""
 
-    layout: Layout
+    layout: SnapshotLayout
     text: str
     fetches: list[Fetch]
     rolls: dict[int, list[int]]  # shift -> leaves rolled by it
@@ -102,7 +103,8 @@ class SnapshotManager:
         persist_every: persist every this many snapshots (`step % (every * persist_every) == 0`);
             None: never.
         redundancy: None, 'replica' (each node also keeps the previous node of its group's share)
-            or 'xor' (each node keeps one parity lane of its group).
+            or 'xor' (each node keeps one parity lane of its group); any scheme in
+            `schemes.SCHEMES`.
         namespace: names the job's shared-memory folder; a restarted job with the same namespace
             reattaches. Default: derived from `directory_for_persist`.
         shm_dir: where namespaces live (default /dev/shm). On a tmpfs mounted with huge pages
@@ -148,8 +150,7 @@ class SnapshotManager:
         donation_safe: bool = True,
         rules: tuple[Rule, ...] | list[Rule] = (),
     ) -> None:
-        if redundancy not in (None, "replica", "xor"):
-            raise ValueError(f"redundancy must be None, 'replica' or 'xor', not {redundancy!r}")
+        scheme = scheme_for(redundancy)  # a ValueError names the schemes there are
         if int(every) < 1 or int(keep) < 1:
             raise ValueError(f"every ({every}) and keep ({keep}) must be at least 1")
         if persist_every is not None and int(persist_every) < 1:
@@ -165,7 +166,7 @@ class SnapshotManager:
         self.keep = int(keep)
         nodes = jax.process_count()
         if group_size is None:
-            group_size = 2 if redundancy == "replica" else min(max(nodes, 2), 4)
+            group_size = (scheme or RedundancyScheme()).default_group_size(nodes)
         self.groups = make_groups(nodes, group_size)
         self.donation_safe = donation_safe
         self.rules = tuple(rules)
@@ -298,7 +299,7 @@ class SnapshotManager:
                 shard_maps.append(None)
         nodes = jax.process_count()
         pieces = build_pieces(metas, regions, nodes)
-        layout = Layout(metas, nodes, self.groups, self.redundancy, pieces)
+        layout = SnapshotLayout(metas, nodes, self.groups, self.redundancy, pieces)
         fetches, rolls = plan_fetches(
             layout, Sources(shard_maps, writers), jax.devices(), self.node
         )
@@ -366,7 +367,7 @@ class SnapshotManager:
             self._persisting = self._persister.submit(self._persist, job, entry, layout)
         self._retire()
 
-    def _persist(self, job: Any, entry: Any, layout: Layout) -> None:
+    def _persist(self, job: Any, entry: Any, layout: SnapshotLayout) -> None:
         try:
             persist.write(job, self.store.live[entry.path], layout, self.node)
         finally:
@@ -452,7 +453,7 @@ class SnapshotManager:
         self.wait()
         self._restores += 1
         tag = f"ucp-memory/{self.namespace}/{self.run}/restore-{self._restores}"
-        params, opt, info = recovery.restore(
+        params, opt, info = recovery.recover(
             self.root, self.directory, params_target, opt_state_target, self.rules, tag
         )
         # Restored CPU arrays may map these files: never reuse their blobs in place.

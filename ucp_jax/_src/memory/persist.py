@@ -15,7 +15,7 @@ from typing import Any
 from ..mapping.patterns import box_shape
 from ..mapping.rules import Rule
 from ..save import SaveJob
-from .layout import Layout
+from .layout import SnapshotLayout
 from .shm import Blob
 
 log = logging.getLogger("ucp_jax")
@@ -37,7 +37,7 @@ def make_job(
                    extra={"source": "ucp.memory"}, overwrite=True)  # fmt: skip
 
 
-def write(job: SaveJob, blob: Blob, layout: Layout, node: int) -> None:
+def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int) -> None:
     """Write this process's share of the checkpoint from the snapshot's bytes, then commit."""
     t0 = time.perf_counter()
     by_key = {(layout.leaves[p.leaf].name, p.box): p for p in layout.by_node[node]}

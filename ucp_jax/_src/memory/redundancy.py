@@ -1,8 +1,8 @@
-"""Redundancy: what each node copies for its group, where it gets it, and how a lost node decodes.
+"""Redundancy in motion: what each node copies for its group, and where it gets it from.
 
 Each node fills its blob with *fetches*: device regions copied to host. Its own pieces come from
-its own devices. Its redundancy bytes (the previous node's pieces, or the XOR lanes the others cut
-for it) come, per piece, from
+its own devices. Its redundancy bytes (what its scheme's `needs` names: another node's pieces, or
+the XOR lanes the others cut for it; see `schemes`) come, per piece, from
 
 - its own devices, when one of them holds that region too (data-parallel replicas hold the same
   bytes): no communication at all;
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..mapping.patterns import Box
-from .layout import Layout, PieceRec
+from .layout import SnapshotLayout
 
 
 def _inside(a: Box, b: Box) -> bool:
@@ -84,29 +84,8 @@ class Sources:
         return None
 
 
-def _needs(layout: Layout, k: int) -> list[tuple[PieceRec, int, int, int]]:
-    """Redundancy needs of node k: (piece of another node, first byte, end byte, dest offset)."""
-    if layout.redundancy is None or len(layout.group_of[k]) < 2:
-        return []
-    out = []
-    if layout.redundancy == "replica":
-        for p in layout.by_node[layout.backup_of(k)]:
-            out.append((p, 0, p.nbytes, layout.backup_offset[p]))
-        return out
-    base = layout.primary[k]
-    for i in layout.group_of[k]:
-        if i == k:
-            continue
-        a, b = layout.lane(i, k)
-        for p in layout.by_node[i]:
-            lo, hi = max(a, p.offset), min(b, p.offset + p.nbytes)
-            if lo < hi:
-                out.append((p, lo - p.offset, hi - p.offset, base + lo - a))
-    return out
-
-
 def plan_fetches(
-    layout: Layout, sources: Sources, devices: Any, me: int
+    layout: SnapshotLayout, sources: Sources, devices: Any, me: int
 ) -> tuple[list[Fetch], list[tuple[int, int]]]:
     """This node's fetches, and the rolls (leaf, shift) the whole job must dispatch.
 
@@ -123,9 +102,9 @@ def plan_fetches(
         kind = "host" if dev is None else "orig"
         add(Fetch(p.leaf, kind, 0, dev, p.box, sbox), (p.offset, 0, p.nbytes, False))
     rolls: set[tuple[int, int]] = set()
-    xor = layout.redundancy == "xor"
     for k in range(layout.nodes):
-        for p, lo, hi, dest in _needs(layout, k):
+        needs = layout.scheme.needs(layout, k) if layout.scheme is not None else []
+        for p, lo, hi, dest, xor in needs:
             dev, sbox = sources.writers[(p.leaf, p.box, p.node)]
             if dev is None:
                 f = Fetch(p.leaf, "host", 0, None, p.box, sbox)
@@ -140,7 +119,7 @@ def plan_fetches(
     return _merge_rows(list(fetches.values()), layout), sorted(rolls)
 
 
-def _merge_rows(fetches: list[Fetch], layout: Layout) -> list[Fetch]:
+def _merge_rows(fetches: list[Fetch], layout: SnapshotLayout) -> list[Fetch]:
     """One fetch per shard when this node needs all of it in row slabs (e.g. its own half of a
     data-parallel shard and, for its neighbour, the other half): the whole shard is copied once,
     without cutting it on the device, and each slab is a byte range of it."""
@@ -185,7 +164,7 @@ def devices_by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
     return out
 
 
-def partner(dev: Any, shift: int, layout: Layout, devices: Sequence[Any]) -> Any:
+def partner(dev: Any, shift: int, layout: SnapshotLayout, devices: Sequence[Any]) -> Any:
     """The device with `dev`'s local index on the node `shift` places further in its group."""
     by_proc = devices_by_process(devices)
     g = layout.group_of[dev.process_index]
@@ -212,7 +191,7 @@ def _roll_fn(devices: tuple[Any, ...], perm: tuple[tuple[int, int], ...], n: int
     return jax.jit(fn), NamedSharding(mesh, P("ucp_nodes"))
 
 
-def roll(xs: Sequence[jax.Array], shift: int, layout: Layout) -> list[jax.Array]:
+def roll(xs: Sequence[jax.Array], shift: int, layout: SnapshotLayout) -> list[jax.Array]:
     """Send every device's shard of each of `xs` to its partner `shift` nodes on (one collective).
 
     Returns one array per input, of shape (devices * shard rows, *shard shape[1:]): on each device,
@@ -242,43 +221,12 @@ def roll(xs: Sequence[jax.Array], shift: int, layout: Layout) -> list[jax.Array]
     return list(fn(*flats))
 
 
-def _xor_reads(layout: Layout, lost: int) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
-    """xor: per other member k, (k, start, stop, reads): lost's lane [start, stop) for k is k's
-    parity lane XOR the lanes (offset, nbytes) the remaining members i cut for k."""
-    out = []
-    g = layout.group_of[lost]
-    for k in g:
-        if k == lost:
-            continue
-        a, b = layout.lane(lost, k)
-        if b <= a:
-            continue
-        reads = []
-        for i in g:
-            if i in (lost, k):
-                continue
-            c, d = layout.lane(i, k)
-            if min(d - c, b - a) > 0:
-                reads.append((i, c, min(d - c, b - a)))
-        out.append((k, a, b, reads))
-    return out
-
-
-def decode_ranges(layout: Layout, lost: int) -> list[tuple[int, int, int]]:
+def decode_ranges(layout: SnapshotLayout, lost: int) -> list[tuple[int, int, int]]:
     """(node, offset, nbytes) of every byte range `decode_node` reads to rebuild node `lost`."""
-    if layout.redundancy == "replica":
-        h = layout.holder_of(lost)
-        return [(h, layout.backup_offset[p], p.nbytes) for p in layout.by_node[lost]]
-    if layout.redundancy != "xor":
-        return []
-    out = []
-    for k, a, b, reads in _xor_reads(layout, lost):
-        out.append((k, layout.primary[k], b - a))
-        out += reads
-    return out
+    return layout.scheme.decode_ranges(layout, lost) if layout.scheme is not None else []
 
 
-def decode_node(layout: Layout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
+def decode_node(layout: SnapshotLayout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
     """Rebuild the pieces part of node `lost` from the other nodes of its group.
 
     Args:
@@ -287,28 +235,20 @@ def decode_node(layout: Layout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
         blobs: node -> an object with `.view(offset, nbytes)` for every other node of the group.
 
     Returns:
-        The lost node's pieces part (layout.primary[lost] bytes; with replica, its own pieces
-        at their offsets, the copies it kept for another node left zero).
+        The lost node's pieces part (layout.primary[lost] bytes; the copies it kept for other
+        nodes left zero).
+
+    Raises:
+        ValueError: the snapshot has no redundancy.
     """
-    out = np.zeros(layout.primary[lost], np.uint8)
-    if layout.redundancy == "replica":
-        h = layout.holder_of(lost)
-        for p in layout.by_node[lost]:
-            out[p.offset : p.offset + p.nbytes] = blobs[h].view(layout.backup_offset[p], p.nbytes)
-        return out
-    if layout.redundancy != "xor":
+    if layout.scheme is None:
         raise ValueError(f"node {lost} is lost and the snapshot has no redundancy")
-    for k, a, b, reads in _xor_reads(layout, lost):
-        lane = np.array(blobs[k].view(layout.primary[k], b - a))
-        for i, c, n in reads:
-            np.bitwise_xor(lane[:n], blobs[i].view(c, n), out=lane[:n])
-        out[a:b] = lane
-    return out
+    return layout.scheme.decode(layout, lost, blobs)
 
 
 def fill(
     blob: np.ndarray,
-    layout: Layout,
+    layout: SnapshotLayout,
     node: int,
     fetches: Sequence[Fetch],
     gaps: Sequence[tuple[int, int]],
@@ -320,8 +260,7 @@ def fill(
     """
     for off, n in gaps:
         blob[off : off + n] = 0
-    if layout.redundancy == "xor":
-        blob[layout.primary[node] :] = 0
+    blob[layout.primary[node] :] = 0  # the redundancy area (XORed into)
     copied = 0
     for i, f in enumerate(fetches):
         raw = np.ascontiguousarray(np.asarray(datas[i])).reshape(-1).view(np.uint8)

@@ -1,0 +1,228 @@
+"""Redundancy schemes: how a group of nodes keeps what it takes to rebuild a lost member.
+
+A scheme answers, for a snapshot layout (`layout.SnapshotLayout`), four questions, and nothing
+else in the package branches on the scheme's name:
+
+- where redundancy bytes live: copies of other nodes' pieces placed among a node's own pieces
+  (`inline_copies`, as `replica` does) and/or a redundancy area after them (`extra_bytes`, the
+  parity lane of `xor`);
+- what each node fetches to fill them (`needs`: byte ranges of other nodes' pieces, copied or
+  XORed into place); `redundancy.plan_fetches` turns them into device copies or rolls;
+- whether a lost node can be rebuilt from the nodes that are left (`decodable`), which bytes
+  that reads (`decode_ranges`) and the rebuild itself (`decode`).
+
+A new scheme is one subclass here, registered in `SCHEMES` (or with `register_scheme`); then
+`SnapshotManager(redundancy="<name>")` uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .layout import BlobPiece, SnapshotLayout
+
+# (piece of another node, first byte, end byte, offset in this node's blob, XOR it in?)
+Need = tuple["BlobPiece", int, int, int, bool]
+
+
+def align(n: int, to: int = 64) -> int:
+    """`n` rounded up to a multiple of `to`."""
+    return -(-n // to) * to
+
+
+class RedundancyScheme:
+    """Base class: no redundancy (a lost node is lost). Subclasses override what they need."""
+
+    name: ClassVar[str] = ""
+
+    def default_group_size(self, nodes: int) -> int:
+        """Nodes per group when the user gives none (all of them, up to 4)."""
+        return min(max(nodes, 2), 4)
+
+    def inline_copies(self, layout: SnapshotLayout, node: int) -> list[int]:
+        """Nodes whose pieces `node` keeps copies of among its own pieces (placed in order)."""
+        return []
+
+    def extra_bytes(self, layout: SnapshotLayout, node: int) -> int:
+        """Bytes of `node`'s redundancy area, after its pieces part."""
+        return 0
+
+    def needs(self, layout: SnapshotLayout, node: int) -> list[Need]:
+        """What `node` fetches from other nodes' pieces to fill its redundancy bytes."""
+        return [
+            (p, 0, p.nbytes, off, False)
+            for p, locs in layout.copies.items()
+            for holder, off in locs
+            if holder == node
+        ]
+
+    def decodable(self, layout: SnapshotLayout, lost: int, present: Collection[int]) -> bool:
+        """Whether `lost` can be rebuilt from the nodes in `present`."""
+        return False
+
+    def decode_ranges(self, layout: SnapshotLayout, lost: int) -> list[tuple[int, int, int]]:
+        """(node, offset, nbytes) of every byte range `decode` reads."""
+        return []
+
+    def decode(self, layout: SnapshotLayout, lost: int, blobs: Mapping[int, Any]) -> np.ndarray:
+        """The pieces part of `lost` (`layout.primary[lost]` bytes), from the others' blobs.
+
+        `blobs[node].view(offset, nbytes)` reads another node's bytes.
+        """
+        raise ValueError(f"node {lost} is lost and the snapshot has no redundancy")
+
+
+class Replica(RedundancyScheme):
+    """Each node also keeps a copy of the previous node of its group's pieces.
+
+    The copies are merged with the node's own pieces in (leaf, box) order, so the slabs of a
+    shard split between two nodes are adjacent and a restore can hand over whole shards.
+    """
+
+    name = "replica"
+
+    def default_group_size(self, nodes: int) -> int:
+        return 2
+
+    def inline_copies(self, layout: SnapshotLayout, node: int) -> list[int]:
+        return [self.backup_of(layout, node)] if len(layout.group_of[node]) > 1 else []
+
+    @staticmethod
+    def backup_of(layout: SnapshotLayout, n: int) -> int:
+        """The node whose pieces node n keeps (the previous one in its group)."""
+        g = layout.group_of[n]
+        return g[(g.index(n) - 1) % len(g)]
+
+    @staticmethod
+    def holder_of(layout: SnapshotLayout, n: int) -> int:
+        """The node keeping node n's pieces (the next one in its group)."""
+        g = layout.group_of[n]
+        return g[(g.index(n) + 1) % len(g)]
+
+    def decodable(self, layout: SnapshotLayout, lost: int, present: Collection[int]) -> bool:
+        return self.holder_of(layout, lost) in present
+
+    def decode_ranges(self, layout: SnapshotLayout, lost: int) -> list[tuple[int, int, int]]:
+        h = self.holder_of(layout, lost)
+        return [(h, layout.copy_offset(p, h), p.nbytes) for p in layout.by_node[lost]]
+
+    def decode(self, layout: SnapshotLayout, lost: int, blobs: Mapping[int, Any]) -> np.ndarray:
+        out = np.zeros(layout.primary[lost], np.uint8)
+        h = self.holder_of(layout, lost)
+        for p in layout.by_node[lost]:
+            out[p.offset : p.offset + p.nbytes] = blobs[h].view(layout.copy_offset(p, h), p.nbytes)
+        return out
+
+
+class Xor(RedundancyScheme):
+    """One parity lane per node (SCR-style, 1/(G-1) extra memory).
+
+    Node i's pieces part is cut into G-1 lanes of C bytes, one per other member k of its group;
+    node k keeps the XOR of the lanes the others cut for it. Losing one node of a group loses its
+    data and its parity lane, and its data is the XOR of the others' lanes with the parity lanes
+    they keep.
+    """
+
+    name = "xor"
+
+    @staticmethod
+    def lane_bytes(layout: SnapshotLayout, node: int) -> int:
+        """C: the bytes of each lane in `node`'s group."""
+        g = layout.group_of[node]
+        return align(-(-max(layout.primary[n] for n in g) // (len(g) - 1)))
+
+    def lane(self, layout: SnapshotLayout, i: int, k: int) -> tuple[int, int]:
+        """The bytes [start, stop) of node i's pieces part that go into node k's parity."""
+        g = layout.group_of[i]
+        others = [m for m in g if m != i]
+        c = self.lane_bytes(layout, i)
+        start = others.index(k) * c
+        return start, max(start, min(start + c, layout.primary[i]))
+
+    def extra_bytes(self, layout: SnapshotLayout, node: int) -> int:
+        return self.lane_bytes(layout, node) if len(layout.group_of[node]) > 1 else 0
+
+    def needs(self, layout: SnapshotLayout, node: int) -> list[Need]:
+        out: list[Need] = []
+        base = layout.primary[node]
+        for i in layout.group_of[node]:
+            if i == node:
+                continue
+            a, b = self.lane(layout, i, node)
+            for p in layout.by_node[i]:
+                lo, hi = max(a, p.offset), min(b, p.offset + p.nbytes)
+                if lo < hi:
+                    out.append((p, lo - p.offset, hi - p.offset, base + lo - a, True))
+        return out
+
+    def decodable(self, layout: SnapshotLayout, lost: int, present: Collection[int]) -> bool:
+        return all(m in present for m in layout.group_of[lost] if m != lost)
+
+    def _reads(self, layout: SnapshotLayout, lost: int) -> list[tuple[int, int, int, list[Any]]]:
+        """Per other member k, (k, start, stop, reads): lost's lane [start, stop) for k is k's
+        parity lane XOR the lanes (node, offset, nbytes) the remaining members cut for k."""
+        out = []
+        g = layout.group_of[lost]
+        for k in g:
+            if k == lost:
+                continue
+            a, b = self.lane(layout, lost, k)
+            if b <= a:
+                continue
+            reads = []
+            for i in g:
+                if i in (lost, k):
+                    continue
+                c, d = self.lane(layout, i, k)
+                if min(d - c, b - a) > 0:
+                    reads.append((i, c, min(d - c, b - a)))
+            out.append((k, a, b, reads))
+        return out
+
+    def decode_ranges(self, layout: SnapshotLayout, lost: int) -> list[tuple[int, int, int]]:
+        out = []
+        for k, a, b, reads in self._reads(layout, lost):
+            out.append((k, layout.primary[k], b - a))
+            out += reads
+        return out
+
+    def decode(self, layout: SnapshotLayout, lost: int, blobs: Mapping[int, Any]) -> np.ndarray:
+        out = np.zeros(layout.primary[lost], np.uint8)
+        for k, a, b, reads in self._reads(layout, lost):
+            lane = np.array(blobs[k].view(layout.primary[k], b - a))
+            for i, c, n in reads:
+                np.bitwise_xor(lane[:n], blobs[i].view(c, n), out=lane[:n])
+            out[a:b] = lane
+        return out
+
+
+SCHEMES: dict[str, RedundancyScheme] = {s.name: s for s in (Replica(), Xor())}
+
+
+def register_scheme(scheme: RedundancyScheme) -> RedundancyScheme:
+    """Make `scheme` usable by name (`SnapshotManager(redundancy=scheme.name)`)."""
+    SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def scheme_for(name: str | None) -> RedundancyScheme | None:
+    """The scheme called `name` (None: no redundancy).
+
+    Raises:
+        ValueError: no scheme has that name.
+
+    >>> scheme_for("xor").name, scheme_for(None)
+    ('xor', None)
+    """
+    if name is None:
+        return None
+    if name not in SCHEMES:
+        raise ValueError(
+            f"redundancy must be None or one of {sorted(SCHEMES)}, not {name!r}; pass one of "
+            "those (or register a RedundancyScheme in ucp_jax._src.memory.schemes)"
+        )
+    return SCHEMES[name]
