@@ -15,7 +15,7 @@ import itertools
 import numpy as np
 import pytest
 
-from ucp_jax._src.mapping.patterns import box_shape, to_slices
+from ucp_jax._src.mapping.boxes import box_shape, to_slices
 from ucp_jax._src.memory import recovery
 from ucp_jax._src.memory.layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
 from ucp_jax._src.memory.redundancy import Sources, decode_node, fill, plan_fetches

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax as ucp
-from ucp_jax._src.mapping.patterns import LeafContext, as_chain, chain_pieces, full_box, to_slices
+from ucp_jax._src.mapping.boxes import full_box, to_slices
+from ucp_jax._src.mapping.patterns import LeafContext, as_chain, chain_pieces
 from ucp_jax._src.mapping.rules import CompiledRules
 
 RNG = np.random.default_rng(0)

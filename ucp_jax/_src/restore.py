@@ -16,16 +16,8 @@ from .format.dtypes import np_dtype
 from .format.manifest import STEP_SLOT, AtomInfo
 from .format.store import wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
-from .mapping.patterns import (
-    Fused,
-    box_shape,
-    box_size,
-    chain_from_json,
-    fused_marks_to_json,
-    index_to_box,
-    relative_slices,
-    to_slices,
-)
+from .mapping.boxes import box_shape, box_size, index_to_box, relative_slices, to_slices
+from .mapping.patterns import Fused, chain_from_json, fused_marks_to_json
 from .mapping.rules import CompiledRules, Rule
 from .util import config
 from .util.buffers import aligned_empty

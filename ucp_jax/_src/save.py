@@ -28,7 +28,8 @@ from .mapping.binding import (
     my_write_tasks,
     write_regions,
 )
-from .mapping.patterns import chain_to_json, fused_marks_to_json, relative_slices, to_slices
+from .mapping.boxes import relative_slices, to_slices
+from .mapping.patterns import chain_to_json, fused_marks_to_json
 from .mapping.rules import CompiledRules, Rule
 from .util import config
 from .util.inflight import InflightWindow

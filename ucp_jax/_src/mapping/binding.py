@@ -12,18 +12,9 @@ import numpy as np
 
 from ..format.dtypes import dtype_name, np_dtype
 from ..format.manifest import PARAM_SLOT, VALUE_SLOT
+from .boxes import Box, box_size, full_box, index_to_box
 from .names import named_leaves
-from .patterns import (
-    Box,
-    LeafContext,
-    PatternChain,
-    Piece,
-    atom_shapes,
-    box_size,
-    chain_pieces,
-    full_box,
-    index_to_box,
-)
+from .patterns import LeafContext, PatternChain, Piece, atom_shapes, chain_pieces
 from .rules import CompiledRules
 from .slots import OPT_PREFIX, classify_opt_state
 

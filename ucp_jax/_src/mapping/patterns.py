@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -18,45 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import PatternError
-
-Box = tuple[tuple[int, int], ...]  # (start, stop) per axis
-
-
-def box_shape(box: Box) -> tuple[int, ...]:
-    """Extent of a box along each axis."""
-    return tuple(b - a for a, b in box)
-
-
-def box_size(box: Box) -> int:
-    """Number of elements in a box."""
-    return math.prod(box_shape(box))
-
-
-def full_box(shape: Sequence[int]) -> Box:
-    """The box covering a whole array of `shape`."""
-    return tuple((0, int(d)) for d in shape)
-
-
-def to_slices(box: Box) -> tuple[slice, ...]:
-    """A box as a tuple of slices, for numpy / TensorStore indexing."""
-    return tuple(slice(a, b) for a, b in box)
-
-
-def relative_slices(inner: Box, outer: Box) -> tuple[slice, ...]:
-    """Slices of box `inner` in an array holding box `outer` (inner lies within outer)."""
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
-
-
-def index_to_box(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
-    """A jax shard index (tuple of slices) as a box with concrete bounds."""
-    out = []
-    for sl, dim in zip(index, shape):
-        start, stop, step = sl.indices(dim)
-        if step != 1:
-            raise ValueError(f"strided shard index {index} is not supported")
-        out.append((start, max(start, stop)))
-    out.extend((0, d) for d in shape[len(index) :])
-    return tuple(out)
+from .boxes import Box, box_shape, box_size, full_box
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import MismatchError
 from ..mapping.binding import LeafBinding, bind_state, device_regions, unbind_state
-from ..mapping.patterns import Box, box_shape, box_size, relative_slices
+from ..mapping.boxes import Box, box_shape, box_size, relative_slices
 from ..mapping.rules import CompiledRules
 from ..util.buffers import aligned_empty
 from . import exchange

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from ..mapping.patterns import Box
+from ..mapping.boxes import Box
 from . import exchange
 from .layout import BlobPiece
 from .redundancy import decode_node, decode_ranges

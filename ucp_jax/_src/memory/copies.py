@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..mapping.patterns import relative_slices, to_slices
+from ..mapping.boxes import relative_slices, to_slices
 from .redundancy import Fetch
 
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from ..mapping.binding import bind_state, write_regions
-from ..mapping.patterns import Box, index_to_box
+from ..mapping.boxes import Box, index_to_box
 from ..mapping.rules import CompiledRules, Rule
 from ..util import config
 from . import copies, persist, recovery

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..format.dtypes import dtype_name, np_dtype
-from ..mapping.patterns import Box, box_size
+from ..mapping.boxes import Box, box_size
 from .schemes import RedundancyScheme, align, scheme_for
 
 ALIGN = 64

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-from ..mapping.patterns import box_shape
+from ..mapping.boxes import box_shape
 from ..mapping.rules import Rule
 from ..save import SaveJob
 from .layout import SnapshotLayout

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..mapping.patterns import Box
+from ..mapping.boxes import Box
 from .layout import SnapshotLayout
 
 

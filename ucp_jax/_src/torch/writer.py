@@ -24,15 +24,8 @@ from ..errors import MismatchError
 from ..format import store
 from ..format.dtypes import dtype_name
 from ..format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
-from ..mapping.patterns import (
-    Box,
-    FusedMark,
-    Pattern,
-    box_shape,
-    chain_to_json,
-    fused_marks_to_json,
-    to_slices,
-)
+from ..mapping.boxes import Box, box_shape, to_slices
+from ..mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_to_json
 from ..util import config
 from ..util.inflight import InflightWindow
 

@@ -1,0 +1,50 @@
+"""Boxes: hyper-rectangles of an array as (start, stop) per axis, and the slices that index them.
+
+>>> box = ((0, 2), (4, 8))
+>>> box_shape(box), box_size(box), to_slices(box)
+((2, 4), 8, (slice(0, 2, None), slice(4, 8, None)))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+Box = tuple[tuple[int, int], ...]  # (start, stop) per axis
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    """Extent of a box along each axis."""
+    return tuple(b - a for a, b in box)
+
+
+def box_size(box: Box) -> int:
+    """Number of elements in a box."""
+    return math.prod(box_shape(box))
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    """The box covering a whole array of `shape`."""
+    return tuple((0, int(d)) for d in shape)
+
+
+def to_slices(box: Box) -> tuple[slice, ...]:
+    """A box as a tuple of slices, for numpy / TensorStore indexing."""
+    return tuple(slice(a, b) for a, b in box)
+
+
+def relative_slices(inner: Box, outer: Box) -> tuple[slice, ...]:
+    """Slices of box `inner` in an array holding box `outer` (inner lies within outer)."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+
+
+def index_to_box(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
+    """A jax shard index (tuple of slices) as a box with concrete bounds."""
+    out = []
+    for sl, dim in zip(index, shape):
+        start, stop, step = sl.indices(dim)
+        if step != 1:
+            raise ValueError(f"strided shard index {index} is not supported")
+        out.append((start, max(start, stop)))
+    out.extend((0, d) for d in shape[len(index) :])
+    return tuple(out)
