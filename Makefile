@@ -1,4 +1,4 @@
-# Two commands: `make demo` and `make test`. Each creates .venv if it is missing and installs what it needs.
+# Two commands: `make demo` and `make test` (lint: ruff + mypy; then doctests and pytest). Each creates .venv if it is missing and installs what it needs.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -24,12 +24,15 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check $(SRC)
 	$(BIN)/ruff format --check $(SRC)
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format $(SRC)
 	$(BIN)/ruff check --fix $(SRC)
 
+# The library's doctests run first (they are quick), then the test suite.
 test: lint
+	$(XLA) $(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules ucp_jax
 	$(XLA) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)

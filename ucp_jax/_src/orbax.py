@@ -162,15 +162,13 @@ class UniversalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             ocp.future.CommitFutureAwaitingContractedSignals(_write(job, host), name="ucp_save")
         ]
 
-    async def async_save(  # type: ignore[override]
-        self, directory: Any, args: UniversalSave | None = None
-    ) -> list[Any]:
+    async def async_save(self, directory: Any, args: UniversalSave | None = None) -> list[Any]:
         """Copy to host now; return the future that writes the arrays and the manifest."""
         if args is None:
             raise ValueError("UniversalCheckpointHandler.async_save needs args=UniversalSave(...)")
         return self._start(directory, args)
 
-    def save(self, directory: Any, args: UniversalSave | None = None) -> None:  # type: ignore[override]
+    def save(self, directory: Any, args: UniversalSave | None = None) -> None:
         """Blocking save (the arrays and the manifest; `finalize` writes COMMIT)."""
         if args is None:
             raise ValueError("UniversalCheckpointHandler.save needs args=UniversalSave(...)")
@@ -187,7 +185,7 @@ class UniversalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             )
         store.write_commit(loc)
 
-    def restore(self, directory: Any, args: UniversalRestore | None = None) -> UniversalState:  # type: ignore[override]
+    def restore(self, directory: Any, args: UniversalRestore | None = None) -> UniversalState:
         """Restore onto the targets' shardings (any mesh); `rules` when the layout changed."""
         if args is None or not isinstance(args, UniversalRestore):
             raise ValueError(

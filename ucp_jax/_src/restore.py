@@ -275,7 +275,7 @@ def _issue(
     b = r.binding
     stats.bytes_needed += box_size(g.box) * b.dtype.itemsize
     out = aligned_empty(box_shape(g.box), b.dtype)
-    pending = []
+    pending: list[tuple[Any, Any, Any]] = []
     for p in g.pieces:
         rel = relative_slices(p.leaf_box, g.box)
         if p.atom is None:
@@ -293,7 +293,8 @@ def _issue(
         )
         src = arr[to_slices(p.atom_box)]
         if arr.dtype.numpy_dtype == b.dtype:
-            dst = p.leaf_to_atom(out[(*rel, ...)])
+            whole_trailing: tuple[Any, ...] = (*rel, ...)
+            dst = p.leaf_to_atom(out[whole_trailing])
             if np.may_share_memory(dst, out):  # a view: no reshape copy was needed
                 try:
                     view = ts.array(dst, copy=False, write=True)
@@ -321,6 +322,7 @@ def _finish(
             return out if isinstance(b.value, np.ndarray) or b.shape else out[()]
         out.flags.writeable = False  # it may now back device buffers (CPU places it in place)
         hosts[g.box] = out
+    assert b.sharding is not None
     return jax.make_array_from_callback(
         b.shape, b.sharding, lambda index: hosts[index_to_box(index, b.shape)]
     )

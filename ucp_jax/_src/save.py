@@ -195,11 +195,11 @@ class SaveJob:
         """Create arrays (process 0), write this process's share, then commit (process 0)."""
         if jax.process_index() == 0:
             self.staging.prepare()
-            futs = {
+            creating = {
                 key: _create(self.staging.target, shape, info)
                 for key, (shape, info) in self.slots.items()
             }
-            arrays = {k: f.result() for k, f in futs.items()}
+            arrays = {k: f.result() for k, f in creating.items()}
         else:
             arrays = {}
         barrier(self.tag + "-created")

@@ -126,7 +126,7 @@ class _Norm(nnx.Module):
 
 
 class _Group(nnx.Module):
-    def __init__(self, **children: nnx.Module) -> None:
+    def __init__(self, **children: Any) -> None:
         for k, v in children.items():
             setattr(self, k, v)
 
@@ -146,6 +146,8 @@ class GPT(nnx.Module):
         d, hd, vp = c.d_model, c.head_dim, c.padded_vocab(t)
         fs = "fsdp" if layout.fsdp > 1 and d % layout.fsdp == 0 else None
         tp = "tensor" if t > 1 else None
+        lead: tuple[int, ...]
+        lspec: tuple[str | None, ...]
         if layout.stages > 1:
             lead, lspec = (layout.stages, c.n_layers // layout.stages), ("stage", None)
         else:
@@ -154,7 +156,7 @@ class GPT(nnx.Module):
         def stacked(cls: type, shape: tuple[int, ...], spec: tuple[str | None, ...]) -> nnx.Module:
             return cls(lead + shape, lspec + spec)
 
-        self.embed = _Group(embedding=_param((vp, d), (tp, fs)))
+        self.embed: Any = _Group(embedding=_param((vp, d), (tp, fs)))
         self.layers = _Group(
             ln1=stacked(_Norm, (d,), (None,)),
             attn=_Group(

@@ -69,13 +69,13 @@ def abstract_opt_state(optimizer: optax.GradientTransformation, params: PyTree) 
     Returns:
         A pytree with the structure of ``optimizer.init(params)``.
     """
-    structure = jax.tree.structure(params)
+    structure: Any = jax.tree.structure(params)
     shardings = jax.tree.map(lambda p: p.sharding, params)
     replicated = NamedSharding(_mesh_of(params), P())
     state = jax.eval_shape(optimizer.init, params)
 
     def is_mirror(x: Any) -> bool:
-        return jax.tree.structure(x) == structure
+        return bool(structure == jax.tree.structure(x))
 
     def place(x: Any) -> Any:
         if is_mirror(x):

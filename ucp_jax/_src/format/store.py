@@ -30,7 +30,7 @@ INNER_CHUNK_BYTES = 1 << 20  # inner chunks (unit of partial reads and checksums
 MIN_INNER_CHUNK_BYTES = 64 << 10  # ... and, when they split a shard at all, at least this
 RESTORE_SPLITS = (8, 4, 2)  # a restore that splits any axis by one of these reads whole chunks
 _BYTES = [{"name": "bytes", "configuration": {"endian": "little"}}]
-_CODECS = [*_BYTES, {"name": "crc32c"}]
+_CODECS: list[dict[str, Any]] = [*_BYTES, {"name": "crc32c"}]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,7 +125,7 @@ def unbind_state(
     params_target: Any, opt_state_target: Any, values: Sequence[Any]
 ) -> tuple[Any, Any]:
     """The inverse of `bind_state`: (params, opt_state) trees from values in binding order."""
-    n = jax.tree_util.tree_structure(params_target).num_leaves
+    n = len(jax.tree_util.tree_leaves(params_target))
     params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params_target), values[:n])
     if opt_state_target is None:
         return params, None

@@ -38,8 +38,9 @@ def relative_slices(inner: Box, outer: Box) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
 
 
-def index_to_box(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
-    """A jax shard index (tuple of slices) as a box with concrete bounds."""
+def index_to_box(index: tuple[slice, ...] | None, shape: Sequence[int]) -> Box:
+    """A jax shard index (tuple of slices; None: the whole array) as a box with concrete bounds."""
+    index = index or ()
     out = []
     for sl, dim in zip(index, shape):
         start, stop, step = sl.indices(dim)

@@ -169,8 +169,9 @@ def _back_to_back(pieces: list[BlobPiece], blobs: BlobReader) -> np.ndarray | No
     """Consecutive slabs stored back to back in one blob, as one view of it."""
     homes = [dict(blobs.homes(p)) for p in pieces]
     for node, first in blobs.homes(pieces[0]):
-        offs = [h.get(node) for h in homes]
-        if None in offs:
+        found = [h.get(node) for h in homes]
+        offs = [o for o in found if o is not None]
+        if len(offs) < len(found):
             continue
         total = sum(p.nbytes for p in pieces)
         if all(o + p.nbytes == n for o, p, n in zip(offs, pieces, offs[1:])) and blobs.covers(
@@ -198,6 +199,7 @@ def _assemble(box: Box, li: int, lay: SnapshotLayout, blobs: BlobReader) -> np.n
     covered = 0
     for p in covering:
         inter = intersect(p.box, box)
+        assert inter is not None  # `covering` holds the pieces that intersect `box`
         src = blobs.read(p).view(meta.dtype).reshape(box_shape(p.box))
         out[relative_slices(inter, box)] = src[relative_slices(inter, p.box)]
         covered += box_size(inter)

@@ -282,7 +282,8 @@ class SnapshotManager:
     def _plan(self, params: Any, opt_state: Any) -> _Prepared:
         pbind, obind = bind_state(params, opt_state, CompiledRules(()))
         bindings = pbind + obind
-        metas, regions, shard_maps = [], [], []
+        metas, regions = [], []
+        shard_maps: list[dict[Any, Box] | None] = []
         writers: dict[tuple[int, Box, int], tuple[Any, Box]] = {}
         for li, b in enumerate(bindings):
             metas.append(LeafMeta(b.name, tuple(b.shape), b.dtype, b.kind))
@@ -397,8 +398,8 @@ class SnapshotManager:
             except BaseException as e:
                 self._error = self._error or e
         if self._error is not None:
-            e, self._error = self._error, None
-            raise RuntimeError(f"ucp.memory: a background snapshot/persist failed: {e}") from e
+            err, self._error = self._error, None
+            raise RuntimeError(f"ucp.memory: a background snapshot/persist failed: {err}") from err
 
     def _check_open(self) -> None:
         if self._closed:

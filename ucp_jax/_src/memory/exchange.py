@@ -124,7 +124,7 @@ def fetch(
     Returns:
         node -> the ranges received for it.
     """
-    mine = [tuple(int(v) for v in r) for r in mine]
+    mine = [(int(a), int(b), int(c), int(d)) for a, b, c, d in mine]
     everyone = [[tuple(r) for r in rs] for rs in allgather_json(mine, f"{tag}/requests")]
     out: dict[int, Fetched] = {}
     if not any(everyone):

@@ -156,8 +156,9 @@ def agree(root: Path, tag: str) -> tuple[list[Candidate], list[str]]:
     """
     local = _local_entries(root)
     me = jax.process_index()
-    mine = sorted([run, step, digest, n] for (run, step, digest), ents in local.items()
-                  for n in ents)  # fmt: skip
+    mine: list[tuple[int, int, str, int]] = sorted(
+        (run, step, digest, n) for (run, step, digest), ents in local.items() for n in ents
+    )
     published = []
     if jax.process_count() > 1:
         for digest in sorted({d for _, _, d, _ in mine}):
@@ -205,8 +206,8 @@ def newest_persisted(directory: Any) -> tuple[str, int] | None:
         if best is None or step > best[1]:
             best = (path, step)
     if best is not None:
-        step = open_checkpoint(best[0]).step
-        best = (best[0], best[1] if step is None else int(step))
+        saved = open_checkpoint(best[0]).step
+        best = (best[0], best[1] if saved is None else int(saved))
     return best
 
 

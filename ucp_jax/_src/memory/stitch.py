@@ -88,6 +88,6 @@ def stitch(parts: Sequence[tuple[Path, int, int]]) -> np.ndarray:
         raise
     raw = (ctypes.c_ubyte * total).from_address(base)
     weakref.finalize(raw, lib.munmap, base, span)  # every view of it keeps `raw` alive
-    arr = np.frombuffer(raw, np.uint8)
+    arr = np.frombuffer(memoryview(raw), np.uint8)
     arr.flags.writeable = False  # the pages are mapped read-only
     return arr

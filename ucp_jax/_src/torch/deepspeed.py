@@ -177,7 +177,11 @@ def _fragments_z12(
     states = osd["base_optimizer_state"]["state"]
     fp32 = osd["single_partition_of_fp32_groups"]
     for g, mapping in enumerate(osd["param_slice_mappings"]):
-        st = states.get(g, states.get(str(g), {})) if isinstance(states, dict) else states[g]
+        st = (
+            (states[g] if g in states else states.get(str(g), {}))
+            if isinstance(states, dict)
+            else states[g]
+        )
         flats = {"fp32": fp32[g]}
         for key, val in st.items():
             if key != "step" and isinstance(val, LazyTensor) and val.dim() > 0:

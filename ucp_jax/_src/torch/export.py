@@ -173,10 +173,7 @@ def _write_params(
                 continue
             t = _tensor(ck.read(atom, slot)).float()
             _save({**extra, "param": t}, os.path.join(pdir, f"{slot}.pt"))
-        if STEP_SLOT in info.slots:
-            step = float(np.asarray(ck.read(atom, STEP_SLOT)))
-        else:
-            step = count
+        step = float(np.asarray(ck.read(atom, STEP_SLOT))) if STEP_SLOT in info.slots else count
         if step is not None and any(s in info.slots for s in MOMENT_SLOTS):
             _save(torch.tensor(step, dtype=torch.float32), os.path.join(pdir, "step.pt"))
             step_value = step if step_value is None else step_value

@@ -97,7 +97,7 @@ class LazyTensor:
             buf = np.empty(n * self.dtype.itemsize, np.uint8)
             with open(self.path, "rb", buffering=0) as f:
                 f.seek(self.offset)
-                got = f.readinto(buf)
+                got = f.readinto(buf.data)
             if got != buf.nbytes:
                 raise UnsafePickleError(f"{self.path}: tensor data truncated at {self.offset}")
             return buf.view(self.dtype).reshape(self.shape)

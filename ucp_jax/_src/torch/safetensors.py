@@ -13,6 +13,7 @@ the layer index.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -66,9 +67,9 @@ class SafetensorsFile:
         size = os.path.getsize(path)
         self._mm = np.memmap(path, np.uint8, mode="r") if size > self.base else None
         for name, h in header.items():
-            b, e = h["data_offsets"]
+            start, stop = h["data_offsets"]
             dt = self.dtype(name)
-            if self.base + e > size or e - b != int(np.prod(h["shape"])) * dt.itemsize:
+            if self.base + stop > size or stop - start != int(np.prod(h["shape"])) * dt.itemsize:
                 raise SafetensorsError(f"{path}: tensor {name!r} has inconsistent offsets")
 
     @property
@@ -101,11 +102,11 @@ def open_tensors(src: Any) -> dict[str, SafetensorsFile]:
         if os.path.isfile(os.path.join(src, INDEX)):
             src = os.path.join(src, INDEX)
         else:
-            files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
-            if not files:
+            names = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+            if not names:
                 raise NotACheckpointError(f"{src}: no *.safetensors files and no {INDEX}")
             out: dict[str, SafetensorsFile] = {}
-            for f in files:
+            for f in names:
                 sf = SafetensorsFile(os.path.join(src, f))
                 for n in sf.names:
                     if n in out:
@@ -189,6 +190,11 @@ def _layers(preset: Mapping[str, AtomFrom], names: set[str]) -> list[int]:
     return sorted(found)
 
 
+def _layer_name(template: str, i: int | None) -> str:
+    """A source or atom name with `{i}` replaced by layer `i` (as it is when `i` is None)."""
+    return template if i is None else template.replace("{i}", str(i))
+
+
 def resolve_preset(
     preset: Mapping[str, AtomFrom], names: set[str]
 ) -> dict[str, tuple[AtomFrom, list[str]]]:
@@ -197,7 +203,7 @@ def resolve_preset(
     layers = _layers(preset, names)
     for tmpl, spec in preset.items():
         for i in layers if "{i}" in tmpl else [None]:
-            fill = (lambda s: s) if i is None else (lambda s, i=i: s.replace("{i}", str(i)))
+            fill = functools.partial(_layer_name, i=i)
             srcs = [fill(s) for s in spec.sources]
             if not all(s in names for s in srcs) and spec.fallback:
                 srcs = [fill(s) for s in spec.fallback]

@@ -135,14 +135,16 @@ class Merger:
             self.bufs[key] = [None] * self.tp
             self.filled[key] = [0] * self.tp
         bufs = self.bufs[key]
-        if bufs[t] is None:
-            bufs[t] = np.empty(math.prod(self.slice_shape(name, t)), flat.dtype)
-        bufs[t][start : start + flat.size] = flat
+        buf = bufs[t]
+        if buf is None:
+            buf = bufs[t] = np.empty(math.prod(self.slice_shape(name, t)), flat.dtype)
+        buf[start : start + flat.size] = flat
         self.filled[key][t] += flat.size
         if all(self.filled[key][r] == math.prod(self.slice_shape(name, r)) for r in range(self.tp)):
+            full = [b for b in bufs if b is not None]  # all of them, once every slice is filled
             self._merge(
-                name, slot, [b.reshape(self.slice_shape(name, r)) for r, b in enumerate(bufs)]
-            )  # type: ignore[union-attr]
+                name, slot, [b.reshape(self.slice_shape(name, r)) for r, b in enumerate(full)]
+            )
             del self.bufs[key], self.filled[key]
 
     def _merge(self, name: str, slot: str, slices: list[np.ndarray]) -> None:

@@ -173,14 +173,14 @@ def pickle_globals(data: bytes) -> list[str]:
                 f"the pickle uses the extension registry ({name} {arg}); refusing it"
             )
         if name in _STRING_OPS:
-            recent.append(arg if isinstance(arg, str) else bytes(arg).decode("latin1"))
+            recent.append(arg if isinstance(arg, str) else bytes(arg or b"").decode("latin1"))
         elif name in ("BINGET", "LONG_BINGET", "GET"):
-            recent.append(memo.get(int(arg)))
+            recent.append(memo.get(int(arg or 0)))
         elif name == "MEMOIZE":
             memo[next_memo] = recent[-1] if recent else None
             next_memo += 1
         elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
-            memo[int(arg)] = recent[-1] if recent else None
+            memo[int(arg or 0)] = recent[-1] if recent else None
         elif name not in ("FRAME", "PROTO"):
             recent.append(None)
         if len(recent) > 8:
@@ -214,7 +214,7 @@ _lock = threading.Lock()
 _active = 0
 
 
-def _safe_list() -> list[tuple[Any, str]]:
+def _safe_list() -> list[Any]:
     out = [(obj, name) for name, obj in STAND_INS.items()]
     out += [(obj, name) for name, obj in numpy_globals().items()]
     return out

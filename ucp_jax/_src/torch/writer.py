@@ -189,8 +189,8 @@ class AtomWriter:
     def flat_block(self, atom: str, slot: str) -> int | None:
         """Elements per shard when shards are whole row blocks (flat-contiguous), else None."""
         a = self.atoms.get(atom)
-        info = a and a["slots"].get(slot)
-        if not info or not a["shape"] or info.shape is not None:
+        info = a["slots"].get(slot) if a is not None else None
+        if a is None or not info or not a["shape"] or info.shape is not None:
             return None
         chunks, shape = info.chunks, a["shape"]
         if tuple(chunks[1:]) != tuple(shape[1:]):
@@ -283,6 +283,7 @@ class AtomWriter:
     def _shard_files(self, atom: str, slot: str, box: Box) -> list[str]:
         """The local shard files a write of `box` into a slot touched."""
         info = self.atoms[atom]["slots"][slot]
+        assert self._local is not None
         ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, info.chunks)]
         return [
             os.path.join(self._local, info.path, store.chunk_key(idx))
