@@ -21,6 +21,7 @@ import numpy as np
 from .errors import MismatchError
 from .format import store
 from .format.dtypes import dtype_name
+from .format.integrity import keys_in_box
 from .format.manifest import AtomInfo, Manifest, SlotInfo, atom_dir
 from .format.version import __version__
 from .mapping.binding import (
@@ -219,6 +220,7 @@ class _SaveJob:
         source = zip(self.tasks, host) if host is not None else self._stream()
         inflight: collections.deque[tuple[int, list[Any]]] = collections.deque()
         pending = 0
+        written: dict[SlotInfo, set[str]] = {}  # the chunk files this process writes, per array
         try:
             for t, data in source:
                 futs = []
@@ -229,6 +231,8 @@ class _SaveJob:
                     chunk = p.leaf_to_atom(data[rel])
                     arr = arrays[(p.atom, t.binding.slot)]
                     futs.append(arr[to_slices(p.atom_box)].write(chunk))
+                    info = self.slots[(p.atom, t.binding.slot)][1]
+                    written.setdefault(info, set()).update(keys_in_box(p.atom_box, info.chunks))
                 inflight.append((t.nbytes, futs))
                 pending += t.nbytes
                 while pending > self.budget and inflight:
@@ -242,6 +246,7 @@ class _SaveJob:
             # that no stale write can reach a retried save's fresh staging area.
             for _, fs in inflight:
                 _wait_all(fs, raise_first=False)
+        store.record_fingerprints(self.staging.target, written, f"p{jax.process_index()}")
         barrier(self.tag + "-written")
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)

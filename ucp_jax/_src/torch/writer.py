@@ -299,6 +299,13 @@ class AtomWriter:
         if self._local is not None:
             self._settle(0)
             self._stop_settling()
+        written = {
+            info: store.expected_chunk_keys(a["shape"] if info.shape is None else info.shape, info)
+            for a in self.atoms.values()
+            for info in a["slots"].values()
+        }
+        store.record_fingerprints(self.staging.target, written, "p0")
+        if self._local is not None:
             store.sync_tree(self._local)
         atoms = {}
         for name, a in self.atoms.items():
