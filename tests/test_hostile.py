@@ -205,7 +205,7 @@ def test_manifest_only_shape_is_a_clear_error(ckpt: Path) -> None:
 
 def test_manifest_shape_disagreeing_with_zarr_json(ckpt: Path) -> None:
     _edit(ckpt, lambda m: m["atoms"]["a"].update(shape=[64, 128]), reseal=True)
-    with pytest.raises(ucp.ChecksumError, match="zarr.json says shape"):
+    with pytest.raises(ucp.ChecksumError, match=r"zarr\.json says shape"):
         ucp.open(ckpt).read("a")
     with pytest.raises(ucp.MismatchError, match="the checkpoint has \\(64, 128\\)"):
         ucp.restore(ckpt, targets(_state()[0], mesh_of((4,))))
