@@ -203,6 +203,19 @@ def test_manifest_only_shape_is_a_clear_error(ckpt: Path) -> None:
     _refused(ckpt, ucp.LimitError, "elements, more than", at_open=True)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [("dtype", "int32", "data_type"), ("chunks", [16, 64], "chunk_grid")],
+)
+def test_manifest_slot_disagreeing_with_zarr_json(
+    ckpt: Path, field: str, value: object, match: str
+) -> None:
+    _edit(ckpt, lambda m: m["atoms"]["a"]["slots"]["fp32"].update({field: value}), reseal=True)
+    with pytest.raises(ucp.ChecksumError, match=f"zarr.json says {match}"):
+        ucp.open(ckpt).read("a")
+    assert cli_main(["verify", str(ckpt)]) == 1
+
+
 def test_manifest_shape_disagreeing_with_zarr_json(ckpt: Path) -> None:
     _edit(ckpt, lambda m: m["atoms"]["a"].update(shape=[64, 128]), reseal=True)
     with pytest.raises(ucp.ChecksumError, match=r"zarr\.json says shape"):
