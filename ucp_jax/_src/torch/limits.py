@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..errors import LimitError, UcpError
+from .unpickle import UnsafePickleError
 
 MAX_ELEMENTS = 1 << 48  # elements of one tensor: 1 PiB of bytes at 4 bytes each
 MAX_JSON_DEPTH = 64  # a safetensors header is 3 deep ({name: {shape: [..]}})
@@ -79,6 +80,25 @@ def check_range(start: object, length: object, total: int, what: str,
             "the file is damaged or was edited"
         )
     return s, n
+
+
+def check_extent(path: str, at: int, items: int, offset: Any, size: Any, stride: Any) -> None:
+    """A tensor of a torch file (storage offset, size, stride in elements) addresses only
+    elements of its storage (`items` elements at byte `at`): checked before any read."""
+    ints = [offset, *size, *stride]
+    if len(size) != len(stride) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints
+    ):
+        raise UnsafePickleError(
+            f"{path}: a tensor with storage offset {offset!r}, size {size!r:.60} and stride "
+            f"{stride!r:.60}: expected non-negative integers, one stride per dimension"
+        )
+    if math.prod(size) and offset + sum((d - 1) * s for d, s in zip(size, stride)) >= items:
+        raise LimitError(
+            f"{path}: a tensor of shape {list(size)} (stride {list(stride)}, storage offset "
+            f"{offset}) reaches past its storage of {items} elements at byte {at}; the file is "
+            "damaged or was edited"
+        )
 
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
