@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import NotACheckpointError
 from ..format.paths import open_inside, refuse_symlinks
 from ..util.gcpause import gc_paused
-from .limits import as_shape, check_range, numel, ucp_errors
+from .limits import as_shape, check_disjoint, check_range, numel, ucp_errors
 from .tp_merge import DeepSpeedFormatError, _Merger
 from .unpickle import LazyTensor
 from .unpickle import load_lazy as load
@@ -288,6 +288,10 @@ def _fragments_z12(
             if key != "step" and isinstance(val, LazyTensor) and val.dim() > 0:
                 flats[key] = val
         step = _read_step(st)
+        ranges = [
+            (n, getattr(f, "start", None), getattr(f, "numel", None)) for n, f in mapping.items()
+        ]
+        check_disjoint(ranges, f"{fp32[g].path}: param_slice_mappings[{g}]", DeepSpeedFormatError)
         for name, frag in mapping.items():
             if pp_index > 0 and any(re.match(p, name) for p in skip):
                 continue
@@ -423,6 +427,12 @@ def _import_zero(lay: _Layout, w: AtomWriter, progress: bool | None) -> None:
         for (name, t, slot, _, start, step), data in _read_ahead(fragments(), w.budget):
             merger.put(name, t, slot, data, start, keep=None)
             merger.step(name, step)
+        for (name, t, slot), n in pos.items():  # ZeRO-1/2 fragments cover their parameter
+            if n != math.prod(merger.slice_shape(name, t)):
+                raise DeepSpeedFormatError(
+                    f"{lay.folder}: the param_slice_mappings of {name!r} ({slot}, TP rank {t}) "
+                    f"cover {n} of its {math.prod(merger.slice_shape(name, t))} elements"
+                )
         merger.check_done()
         _module_fallback(lay, merger)
         w.flush()

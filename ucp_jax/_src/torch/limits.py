@@ -10,6 +10,7 @@ a read of the wrong bytes, or a raw `KeyError`/`TypeError` from deep inside.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import re
@@ -80,6 +81,19 @@ def check_range(start: object, length: object, total: int, what: str,
             "the file is damaged or was edited"
         )
     return s, n
+
+
+def check_disjoint(ranges: Sequence[tuple[str, object, object]], what: str,
+                   error: type[UcpError]) -> None:  # fmt: skip
+    """(name, start, length) ranges do not overlap: no two names read the same elements."""
+    spans = sorted((as_int(s, f"{what}[{n!r}]: start", error),
+                    as_int(k, f"{what}[{n!r}]: length", error), n) for n, s, k in ranges)  # fmt: skip
+    for (s0, k0, n0), (s1, _, n1) in itertools.pairwise(spans):
+        if s0 + k0 > s1:
+            raise error(
+                f"{what}: {n0!r} [{s0}, {s0 + k0}) overlaps {n1!r} from {s1}; each element "
+                "belongs to one parameter: the file is damaged or was edited"
+            )
 
 
 def check_extent(path: str, at: int, items: int, offset: Any, size: Any, stride: Any) -> None:
