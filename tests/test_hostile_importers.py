@@ -36,7 +36,7 @@ from ucp_jax._src.torch.deepspeed import (  # noqa: E402
 )
 from ucp_jax._src.torch.export import export_deepspeed_universal  # noqa: E402
 from ucp_jax._src.torch.safetensors import SafetensorsError, import_safetensors  # noqa: E402
-from ucp_jax._src.torch.unpickle import STAND_INS, load  # noqa: E402
+from ucp_jax._src.torch.unpickle import STAND_INS, UnsafePickleError, load  # noqa: E402
 
 # ------------------------------------------------------------------------------- the harness
 
@@ -99,6 +99,26 @@ def box(tmp_path) -> Box:
     os.makedirs(b.outside)
     os.makedirs(os.path.dirname(b.out))
     return b
+
+
+def test_harness_sees_opens_and_writes(box):
+    """The harness itself: a read of the secret and a file written in the box are both caught."""
+    secret = os.path.join(box.outside, "secret")
+    with open(secret, "w") as f:
+        f.write("x")
+
+    def read() -> None:
+        with open(secret, "rb"):
+            raise UcpError("read it")
+
+    def write() -> None:
+        with open(os.path.join(box.root, "a", "stray"), "w"):
+            raise UcpError("wrote it")
+
+    with pytest.raises(AssertionError, match="secret"), box.refused(UcpError, ""):
+        read()
+    with pytest.raises(AssertionError, match="stray"), box.refused(UcpError, ""):
+        write()
 
 
 # ------------------------------------------------------------------------------- safetensors
@@ -190,6 +210,18 @@ def test_safetensors_header_length(box):
     with open(path, "r+b") as f:
         f.write(struct.pack("<Q", 2**63))
     with box.refused(SafetensorsError, "exceeds the file"):
+        import_safetensors(path, box.out)
+
+
+def test_safetensors_truncated(box):
+    path = st_src(box)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 4)
+    with box.refused(SafetensorsError, "tensor 'w'"):
+        import_safetensors(path, box.out)
+    with open(path, "r+b") as f:
+        f.truncate(5)
+    with box.refused(SafetensorsError, "too short"):
         import_safetensors(path, box.out)
 
 
@@ -588,6 +620,14 @@ def test_deepspeed_fragments(box, ds_ckpts, edit, match):  # noqa: F811
     src = ds_src(box, ds_ckpts)
     resave(optim(box, 0), edit)
     with box.refused(DeepSpeedFormatError, match):
+        import_deepspeed(src, box.out, progress=False)
+
+
+def test_deepspeed_truncated_rank_file(box, ds_ckpts):  # noqa: F811
+    src = ds_src(box, ds_ckpts)
+    with open(optim(box, 1), "r+b") as f:
+        f.truncate(os.path.getsize(optim(box, 1)) // 2)
+    with box.refused(UnsafePickleError, "not a zip-format torch file"):
         import_deepspeed(src, box.out, progress=False)
 
 
