@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import NotACheckpointError
+from ..format.paths import open_inside, refuse_symlinks
 from ..util.gcpause import gc_paused
+from .limits import as_shape, check_disjoint, check_range, numel, ucp_errors
 from .tp_merge import DeepSpeedFormatError, _Merger
 from .unpickle import LazyTensor
 from .unpickle import load_lazy as load
@@ -114,16 +116,16 @@ def resolve_folder(src: Any, tag: str | None, latest: str = "latest") -> tuple[s
     if not os.path.isdir(src):
         raise NotACheckpointError(f"{src}: no such directory")
     if tag is not None:
-        folder = os.path.join(src, str(tag))
+        folder = refuse_symlinks(src, str(tag), "tag")
         if not os.path.isdir(folder):
             tags = sorted(d for d in os.listdir(src) if os.path.isdir(os.path.join(src, d)))
             raise NotACheckpointError(f"{src}: no tag {tag!r} (tags here: {tags[:10]})")
         return folder, str(tag)
     lf = os.path.join(src, latest)
     if os.path.isfile(lf):
-        with open(lf) as f:
-            t = f.read().strip()
-        folder = os.path.join(src, t)
+        with open_inside(src, latest, "tag file") as f:
+            t = f.read(4096).decode("utf-8", "replace").strip()
+        folder = refuse_symlinks(src, t, f"{lf}: tag")
         if not os.path.isdir(folder):
             raise NotACheckpointError(f"{lf} names tag {t!r} but {folder} does not exist")
         return folder, t
@@ -168,11 +170,11 @@ def _scan(folder: str) -> _Layout:
                 "yet (convert them with DeepSpeed's ds_to_universal and import_deepspeed_universal)"
             )
         if m := _OPTIM_RE.match(n):
-            optim[(int(m["dp"]), int(m["mp"]))] = os.path.join(folder, n)
+            optim[(int(m["dp"]), int(m["mp"]))] = refuse_symlinks(folder, n, "rank file")
         elif m := _MODEL_RE.match(n):
-            model[int(m["mp"])] = os.path.join(folder, n)
+            model[int(m["mp"])] = refuse_symlinks(folder, n, "rank file")
         elif m := _Z3_MODEL_RE.match(n):
-            z3_model[(int(m["dp"]), int(m["mp"]))] = os.path.join(folder, n)
+            z3_model[(int(m["dp"]), int(m["mp"]))] = refuse_symlinks(folder, n, "rank file")
     if not optim:
         hint = ""
         if os.path.isdir(os.path.join(folder, "zero")):
@@ -227,14 +229,18 @@ def _param_groups(osd: dict[str, Any]) -> list[dict[str, Any]]:
 def _per_tp_shapes(lay: _Layout) -> dict[str, list[tuple[int, ...] | None]]:
     """Parameter name -> its slice shape on each TP rank (PP stages united, as ds_to_universal)."""
     out: dict[str, list[tuple[int, ...] | None]] = {}
+    files = [os.path.join(lay.folder, n) for n in os.listdir(lay.folder)]
+    held = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
     for mp, path in sorted(lay.model.items()):
         t = mp % lay.tp
         sd = load(path) if mp != min(lay.model) else lay.meta
-        for group in sd.get("param_shapes") or []:
+        groups = [*(sd.get("param_shapes") or []), sd.get("frozen_param_shapes") or {}]
+        for group in groups:
             for name, shape in group.items():
-                out.setdefault(name, [None] * lay.tp)[t] = tuple(int(d) for d in shape)
-        for name, shape in (sd.get("frozen_param_shapes") or {}).items():
-            out.setdefault(name, [None] * lay.tp)[t] = tuple(int(d) for d in shape)
+                what = f"{path}: parameter {name!r}"
+                shape = as_shape(shape, what, DeepSpeedFormatError)
+                numel(shape, what, itemsize=1, backing=held, backed_by="the folder's files")
+                out.setdefault(name, [None] * lay.tp)[t] = shape
     return out
 
 
@@ -282,11 +288,18 @@ def _fragments_z12(
             if key != "step" and isinstance(val, LazyTensor) and val.dim() > 0:
                 flats[key] = val
         step = _read_step(st)
+        ranges = [
+            (n, getattr(f, "start", None), getattr(f, "numel", None)) for n, f in mapping.items()
+        ]
+        check_disjoint(ranges, f"{fp32[g].path}: param_slice_mappings[{g}]", DeepSpeedFormatError)
         for name, frag in mapping.items():
             if pp_index > 0 and any(re.match(p, name) for p in skip):
                 continue
             for slot, flat in flats.items():
-                yield name, slot, flat.narrow(0, int(frag.start), int(frag.numel)), step
+                where = f"{flat.path}: param_slice_mappings[{g}][{name!r}] in {slot}"
+                start, n = check_range(getattr(frag, "start", None), getattr(frag, "numel", None),
+                                       flat.numel(), where, DeepSpeedFormatError)  # fmt: skip
+                yield name, slot, flat.narrow(0, start, n), step
 
 
 def _fragments_z3(
@@ -307,15 +320,18 @@ def _fragments_z3(
         rank = int(meta.get("partition_rank", dp_rank))
         offset = 0
         for name, shape in sub.items():
-            numel = math.prod(int(d) for d in shape)
-            part = -(-numel // count)
-            n = max(0, min(part, numel - rank * part))
+            size = math.prod(as_shape(shape, f"parameter {name!r}", DeepSpeedFormatError))
+            part = -(-size // count)
+            n = max(0, min(part, size - rank * part))
             for slot, flat in flats.items():
                 if n:
+                    where = f"{flat.path}: group {idx}, parameter {name!r} in {slot}"
+                    check_range(offset, n, flat.numel(), where, DeepSpeedFormatError)
                     yield name, slot, flat.narrow(0, offset, n), rank * part, step
             offset += part
 
 
+@ucp_errors(DeepSpeedFormatError, "import_deepspeed")
 @gc_paused()
 def import_deepspeed(
     src: Any,
@@ -411,6 +427,12 @@ def _import_zero(lay: _Layout, w: AtomWriter, progress: bool | None) -> None:
         for (name, t, slot, _, start, step), data in _read_ahead(fragments(), w.budget):
             merger.put(name, t, slot, data, start, keep=None)
             merger.step(name, step)
+        for (name, t, slot), n in pos.items():  # ZeRO-1/2 fragments cover their parameter
+            if n != math.prod(merger.slice_shape(name, t)):
+                raise DeepSpeedFormatError(
+                    f"{lay.folder}: the param_slice_mappings of {name!r} ({slot}, TP rank {t}) "
+                    f"cover {n} of its {math.prod(merger.slice_shape(name, t))} elements"
+                )
         merger.check_done()
         _module_fallback(lay, merger)
         w.flush()
@@ -515,6 +537,7 @@ def _module_fallback(lay: _Layout, merger: _Merger) -> None:
 # ------------------------------------------------------------------ ds_to_universal folders
 
 
+@ucp_errors(DeepSpeedFormatError, "import_deepspeed_universal")
 def import_deepspeed_universal(
     src: Any,
     dst: Any,
@@ -536,13 +559,14 @@ def import_deepspeed_universal(
     >>> ucp.torch.import_deepspeed_universal("ds_univ/global_step3", "/tmp/ucp/step_3")  # doctest: +SKIP
     """
     folder, found_tag = resolve_folder(src, tag, latest="latest_universal")
-    zero = os.path.join(folder, "zero")
+    zero = refuse_symlinks(folder, "zero", "zero/ folder")
     if not os.path.isdir(zero):
         raise DeepSpeedFormatError(
             f"{folder}: no zero/ folder; this is not a ds_to_universal output "
             "(for a ZeRO checkpoint use import_deepspeed)"
         )
-    models = sorted(glob.glob(os.path.join(folder, "*model_states.pt")))
+    models = [refuse_symlinks(folder, os.path.basename(p), "model states")
+              for p in sorted(glob.glob(os.path.join(folder, "*model_states.pt")))]  # fmt: skip
     meta: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     if models:
@@ -550,13 +574,14 @@ def import_deepspeed_universal(
         meta = {k: v for k, v in full.items() if k not in ("module", "optimizer")}
         for group in full.get("param_shapes") or []:
             for name, shape in group.items():
-                shapes[name] = tuple(int(d) for d in shape)
+                shapes[name] = as_shape(shape, f"{models[0]}: {name!r}", DeepSpeedFormatError)
     osd: dict[str, Any] = {}
-    opt_path = os.path.join(zero, "optimizer_state.pt")
+    opt_path = refuse_symlinks(zero, "optimizer_state.pt", "optimizer state")
     if os.path.isfile(opt_path):
         osd = load(opt_path)
     params = sorted(p for p in os.listdir(zero) if os.path.isdir(os.path.join(zero, p)))
-    files = [os.path.join(zero, p, f) for p in params for f in os.listdir(os.path.join(zero, p))]
+    files = [refuse_symlinks(zero, f"{p}/{f}", "parameter file")
+             for p in params for f in os.listdir(refuse_symlinks(zero, p, "parameter folder"))]  # fmt: skip
     bar = _progress(progress, sum(os.path.getsize(f) for f in files), "ucp import")
     z3_step = None
     inner = osd.get(OSD) if isinstance(osd.get(OSD), dict) else None
@@ -575,6 +600,10 @@ def import_deepspeed_universal(
                         w.write_scalar(name, "step", _read_step({"step": obj}))
                     else:
                         t = obj["param"] if isinstance(obj, dict) else obj
+                        if not isinstance(t, LazyTensor):
+                            raise DeepSpeedFormatError(
+                                f"{path}: expected a tensor, found {t!r:.60}"
+                            )
                         shape = tuple(t.shape)
                         if t.dim() == 1 and name in shapes and shapes[name] != shape:
                             shape = shapes[name]  # ZeRO-3 universal tensors are flat

@@ -28,6 +28,7 @@ import torch
 from ..checkpoint import Checkpoint
 from ..errors import MismatchError
 from ..format.manifest import PARAM_SLOT, STEP_SLOT
+from ..format.paths import check_component, join_inside
 from .deepspeed import _advance, _progress
 
 DS_VERSION = "0.19.8"  # written when the source was not DeepSpeed; DeepSpeed checks >= 0.3.17
@@ -92,12 +93,6 @@ def export_deepspeed_universal(
     """
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     dst = os.path.abspath(os.fspath(dst))
-    if os.path.exists(dst):
-        if not overwrite:
-            raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
-        shutil.rmtree(dst)
-    src = (ck.manifest.source or {}).get("deepspeed") or {}
-    count = _count(ck)
     rename = _renamer(names)
     params = {}
     for atom, info in ck.atoms.items():
@@ -105,11 +100,17 @@ def export_deepspeed_universal(
             continue
         torch_name = rename(atom)
         if torch_name is not None:
-            params[atom] = torch_name
+            params[atom] = _folder_name(atom, torch_name, params)
     if not params:
         raise MismatchError(
             f"export: {ck.path} has no parameter atoms (atoms with an 'fp32' slot); nothing to export"
         )
+    if os.path.exists(dst):
+        if not overwrite:
+            raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
+        shutil.rmtree(dst)
+    src = (ck.manifest.source or {}).get("deepspeed") or {}
+    count = _count(ck)
     tmp = dst + ".ucp-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     zero = os.path.join(tmp, "zero")
@@ -121,7 +122,7 @@ def export_deepspeed_universal(
     try:
         for atom, torch_name in params.items():
             info = ck.atoms[atom]
-            pdir = os.path.join(zero, torch_name)
+            pdir = join_inside(zero, torch_name, f"export: atom {atom!r}: parameter")
             os.makedirs(pdir, exist_ok=True)
             extra: dict[str, Any] = {"cat_dim": 0}
             for p in info.pattern:
@@ -196,6 +197,17 @@ def export_deepspeed_universal(
     with open(os.path.join(os.path.dirname(dst), "latest_universal"), "w") as f:
         f.write(os.path.basename(dst))
     return dst
+
+
+def _folder_name(atom: str, torch_name: Any, taken: Mapping[str, str]) -> str:
+    """The parameter's folder name under `zero/`: one safe path component, used once."""
+    check_component(torch_name, f"export: atom {atom!r}: parameter name (its folder in zero/)")
+    if torch_name == "optimizer_state.pt" or torch_name in taken.values():
+        raise MismatchError(
+            f"export: atom {atom!r}: parameter name {torch_name!r} is already taken (by another "
+            "atom, or zero/optimizer_state.pt); rename it with `names`"
+        )
+    return torch_name
 
 
 def _group(g: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ..errors import MismatchError
+from ..errors import MismatchError, UnsafePathError
 from ..format import store
 from ..format.dtypes import dtype_name
 from ..format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir
+from ..format.paths import check_component
 from ..format.version import __version__
 from ..mapping.patterns import Box, box_shape, to_slices
 from ..util.libc import libc
@@ -131,10 +132,18 @@ class AtomWriter:
         pattern: list[dict[str, Any]] | None = None,
         fused: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Declare an atom (idempotent; the shape must not change)."""
+        """Declare an atom (idempotent; the shape must not change).
+
+        Raises:
+            UnsafePathError: the name cannot be an atom folder (not a string, empty, `.`, `..`,
+                or too long once quoted).
+        """
         shape = tuple(int(d) for d in shape)
         a = self.atoms.get(name)
         if a is None:
+            if not isinstance(name, str):
+                raise UnsafePathError(f"import: tensor name {name!r} is not a string")
+            check_component(atom_dir(name)[len("atoms/") :], f"import: tensor {name!r} as atom")
             self.atoms[name] = {"shape": shape, "slots": {}, "pattern": pattern or [],
                                 "fused": fused or []}  # fmt: skip
         elif a["shape"] != shape:
@@ -156,6 +165,7 @@ class AtomWriter:
     ) -> tuple[SlotInfo, dict[str, Any]]:
         """The SlotInfo and TensorStore spec of one slot (its own shape, or the atom's)."""
         a = self.atoms[atom]
+        check_component(slot, f"import: atom {atom!r}: slot")
         shape = a["shape"] if slot_shape is None else tuple(int(d) for d in slot_shape)
         dt = np.dtype(dtype)
         chunks, inner = import_chunks(shape, dt.itemsize)
