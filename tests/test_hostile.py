@@ -130,7 +130,7 @@ def test_slot_paths_come_from_the_names(ckpt: Path, path: str) -> None:
     _refused(ckpt, ucp.NotACheckpointError, "slot paths follow from the names", at_open=True)
 
 
-@pytest.mark.parametrize("name", [".", "..", "", "x\x00y"])
+@pytest.mark.parametrize("name", [".", "..", ""])
 def test_unusable_atom_names_in_a_manifest(ckpt: Path, name: str) -> None:
     def edit(m: dict) -> None:
         m["atoms"][name] = m["atoms"].pop("a")

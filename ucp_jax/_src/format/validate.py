@@ -119,7 +119,7 @@ def check_manifest(d: Mapping[str, Any], where: str) -> None:
     if step is not None and type(step) is not int:
         raise NotACheckpointError(f"{where}: manifest 'step' is {step!r}, expected an int or null")
     for name, a in atoms.items():
-        if name in ("", ".", "..") or "\x00" in name:
+        if name in ("", ".", ".."):
             raise NotACheckpointError(f"{where}: atom name {name!r} is not usable; damaged")
         if not isinstance(a, Mapping):
             raise NotACheckpointError(f"{where}: atom {name!r} is not an object; damaged")
