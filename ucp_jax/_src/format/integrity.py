@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -62,13 +63,46 @@ def inner_per_shard(info: SlotInfo) -> int:
     return math.prod(c // i for c, i in zip(info.chunks, info.inner_chunks))
 
 
+def _local_dir(kv: ts.KvStore) -> str | None:
+    spec = kv.spec().to_json()
+    return spec["path"] if spec.get("driver") == "file" else None
+
+
+def _local_fingerprint(path: str, info: SlotInfo, n: int) -> str | None:
+    """`fingerprints` of one local file with one open and a few preads (no kvstore round trips)."""
+    tail = 16 * n + 4 if info.inner_chunks is not None else 4
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        t = os.pread(fd, tail, size - tail) if size >= tail else b""
+        crc = zlib.crc32(t)
+        if info.inner_chunks is not None and len(t) == tail:
+            for off, nb in np.frombuffer(t[:-4], "<u8").reshape(n, 2):
+                if off == _MISSING or nb < 4 or off > 2**62:
+                    continue
+                end = int(off) + int(nb)
+                crc = zlib.crc32(os.pread(fd, 4, end - 4) if end <= size else b"?", crc)
+        return f"{crc:08x}"
+    finally:
+        os.close(fd)
+
+
 def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[str, str]:
     """Fingerprint of each chunk file `keys` of one array (its kvstore `kv`); missing: absent.
 
-    Two rounds of batched byte-range reads: each file's tail (trailer, or shard index + its
-    trailer), then each inner chunk's 4-byte trailer.
+    Local files: one open and a few preads each. Other kvstores: two rounds of batched byte-range
+    reads: each file's tail (trailer, or shard index + its trailer), then each inner chunk's
+    4-byte trailer.
     """
     keys = list(keys)
+    local = _local_dir(kv)
+    if local is not None:
+        n = inner_per_shard(info)
+        out = {k: _local_fingerprint(os.path.join(local, k), info, n) for k in keys}
+        return {k: v for k, v in out.items() if v is not None}
     n = inner_per_shard(info)
     sharded = info.inner_chunks is not None
     tail = 16 * n + 4 if sharded else 4
