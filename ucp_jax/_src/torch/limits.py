@@ -22,10 +22,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..errors import LimitError, UcpError
+from ..format.validate import MAX_ELEMENTS  # the same limits as manifests
 from .unpickle import UnsafePickleError
-
-MAX_ELEMENTS = 1 << 48  # elements of one tensor: 1 PiB of bytes at 4 bytes each
-MAX_JSON_DEPTH = 64  # a safetensors header is 3 deep ({name: {shape: [..]}})
 
 F = TypeVar("F", bound=Callable[..., Any])
 
