@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import LimitError, UcpError
 from ..format.validate import MAX_ELEMENTS  # the same limits as manifests
+from ..format.validate import MAX_JSON_DEPTH as MAX_JSON_DEPTH
 from .unpickle import UnsafePickleError
 
 F = TypeVar("F", bound=Callable[..., Any])
