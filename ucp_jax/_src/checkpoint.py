@@ -7,13 +7,17 @@ summaries) read through it, so that tools that only touch files never import JAX
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
+import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .errors import ChecksumError, MismatchError
-from .format import store
+from .errors import ChecksumError, MismatchError, UcpError
+from .format import integrity, paths, store
 from .format.manifest import AtomInfo, Manifest
 
 
@@ -33,6 +37,8 @@ class Checkpoint:
         self.path = self.loc.url
         self.manifest: Manifest = store.load_manifest(self.loc)
         self._arrays: dict[tuple[str, str], Any] = {}
+        self._tables: dict[tuple[str, str], dict[str, str]] = {}  # fingerprints (version 2)
+        self._checked: dict[tuple[str, str], set[str]] = {}  # chunk files found in place
 
     @property
     def step(self) -> int | None:
@@ -92,28 +98,59 @@ class Checkpoint:
             shape, si = info.slot_shape(slot), info.slots[slot]
             todo.append((name, slot, shape, si))
         started = []
-        for name, slot, shape, si in todo:
+        for _name, _slot, shape, si in todo:
+            if self.loc.local_path is not None:
+                paths.refuse_symlinks(self.loc.local_path, si.path, "array folder")
+                paths.check_tree(os.path.join(self.loc.local_path, si.path), "array folder")
+            kv = self.loc.child(si.path).kv()
+            opening = store.open_array_async(self.loc, shape, si)
+            started.append((kv, kv.list(), kv.read("zarr.json"), opening))
+        for (name, slot, shape, si), (kv, listing, meta, opening) in zip(todo, started):
+            where = f"{self.path}: atom {name!r} slot {slot!r}"
             try:
-                started.append(
-                    (
-                        store.list_chunks_async(self.loc, si),
-                        store.open_array_async(self.loc, shape, si),
-                    )
-                )
-            except ValueError as e:
-                raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
-        for (name, slot, shape, si), (listing, opening) in zip(todo, started):
-            try:
-                missing = store.missing_of(listing, shape, si)
+                present = {k.decode() for k in listing.result()}
+                _check_metadata(meta.result(), shape, si, where)
+                missing = sorted(store.expected_chunk_keys(shape, si) - present)
                 if missing:
                     raise ChecksumError(
-                        f"{self.path}: atom {name!r} slot {slot!r} is missing {len(missing)} chunk "
-                        f"file(s) (e.g. {missing[0]!r}); the checkpoint is incomplete: copy it "
-                        "again or restore an earlier one"
+                        f"{where} is missing {len(missing)} chunk file(s) (e.g. {missing[0]!r}); "
+                        "the checkpoint is incomplete: copy it again or restore an earlier one"
                     )
+                if self.manifest.version >= 2:
+                    self._tables[(name, slot)] = integrity.read_table(kv, si, present, where)
                 self._arrays[(name, slot)] = opening.result()
             except ValueError as e:
-                raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
+                if isinstance(e, UcpError):
+                    raise
+                raise store.wrap_io_error(e, where) from e
+
+    def check_regions(self, regions: Sequence[tuple[str, str, Any]]) -> None:
+        """Check that the chunk files holding these regions are the ones written there.
+
+        Args:
+            regions: (atom, slot, box) with box a sequence of (start, stop) per axis.
+
+        Raises:
+            ChecksumError: a chunk file was swapped, replaced or has no recorded fingerprint.
+        """
+        todo: dict[tuple[str, str], set[str]] = {}
+        for name, slot, box in regions:
+            si = self.atoms[name].slots[slot]
+            done = self._checked.setdefault((name, slot), set())
+            keys = set(integrity.keys_in_box(list(box), si.chunks if box else ())) - done
+            if keys:
+                todo.setdefault((name, slot), set()).update(keys)
+        for (name, slot), keys in todo.items():
+            si = self.atoms[name].slots[slot]
+            where = f"{self.path}: atom {name!r} slot {slot!r}"
+            self.array(name, slot)  # opened, so its table is loaded
+            if self.loc.local_path is not None:
+                folder = os.path.join(self.loc.local_path, si.path)
+                _check_file_sizes(folder, si, sorted(keys), where)
+            if self.manifest.version >= 2:  # version 1 recorded no fingerprints
+                kv = self.loc.child(si.path).kv()
+                integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where)
+            self._checked[(name, slot)].update(keys)
 
     def read(self, name: str, slot: str = "fp32", index: Any = ...) -> np.ndarray:
         """Read any slice of one atom slot; only that region is read from storage.
@@ -132,9 +169,84 @@ class Checkpoint:
         """
         arr = self.array(name, slot)
         try:
-            return np.asarray(arr[index].read().result())
+            region = arr[index]
+            self.check_regions([(name, slot, _index_box(index, tuple(arr.shape)))])
+            return np.asarray(region.read().result())
         except ValueError as e:
             raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
+
+
+def _index_box(index: Any, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The box (start, stop per axis) a basic numpy index reads; the whole array otherwise.
+
+    >>> _index_box((slice(2, 5), 3), (8, 8))
+    [(2, 5), (3, 4)]
+    """
+    full = [(0, n) for n in shape]
+    items = index if isinstance(index, tuple) else (index,)
+    if sum(i is Ellipsis for i in items) > 1:
+        return full
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        used = sum(i is not None for i in items) - 1
+        items = items[:k] + (slice(None),) * (len(shape) - used) + items[k + 1 :]
+    items = tuple(i for i in items if i is not None)
+    box = []
+    for axis, n in enumerate(shape):
+        i = items[axis] if axis < len(items) else slice(None)
+        if isinstance(i, int | np.integer) and not isinstance(i, bool) and -n <= i < n:
+            box.append((int(i) % n, int(i) % n + 1))
+        elif isinstance(i, slice):
+            r = range(*i.indices(n))
+            box.append((min(r), max(r) + 1) if len(r) else (0, 0))
+        else:
+            return full
+    return box
+
+
+def _check_metadata(meta: Any, shape: tuple[int, ...], si: Any, where: str) -> None:
+    """The array's zarr.json is the one committed (version 2), and agrees with the manifest."""
+    if meta.state != "value":
+        raise ChecksumError(f"{where}: zarr.json is missing; the checkpoint is damaged")
+    raw = bytes(meta.value)
+    if si.meta_sha256 is not None and hashlib.sha256(raw).hexdigest() != si.meta_sha256:
+        raise ChecksumError(
+            f"{where}: zarr.json is not the one committed (sha256 differs); it was edited or "
+            "damaged: restore an earlier checkpoint"
+        )
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ChecksumError(f"{where}: zarr.json is not valid JSON ({e}); damaged") from e
+    want = store.array_spec(store.Location.parse("/"), shape, si)["metadata"]
+    got = {k: doc.get(k) for k in want} if isinstance(doc, dict) else {}
+    for field in want:
+        if got.get(field) != want[field]:
+            raise ChecksumError(
+                f"{where}: zarr.json says {field} {got.get(field)!r}, the manifest "
+                f"{want[field]!r}; the checkpoint is damaged: restore an earlier one"
+            )
+
+
+def _check_file_sizes(folder: str, si: Any, keys: Sequence[str], where: str) -> None:
+    """Local arrays: each chunk file has the size its chunk needs (checked before it is read)."""
+    from .format.dtypes import np_dtype
+
+    itemsize = np_dtype(si.dtype).itemsize
+    n = integrity.inner_per_shard(si)
+    for key in keys:
+        size = os.stat(os.path.join(folder, key)).st_size
+        if si.inner_chunks is None:
+            ok, want = size == math.prod(si.chunks) * itemsize + 4, "exactly"
+            limit = math.prod(si.chunks) * itemsize + 4
+        else:
+            limit = n * (math.prod(si.inner_chunks) * itemsize + 4) + 16 * n + 4
+            ok, want = 16 * n + 4 <= size <= limit, "at most"
+        if not ok:
+            raise ChecksumError(
+                f"{where}: chunk file {key!r} is {size} bytes, expected {want} {limit}: "
+                "truncated, padded or not of this array; the checkpoint is damaged"
+            )
 
 
 def open_checkpoint(path: Any) -> Checkpoint:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -71,7 +72,7 @@ def verify_checkpoint(path: str, out: Any = None) -> int:
     try:
         ck = Checkpoint(path)
     except UcpError as e:
-        print(f"FAIL {path}: {e}", file=out)
+        print(f"FAIL {e}" if str(e).startswith(str(path)) else f"FAIL {path}: {e}", file=out)
         return 1
     problems: list[str] = []
     nbytes = 0
@@ -215,6 +216,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # e.g. `ucp inspect --json | head`
         return 0
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, MemoryError) as e:
+        if os.environ.get("UCP_DEBUG"):
+            raise
+        print(f"ucp {args.cmd}: {type(e).__name__}: {e} (UCP_DEBUG=1 shows where)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

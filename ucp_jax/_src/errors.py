@@ -25,3 +25,11 @@ class PatternError(UcpError, ValueError):
 
 class ChecksumError(UcpError):
     """Stored bytes are missing or do not match their checksum: the checkpoint is corrupt."""
+
+
+class UnsafePathError(UcpError, ValueError):
+    """A name from a checkpoint or source folder would lead outside it (`..`, absolute, a link)."""
+
+
+class LimitError(UcpError, ValueError):
+    """A size in untrusted input (shape, element count, chunk grid, header) is out of bounds."""

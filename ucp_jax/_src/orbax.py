@@ -90,7 +90,7 @@ class _InPlace:
 
     def commit(self, manifest: Manifest) -> None:
         """Process 0, after every process wrote: the manifest only (COMMIT comes at finalize)."""
-        self.target.write(MANIFEST, manifest.dumps())
+        self.target.write(MANIFEST, store.seal(self.target, manifest))
 
 
 def _step_from_directory(directory: Any) -> int | None:
@@ -178,12 +178,13 @@ class UniversalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def finalize(self, directory: Any) -> None:
         """Write COMMIT (Orbax's primary host, after every process finished writing)."""
         loc = store.Location.parse(os.fspath(directory))
-        if loc.read(MANIFEST) is None:
+        data = loc.read(MANIFEST)
+        if data is None:
             raise NotACheckpointError(
                 f"{loc.url}: finalize called but manifest.json is missing; the universal save "
                 "into this folder did not finish"
             )
-        store.write_commit(loc)
+        store.write_commit(loc, data)
 
     def restore(self, directory: Any, args: UniversalRestore | None = None) -> UniversalState:
         """Restore onto the targets' shardings (any mesh); `rules` when the layout changed."""

@@ -231,15 +231,15 @@ def restore(
     if rules:
         compiled.check_all_used([b.name for b in pbind + obind])
     resolved = [_resolve(ckpt, b, cast) for b in pbind + obind]
-    ckpt.open_arrays(
-        [
-            (r.atom_of[p.atom], r.slot_of[p.atom])
-            for r in resolved
-            for g in r.groups
-            for p in g.pieces
-            if p.atom is not None
-        ]
-    )
+    regions = [
+        (r.atom_of[p.atom], r.slot_of[p.atom], p.atom_box)
+        for r in resolved
+        for g in r.groups
+        for p in g.pieces
+        if p.atom is not None
+    ]
+    ckpt.open_arrays([(name, slot) for name, slot, _ in regions])
+    ckpt.check_regions(regions)  # the chunk files to be read are the ones written there
     stats = ReadStats()
     budget = config.inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
     values = _read_all(ckpt, resolved, stats, budget)

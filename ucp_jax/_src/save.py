@@ -18,6 +18,7 @@ import numpy as np
 from .errors import MismatchError
 from .format import store
 from .format.dtypes import dtype_name
+from .format.integrity import keys_in_box
 from .format.manifest import AtomInfo, Manifest, SlotInfo, atom_dir, source_header
 from .mapping.binding import (
     LeafBinding,
@@ -208,6 +209,7 @@ class SaveJob:
                 arrays[key] = store.open_array(self.staging.target, shape, info, write=True)
         source = zip(self.tasks, host) if host is not None else self._stream()
         inflight: InflightWindow[list[Any]] = InflightWindow(self.budget)
+        written: dict[SlotInfo, set[str]] = {}  # the chunk files this process writes, per array
         try:
             for t, data in source:
                 futs = []
@@ -218,6 +220,8 @@ class SaveJob:
                     chunk = p.leaf_to_atom(data[rel])
                     arr = arrays[(p.atom, t.binding.slot)]
                     futs.append(arr[to_slices(p.atom_box)].write(chunk))
+                    info = self.slots[(p.atom, t.binding.slot)][1]
+                    written.setdefault(info, set()).update(keys_in_box(p.atom_box, info.chunks))
                 for fs in inflight.push(futs, t.nbytes):
                     _wait_all(fs)
             for fs in inflight.drain():
@@ -227,6 +231,7 @@ class SaveJob:
             # that no stale write can reach a retried save's fresh staging area.
             for fs in inflight.drain():
                 _wait_all(fs, raise_first=False)
+        store.record_fingerprints(self.staging.target, written, f"p{jax.process_index()}")
         barrier(self.tag + "-written")
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)

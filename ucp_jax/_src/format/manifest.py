@@ -9,14 +9,15 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import FormatVersionError, NotACheckpointError
+from ..errors import ChecksumError, FormatVersionError, NotACheckpointError
 from .version import __version__
 
 FORMAT = "ucp/1"
-FORMAT_VERSION = 1
+# 1: arrays, manifest, COMMIT. 2 (written now): + the sha256 of manifest.json in COMMIT, of each
+# zarr.json in the manifest, and a fingerprint table per array (see integrity.py). Both are read.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT"
-COMMIT_MARKER = b"ucp/1\n"  # the bytes of COMMIT, written last by every commit protocol
 
 # optax field name -> slot name (DeepSpeed's names, so a DeepSpeed universal folder maps 1:1).
 SLOT_ALIASES = {"mu": "exp_avg", "nu": "exp_avg_sq"}
@@ -43,8 +44,18 @@ def source_header(**fields: Any) -> dict[str, Any]:
 
 
 def atom_dir(atom: str) -> str:
-    """Relative directory of an atom: `atoms/<atom>`, with unsafe characters percent-encoded."""
-    return "atoms/" + urllib.parse.quote(atom, safe=".-_")
+    """Relative directory of an atom: `atoms/<atom>`, with unsafe characters percent-encoded.
+
+    Raises:
+        UnsafePathError: a name that cannot be a folder (empty, `.`, `..`, too long once quoted).
+
+    >>> atom_dir("blocks.0/qkv")
+    'atoms/blocks.0%2Fqkv'
+    """
+    from .paths import check_component
+
+    quoted = urllib.parse.quote(atom, safe=".-_")
+    return "atoms/" + check_component(quoted, "atom name, used as atom folder")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +71,7 @@ class SlotInfo:
     chunks: tuple[int, ...]
     inner_chunks: tuple[int, ...] | None = None
     shape: tuple[int, ...] | None = None
+    meta_sha256: str | None = None  # of its zarr.json, recorded at commit (format version 2)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -70,6 +82,8 @@ class SlotInfo:
         }
         if self.shape is not None:
             out["shape"] = list(self.shape)
+        if self.meta_sha256 is not None:
+            out["meta_sha256"] = self.meta_sha256
         return out
 
     @classmethod
@@ -82,6 +96,7 @@ class SlotInfo:
             tuple(d["chunks"]),
             None if inner is None else tuple(inner),
             None if shape is None else tuple(shape),
+            d.get("meta_sha256"),
         )
 
 
@@ -161,6 +176,7 @@ class Manifest:
     source: dict[str, Any] = dataclasses.field(default_factory=dict)
     extra: Any = None
     format: str = FORMAT
+    version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -185,10 +201,18 @@ class Manifest:
             NotACheckpointError: the file is not a ucp manifest.
             FormatVersionError: written by a newer ucp_jax.
         """
+        from .validate import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, check_manifest, json_depth
+
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise NotACheckpointError(f"{where}: manifest.json of {len(data)} bytes is too large")
         try:
             d = json.loads(data)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise NotACheckpointError(f"{where}: manifest.json is not valid JSON ({e})") from e
+        if json_depth(d) > MAX_JSON_DEPTH:
+            raise NotACheckpointError(
+                f"{where}: manifest.json is nested deeper than {MAX_JSON_DEPTH} levels; damaged"
+            )
         fmt = d.get("format", "") if isinstance(d, dict) else ""
         if not isinstance(fmt, str) or not fmt.startswith("ucp/"):
             raise NotACheckpointError(
@@ -206,6 +230,7 @@ class Manifest:
                 f"{where}: checkpoint format version {version} is newer than this ucp_jax reads "
                 f"(<= {FORMAT_VERSION}); upgrade ucp_jax (pip install -U ucp_jax)"
             )
+        check_manifest(d, where)
         try:
             return cls(
                 step=d.get("step"),
@@ -215,9 +240,37 @@ class Manifest:
                 source=d.get("source", {}),
                 extra=d.get("extra"),
                 format=fmt,
+                version=version,
             )
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise NotACheckpointError(
                 f"{where}: manifest.json is malformed ({type(e).__name__}: {e}); the checkpoint "
                 "is damaged: restore an earlier checkpoint"
             ) from e
+
+
+def commit_marker(manifest_bytes: bytes) -> bytes:
+    """The bytes of `COMMIT` for a manifest: the format, and the manifest's sha256.
+
+    >>> commit_marker(b"{}").splitlines()[0]
+    b'ucp/1'
+    """
+    import hashlib
+
+    return f"{FORMAT}\nmanifest-sha256 {hashlib.sha256(manifest_bytes).hexdigest()}\n".encode()
+
+
+def check_commit(marker: bytes, manifest_bytes: bytes, manifest: Manifest, where: str) -> None:
+    """Refuse a manifest that is not the one committed (format version 2 and later).
+
+    Raises:
+        ChecksumError: COMMIT records another sha256 (the manifest was edited or damaged), or
+            none although the manifest says it should.
+    """
+    if manifest.version < 2:
+        return  # version 1 committed no checksum: nothing to compare
+    if marker != commit_marker(manifest_bytes):
+        raise ChecksumError(
+            f"{where}: manifest.json is not the manifest that was committed (its sha256 differs "
+            "from the one in COMMIT): it was edited or damaged; restore an earlier checkpoint"
+        )

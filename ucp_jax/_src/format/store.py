@@ -16,8 +16,9 @@ import tensorstore as ts
 
 from ..errors import ChecksumError, NotACheckpointError
 from ..util.libc import libc
+from . import integrity
 from .dtypes import zarr_dtype
-from .manifest import COMMIT, COMMIT_MARKER, MANIFEST, Manifest, SlotInfo
+from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, check_commit, commit_marker
 
 # One context for the whole process, so that `memory://` stores are shared between calls.
 CONTEXT = ts.Context({"file_io_concurrency": {"limit": 64}, "data_copy_concurrency": {}})
@@ -252,17 +253,6 @@ def expected_chunk_keys(shape: Sequence[int], info: SlotInfo) -> set[str]:
     return {chunk_key(idx) for idx, _ in chunk_grid(shape, info.chunks)}
 
 
-def list_chunks_async(loc: Location, info: SlotInfo) -> ts.Future:
-    """Start listing the files of one stored array (see `missing_of`)."""
-    return loc.child(info.path).kv().list()
-
-
-def missing_of(listing: ts.Future, shape: Sequence[int], info: SlotInfo) -> list[str]:
-    """The chunk files absent from a `list_chunks_async` listing."""
-    present = {k.decode() for k in listing.result()}
-    return sorted(expected_chunk_keys(shape, info) - present)
-
-
 def wrap_io_error(e: Exception, where: str) -> Exception:
     """A TensorStore read error as a ChecksumError when it means corrupt or truncated bytes.
 
@@ -286,9 +276,9 @@ def wrap_io_error(e: Exception, where: str) -> Exception:
     return e
 
 
-def write_commit(loc: Location) -> None:
-    """Write the COMMIT marker: the last write of every commit protocol."""
-    loc.write(COMMIT, COMMIT_MARKER)
+def write_commit(loc: Location, manifest_bytes: bytes) -> None:
+    """Write the COMMIT marker (with the manifest's sha256): the last write of every protocol."""
+    loc.write(COMMIT, commit_marker(manifest_bytes))
 
 
 def load_manifest(loc: Location) -> Manifest:
@@ -297,7 +287,8 @@ def load_manifest(loc: Location) -> Manifest:
     Raises:
         NotACheckpointError: nothing there, or a save that never committed.
     """
-    if loc.read(COMMIT) is None:
+    marker = loc.read(COMMIT)
+    if marker is None:
         hint = "no such checkpoint"
         if loc.has_any():
             hint = "a save to it did not finish (no COMMIT marker); it is not a checkpoint"
@@ -306,10 +297,49 @@ def load_manifest(loc: Location) -> Manifest:
         ):
             hint = "a save to it is in progress or was killed before it committed"
         raise NotACheckpointError(f"{loc.url}: {hint}; pass the path of a committed checkpoint")
+    if loc.local_path is not None:
+        from .paths import refuse_symlinks
+
+        for name in (COMMIT, MANIFEST, "atoms"):
+            refuse_symlinks(loc.local_path, name, "checkpoint file")
     data = loc.read(MANIFEST)
     if data is None:
         raise NotACheckpointError(f"{loc.url}: COMMIT present but manifest.json missing")
-    return Manifest.loads(data, loc.url)
+    manifest = Manifest.loads(data, loc.url)
+    check_commit(marker, data, manifest, loc.url)
+    return manifest
+
+
+def seal(target: Location, manifest: Manifest) -> bytes:
+    """Record the sha256 of every array's `zarr.json` in `manifest`; return the manifest's bytes.
+
+    Process 0 calls it at commit, after every array exists (format version 2).
+    """
+    import hashlib
+
+    kv = target.kv()
+    items = [(a, slot, info) for a in manifest.atoms.values() for slot, info in a.slots.items()]
+    with ts.Batch() as batch:
+        futs = [kv.read(f"{info.path}/zarr.json", batch=batch) for _, _, info in items]
+    for (a, slot, info), f in zip(items, futs):
+        r = f.result()
+        if r.state != "value":
+            raise FileNotFoundError(f"{target.url}/{info.path}/zarr.json was never written")
+        sha = hashlib.sha256(bytes(r.value)).hexdigest()
+        a.slots[slot] = dataclasses.replace(info, meta_sha256=sha)
+    return manifest.dumps()
+
+
+def record_fingerprints(target: Location, keys: dict[SlotInfo, set[str]], writer: str) -> None:
+    """Each array's fingerprint table of the chunk files `writer` wrote (see integrity.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item: tuple[SlotInfo, set[str]]) -> None:
+        info, ks = item
+        integrity.write_table(target.child(info.path).kv(), info, ks, writer)
+
+    with ThreadPoolExecutor(8, thread_name_prefix="ucp-digest") as pool:
+        list(pool.map(one, [(i, k) for i, k in keys.items() if k]))
 
 
 def _listdir(path: str) -> list[str]:
@@ -368,12 +398,18 @@ class Staging:
         """Clear the staging area (process 0 only, before arrays are created)."""
         self.target.remove_all()
         if self.final.local_path is not None:
-            os.makedirs(os.path.dirname(self.final.local_path), exist_ok=True)
+            parent = os.path.dirname(self.final.local_path)
+            os.makedirs(parent, exist_ok=True)
+            # An overwrite killed during its clean-up leaves `.<name>.ucp-old-<id>`: remove it.
+            for n in _listdir(parent):
+                if n.startswith(f".{self.final.name}.ucp-old-"):
+                    shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
 
     def commit(self, manifest: Manifest) -> None:
         """Write manifest and COMMIT, then publish atomically (process 0 only)."""
-        self.target.write(MANIFEST, manifest.dumps())
-        write_commit(self.target)
+        data = seal(self.target, manifest)
+        self.target.write(MANIFEST, data)
+        write_commit(self.target, data)
         if self.final.local_path is None:
             return
         final = self.final.local_path

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import pathlib
 import re
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import NotACheckpointError, UcpError
+from ..format.paths import open_inside, refuse_symlinks
 from .lazy import jsonable
+from .limits import as_shape, check_range, ucp_errors
 from .progress import Progress
 from .unpickle import load_pickle, loads, torch_value_globals
 from .writer import AtomWriter, to_numpy
@@ -57,12 +59,24 @@ def _metadata_globals() -> dict[str, Any]:
 
 def read_metadata(folder: str) -> Any:
     """The DCP `Metadata` of a folder, read with the restricted unpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     path = os.path.join(folder, ".metadata")
     if not os.path.isfile(path):
         raise NotACheckpointError(
             f"{folder}: no .metadata file; not a torch.distributed.checkpoint"
         )
-    return load_pickle(path, _metadata_globals())
+    md = load_pickle(refuse_symlinks(folder, ".metadata", "DCP metadata"), _metadata_globals())
+    if not (
+        isinstance(md, Metadata)
+        and isinstance(md.state_dict_metadata, dict)
+        and isinstance(md.storage_data, dict)
+    ):
+        raise DCPFormatError(
+            f"{path}: expected torch's Metadata with state_dict_metadata and storage_data dicts, "
+            f"found {type(md).__name__}"
+        )
+    return md
 
 
 def _names(fqn: str, params: set[str], prefix: str) -> tuple[str, str]:
@@ -77,24 +91,80 @@ def _names(fqn: str, params: set[str], prefix: str) -> tuple[str, str]:
     return fqn, "fp32"
 
 
-def _read_chunk(folder: str, info: Any, dtype: torch.dtype, sizes: tuple[int, ...]) -> Any:
-    with open(os.path.join(folder, info.relative_path), "rb") as f:
-        f.seek(info.offset)
-        blob = f.read(info.length)
+def _read_blob(folder: str, info: Any, what: str) -> bytes:
+    """The bytes a storage entry names: a file inside `folder` (no `..`, absolute path or link),
+    and an offset and length inside that file."""
+    rel = getattr(info, "relative_path", None)
+    try:
+        f = open_inside(folder, rel, f"{what}: relative_path")  # type: ignore[arg-type]
+    except OSError as e:
+        raise DCPFormatError(f"{folder}: {what}: cannot open {rel!r} ({e.strerror or e})") from e
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        off, n = check_range(getattr(info, "offset", None), getattr(info, "length", None), size,
+                             f"{folder}/{rel}: {what}", DCPFormatError)  # fmt: skip
+        f.seek(off)
+        return f.read(n)
+
+
+def _read_chunk(
+    folder: str, info: Any, dtype: torch.dtype, sizes: tuple[int, ...], what: str
+) -> Any:
     if getattr(info, "transform_descriptors", None):
         raise DCPFormatError(
             f"{folder}: chunk in {info.relative_path} uses transforms {info.transform_descriptors}"
             " (e.g. compression), which this importer does not read"
         )
+    blob = _read_blob(folder, info, what)
     if blob[:2] == b"PK":
         t = loads(blob, f"{info.relative_path}@{info.offset}")
         if not isinstance(t, torch.Tensor):
             raise DCPFormatError(f"{folder}: chunk at {info.offset} is not a tensor")
-        return t
-    t = torch.frombuffer(bytearray(blob), dtype=dtype)
+    else:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if len(blob) != math.prod(sizes) * itemsize:
+            raise DCPFormatError(
+                f"{folder}/{info.relative_path}: {what}: {len(blob)} bytes at {info.offset}, "
+                f"expected {math.prod(sizes) * itemsize} (sizes {list(sizes)} of {dtype})"
+            )
+        t = torch.frombuffer(bytearray(blob), dtype=dtype)
+    if t.numel() != math.prod(sizes):
+        raise DCPFormatError(
+            f"{folder}/{info.relative_path}: {what}: holds a tensor of shape {list(t.shape)}, "
+            f"expected sizes {list(sizes)}"
+        )
     return t.reshape(sizes)
 
 
+def _check_tensor(folder: str, fqn: str, meta: Any) -> tuple[int, ...]:
+    """The global shape of a tensor entry, after checking its chunks lie inside it and cover it."""
+    what = f"{folder}/.metadata: tensor {fqn!r}"
+    if not isinstance(getattr(meta.properties, "dtype", None), torch.dtype):
+        raise DCPFormatError(f"{what}: no torch dtype in its properties ({meta.properties!r:.80})")
+    shape = as_shape(meta.size, what, DCPFormatError)
+    covered = 0
+    for chunk in meta.chunks:
+        offs = as_shape(chunk.offsets, f"{what}: chunk offsets", DCPFormatError)
+        sizes = as_shape(chunk.sizes, f"{what}: chunk sizes", DCPFormatError)
+        if (
+            len(offs) != len(shape)
+            or len(sizes) != len(shape)
+            or any(o + n > d for o, n, d in zip(offs, sizes, shape))
+        ):
+            raise DCPFormatError(
+                f"{what}: chunk at {list(offs)} of sizes {list(sizes)} does not lie inside its "
+                f"shape {list(shape)}"
+            )
+        covered += math.prod(sizes)
+    if covered != math.prod(shape):
+        raise DCPFormatError(
+            f"{what}: its chunks hold {covered} elements, its shape {list(shape)} "
+            f"{math.prod(shape)}; the metadata is damaged"
+        )
+    return shape
+
+
+@ucp_errors(DCPFormatError, "import_dcp")
 def import_dcp(
     src: Any,
     dst: Any,
@@ -130,9 +200,10 @@ def import_dcp(
     tensors = {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
     params = {k for k in tensors if not _OPTIM.match(k)}
     objects: dict[str, Any] = {}
+    shapes = {k: _check_tensor(folder, k, v) for k, v in tensors.items()}
     total = sum(
-        int(np.prod(v.size)) * torch.empty((), dtype=v.properties.dtype).element_size()
-        for v in tensors.values()
+        math.prod(shapes[k]) * torch.empty((), dtype=v.properties.dtype).element_size()
+        for k, v in tensors.items()
     )
     bar = Progress(progress, total, "ucp import")
     with AtomWriter(dst, overwrite=overwrite) as w:
@@ -142,7 +213,7 @@ def import_dcp(
             for fqn in order:
                 meta = tensors[fqn]
                 atom, slot = _names(fqn, params, model_prefix)
-                shape = tuple(int(d) for d in meta.size)
+                shape = shapes[fqn]
                 if atom not in w.atoms:
                     w.atom(atom, shape)
                 own = None if shape == w.atoms[atom]["shape"] else shape
@@ -151,8 +222,12 @@ def import_dcp(
                 for chunk in meta.chunks:
                     offs = tuple(int(o) for o in chunk.offsets)
                     sizes = tuple(int(s) for s in chunk.sizes)
-                    info = md.storage_data[MetadataIndex(fqn, torch.Size(offs))]
-                    t = _read_chunk(folder, info, meta.properties.dtype, sizes)
+                    info = md.storage_data.get(MetadataIndex(fqn, torch.Size(offs)))
+                    if info is None:
+                        raise DCPFormatError(
+                            f"{folder}/.metadata: {fqn!r}: no storage entry for the chunk at {offs}"
+                        )
+                    t = _read_chunk(folder, info, meta.properties.dtype, sizes, f"{fqn!r} {offs}")
                     box = tuple((o, o + s) for o, s in zip(offs, sizes))
                     w.write(atom, slot, box, to_numpy(t.reshape(sizes)), keep=t)
                     bar.advance(t.numel() * t.element_size())
@@ -162,10 +237,9 @@ def import_dcp(
                     info = md.storage_data.get(MetadataIndex(fqn))
                     if info is None:
                         continue
+                    blob = _read_blob(folder, info, repr(fqn))
                     try:
-                        with open(os.path.join(folder, info.relative_path), "rb") as f:
-                            f.seek(info.offset)
-                            objects[fqn] = jsonable(loads(f.read(info.length), fqn))
+                        objects[fqn] = jsonable(loads(blob, fqn))
                     except UcpError as e:
                         objects[fqn] = f"<not loaded: {e}>"
             if step is None and isinstance(objects.get("step"), int):

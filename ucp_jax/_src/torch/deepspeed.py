@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..format.paths import refuse_symlinks
 from ..util.gcpause import gc_paused
 from ..util.inflight import InflightWindow
 from .deepspeed_common import (
@@ -35,6 +36,7 @@ from .deepspeed_common import (
 )
 from .lazy import LazyTensor
 from .lazy import load_lazy as load
+from .limits import as_shape, check_disjoint, check_range, numel, ucp_errors
 from .progress import Progress
 from .tp_merge import Merger
 from .writer import AtomWriter
@@ -80,11 +82,11 @@ def _find_rank_files(
                 "yet (convert them with DeepSpeed's ds_to_universal and import_deepspeed_universal)"
             )
         if m := _OPTIM_RE.match(n):
-            optim[(int(m["dp"]), int(m["mp"]))] = os.path.join(folder, n)
+            optim[(int(m["dp"]), int(m["mp"]))] = refuse_symlinks(folder, n, "rank file")
         elif m := _MODEL_RE.match(n):
-            model[int(m["mp"])] = os.path.join(folder, n)
+            model[int(m["mp"])] = refuse_symlinks(folder, n, "rank file")
         elif m := _Z3_MODEL_RE.match(n):
-            z3_model[(int(m["dp"]), int(m["mp"]))] = os.path.join(folder, n)
+            z3_model[(int(m["dp"]), int(m["mp"]))] = refuse_symlinks(folder, n, "rank file")
     return optim, model, z3_model
 
 
@@ -155,14 +157,18 @@ def _scan(folder: str) -> RankFiles:
 def _per_tp_shapes(lay: RankFiles) -> dict[str, list[tuple[int, ...] | None]]:
     """Parameter name -> its slice shape on each TP rank (PP stages united, as ds_to_universal)."""
     out: dict[str, list[tuple[int, ...] | None]] = {}
+    files = [os.path.join(lay.folder, n) for n in os.listdir(lay.folder)]
+    held = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
     for mp, path in sorted(lay.model.items()):
         t = mp % lay.tp
         sd = load(path) if mp != min(lay.model) else lay.meta
-        for group in sd.get("param_shapes") or []:
+        groups = [*(sd.get("param_shapes") or []), sd.get("frozen_param_shapes") or {}]
+        for group in groups:
             for name, shape in group.items():
-                out.setdefault(name, [None] * lay.tp)[t] = tuple(int(d) for d in shape)
-        for name, shape in (sd.get("frozen_param_shapes") or {}).items():
-            out.setdefault(name, [None] * lay.tp)[t] = tuple(int(d) for d in shape)
+                what = f"{path}: parameter {name!r}"
+                shape = as_shape(shape, what, DeepSpeedFormatError)
+                numel(shape, what, itemsize=1, backing=held, backed_by="the folder's files")
+                out.setdefault(name, [None] * lay.tp)[t] = shape
     return out
 
 
@@ -187,11 +193,18 @@ def _fragments_z12(
             if key != "step" and isinstance(val, LazyTensor) and val.dim() > 0:
                 flats[key] = val
         step = read_step(st)
+        ranges = [
+            (n, getattr(f, "start", None), getattr(f, "numel", None)) for n, f in mapping.items()
+        ]
+        check_disjoint(ranges, f"{fp32[g].path}: param_slice_mappings[{g}]", DeepSpeedFormatError)
         for name, frag in mapping.items():
             if pp_index > 0 and any(re.match(p, name) for p in skip):
                 continue
             for slot, flat in flats.items():
-                yield name, slot, flat.narrow(0, int(frag.start), int(frag.numel)), step
+                where = f"{flat.path}: param_slice_mappings[{g}][{name!r}] in {slot}"
+                start, n = check_range(getattr(frag, "start", None), getattr(frag, "numel", None),
+                                       flat.numel(), where, DeepSpeedFormatError)  # fmt: skip
+                yield name, slot, flat.narrow(0, start, n), step
 
 
 def _fragments_z3(
@@ -212,15 +225,18 @@ def _fragments_z3(
         rank = int(meta.get("partition_rank", dp_rank))
         offset = 0
         for name, shape in sub.items():
-            numel = math.prod(int(d) for d in shape)
-            part = -(-numel // count)
-            n = max(0, min(part, numel - rank * part))
+            size = math.prod(as_shape(shape, f"parameter {name!r}", DeepSpeedFormatError))
+            part = -(-size // count)
+            n = max(0, min(part, size - rank * part))
             for slot, flat in flats.items():
                 if n:
+                    where = f"{flat.path}: group {idx}, parameter {name!r} in {slot}"
+                    check_range(offset, n, flat.numel(), where, DeepSpeedFormatError)
                     yield name, slot, flat.narrow(0, offset, n), rank * part, step
             offset += part
 
 
+@ucp_errors(DeepSpeedFormatError, "import_deepspeed")
 @gc_paused()
 def import_deepspeed(
     src: Any,
@@ -315,6 +331,12 @@ def _import_zero(lay: RankFiles, w: AtomWriter, progress: bool | None) -> None:
         for (name, t, slot, _, start, step), data in _read_ahead(fragments(), w.budget):
             merger.put(name, t, slot, data, start, keep=None)
             merger.step(name, step)
+        for (name, t, slot), n in pos.items():  # ZeRO-1/2 fragments cover their parameter
+            if n != math.prod(merger.slice_shape(name, t)):
+                raise DeepSpeedFormatError(
+                    f"{lay.folder}: the param_slice_mappings of {name!r} ({slot}, TP rank {t}) "
+                    f"cover {n} of its {math.prod(merger.slice_shape(name, t))} elements"
+                )
         merger.check_done()
         _module_fallback(lay, merger)
         w.flush()

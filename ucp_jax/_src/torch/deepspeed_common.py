@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import NotACheckpointError, UcpError
+from ..format.paths import open_inside, refuse_symlinks
 from .lazy import LazyTensor, jsonable
 
 OSD = "optimizer_state_dict"
@@ -38,16 +39,16 @@ def resolve_folder(src: Any, tag: str | None, latest: str = "latest") -> tuple[s
     if not os.path.isdir(src):
         raise NotACheckpointError(f"{src}: no such directory")
     if tag is not None:
-        folder = os.path.join(src, str(tag))
+        folder = refuse_symlinks(src, str(tag), "tag")
         if not os.path.isdir(folder):
             tags = sorted(d for d in os.listdir(src) if os.path.isdir(os.path.join(src, d)))
             raise NotACheckpointError(f"{src}: no tag {tag!r} (tags here: {tags[:10]})")
         return folder, str(tag)
     lf = os.path.join(src, latest)
     if os.path.isfile(lf):
-        with open(lf) as f:
-            t = f.read().strip()
-        folder = os.path.join(src, t)
+        with open_inside(src, latest, "tag file") as f:
+            t = f.read(4096).decode("utf-8", "replace").strip()
+        folder = refuse_symlinks(src, t, f"{lf}: tag")
         if not os.path.isdir(folder):
             raise NotACheckpointError(f"{lf} names tag {t!r} but {folder} does not exist")
         return folder, t

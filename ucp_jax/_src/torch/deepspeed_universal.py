@@ -11,6 +11,7 @@ import glob
 import os
 from typing import Any
 
+from ..format.paths import refuse_symlinks
 from ..mapping.patterns import Partitioned, Pattern, VocabPadded
 from .deepspeed_common import (
     OSD,
@@ -21,12 +22,14 @@ from .deepspeed_common import (
     read_step,
     resolve_folder,
 )
-from .lazy import jsonable
+from .lazy import LazyTensor, jsonable
 from .lazy import load_lazy as load
+from .limits import as_shape, ucp_errors
 from .progress import Progress
 from .writer import AtomWriter
 
 
+@ucp_errors(DeepSpeedFormatError, "import_deepspeed_universal")
 def import_deepspeed_universal(
     src: Any,
     dst: Any,
@@ -52,7 +55,7 @@ def import_deepspeed_universal(
     >>> ucp.torch.import_deepspeed_universal("ds_univ/global_step3", "/tmp/ucp/step_3")  # doctest: +SKIP
     """
     folder, found_tag = resolve_folder(src, tag, latest="latest_universal")
-    zero = os.path.join(folder, "zero")
+    zero = refuse_symlinks(folder, "zero", "zero/ folder")
     if not os.path.isdir(zero):
         raise DeepSpeedFormatError(
             f"{folder}: no zero/ folder; this is not a ds_to_universal output "
@@ -61,7 +64,8 @@ def import_deepspeed_universal(
     meta, shapes = _model_states(folder)
     osd = _optimizer_state(zero)
     params = sorted(p for p in os.listdir(zero) if os.path.isdir(os.path.join(zero, p)))
-    files = [os.path.join(zero, p, f) for p in params for f in os.listdir(os.path.join(zero, p))]
+    files = [refuse_symlinks(zero, f"{p}/{f}", "parameter file")
+             for p in params for f in os.listdir(refuse_symlinks(zero, p, "parameter folder"))]  # fmt: skip
     bar = Progress(progress, sum(os.path.getsize(f) for f in files), "ucp import")
     step = _zero3_step(osd)
     with AtomWriter(dst, overwrite=overwrite) as w:
@@ -77,7 +81,8 @@ def import_deepspeed_universal(
 
 def _model_states(folder: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """(small entries of the first model states file, parameter name -> shape)."""
-    models = sorted(glob.glob(os.path.join(folder, "*model_states.pt")))
+    models = [refuse_symlinks(folder, os.path.basename(p), "model states")
+              for p in sorted(glob.glob(os.path.join(folder, "*model_states.pt")))]  # fmt: skip
     meta: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     if models:
@@ -85,13 +90,13 @@ def _model_states(folder: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...
         meta = {k: v for k, v in full.items() if k not in ("module", "optimizer")}
         for group in full.get("param_shapes") or []:
             for name, shape in group.items():
-                shapes[name] = tuple(int(d) for d in shape)
+                shapes[name] = as_shape(shape, f"{models[0]}: {name!r}", DeepSpeedFormatError)
     return meta, shapes
 
 
 def _optimizer_state(zero: str) -> dict[str, Any]:
     """`zero/optimizer_state.pt` (global optimizer state), or {} when absent."""
-    path = os.path.join(zero, "optimizer_state.pt")
+    path = refuse_symlinks(zero, "optimizer_state.pt", "optimizer state")
     return load(path) if os.path.isfile(path) else {}
 
 
@@ -124,6 +129,8 @@ def _write_slot(w: AtomWriter, name: str, slot: str, obj: Any,
                 shapes: dict[str, tuple[int, ...]]) -> None:  # fmt: skip
     """One `<slot>.pt`: `{"param": tensor, "cat_dim": d, "vocab_tensor": bool}` or a tensor."""
     t = obj["param"] if isinstance(obj, dict) else obj
+    if not isinstance(t, LazyTensor):
+        raise DeepSpeedFormatError(f"{name}/{slot}.pt: expected a tensor, found {t!r:.60}")
     shape = tuple(t.shape)
     if t.dim() == 1 and name in shapes and shapes[name] != shape:
         shape = shapes[name]  # ZeRO-3 universal tensors are flat

@@ -28,6 +28,7 @@ import torch
 from ..checkpoint import Checkpoint
 from ..errors import MismatchError
 from ..format.manifest import PARAM_SLOT, STEP_SLOT
+from ..format.paths import check_component, join_inside
 from ..mapping.patterns import Partitioned, VocabPadded, chain_from_json
 from .progress import Progress
 
@@ -93,12 +94,12 @@ def export_deepspeed_universal(
     """
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     dst = os.path.abspath(os.fspath(dst))
+    params = _parameters(ck, _renamer(names))  # names checked before anything is written
     if os.path.exists(dst):
         if not overwrite:
             raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
         shutil.rmtree(dst)
     src = (ck.manifest.source or {}).get("deepspeed") or {}
-    params = _parameters(ck, _renamer(names))
     tmp = dst + ".ucp-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     zero = os.path.join(tmp, "zero")
@@ -128,13 +129,13 @@ def export_deepspeed_universal(
 
 def _parameters(ck: Checkpoint, rename: Callable[[str], str | None]) -> dict[str, str]:
     """Atom -> torch name of every parameter atom (an `fp32` slot, no optimizer role) exported."""
-    params = {}
+    params: dict[str, str] = {}
     for atom, info in ck.atoms.items():
         if PARAM_SLOT not in info.slots or info.role is not None:
             continue
         torch_name = rename(atom)
         if torch_name is not None:
-            params[atom] = torch_name
+            params[atom] = _folder_name(atom, torch_name, params)
     if not params:
         raise MismatchError(
             f"export: {ck.path} has no parameter atoms (atoms with an 'fp32' slot); nothing to export"
@@ -165,7 +166,7 @@ def _write_params(
     step_value = None
     for atom, torch_name in params.items():
         info = ck.atoms[atom]
-        pdir = os.path.join(zero, torch_name)
+        pdir = join_inside(zero, torch_name, f"export: atom {atom!r}: parameter")
         os.makedirs(pdir, exist_ok=True)
         extra = _slot_extra(info)
         for slot in (PARAM_SLOT, *MOMENT_SLOTS):
@@ -226,6 +227,17 @@ def _model_states(src: Mapping[str, Any], shapes: collections.OrderedDict[str, t
         "ds_version": version,
         "universal_checkpoint_info": dict(src.get("universal_checkpoint_info") or {}),
     }
+
+
+def _folder_name(atom: str, torch_name: Any, taken: Mapping[str, str]) -> str:
+    """The parameter's folder name under `zero/`: one safe path component, used once."""
+    check_component(torch_name, f"export: atom {atom!r}: parameter name (its folder in zero/)")
+    if torch_name == "optimizer_state.pt" or torch_name in taken.values():
+        raise MismatchError(
+            f"export: atom {atom!r}: parameter name {torch_name!r} is already taken (by another "
+            "atom, or zero/optimizer_state.pt); rename it with `names`"
+        )
+    return torch_name
 
 
 def _group(g: Mapping[str, Any]) -> dict[str, Any]:

@@ -83,7 +83,7 @@ class Merger:
         return None
 
     def slice_shape(self, name: str, t: int) -> tuple[int, ...]:
-        s = self.shapes[name][t]
+        s = self.shapes.get(name, [None] * self.tp)[t]
         if s is None:
             raise DeepSpeedFormatError(f"parameter {name!r} has no recorded shape on TP rank {t}")
         return tuple(int(d) for d in s)
@@ -121,6 +121,13 @@ class Merger:
 
     def put(self, name: str, t: int, slot: str, flat: np.ndarray, start: int, keep: Any) -> None:
         """Elements [start, start + len) of TP rank t's slice of `name`, slot `slot`."""
+        size = math.prod(self.slice_shape(name, t))
+        if start < 0 or start + flat.size > size:
+            raise DeepSpeedFormatError(
+                f"import: parameter {name!r} ({slot}, TP rank {t}): fragments reach element "
+                f"{start + flat.size} of a slice of {size} ({list(self.slice_shape(name, t))}); "
+                "the rank files disagree with the recorded shapes"
+            )
         self.declare(name)
         k = self.kind(name)
         if k.how == "cat":

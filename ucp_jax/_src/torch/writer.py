@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ..errors import MismatchError
+from ..errors import MismatchError, UnsafePathError
 from ..format import store
 from ..format.dtypes import dtype_name
 from ..format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
+from ..format.paths import check_component
 from ..mapping.boxes import Box, box_shape, to_slices
 from ..mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_to_json
 from ..util import config
@@ -138,10 +139,17 @@ class AtomWriter:
             pattern: the chain (atom outward) that maps it to the source's layout, recorded in
                 the manifest (e.g. `VocabPadded`, `Partitioned` for TP-sliced sources).
             fused: the sub-param fusions it holds (e.g. q, k, v concatenated).
+
+        Raises:
+            UnsafePathError: the name cannot be an atom folder (not a string, empty, `.`, `..`,
+                or too long once quoted).
         """
         shape = tuple(int(d) for d in shape)
         a = self.atoms.get(name)
         if a is None:
+            if not isinstance(name, str):
+                raise UnsafePathError(f"import: tensor name {name!r} is not a string")
+            atom_dir(name)  # refuses names that cannot be a folder
             self.atoms[name] = {"shape": shape, "slots": {}, "pattern": chain_to_json(pattern),
                                 "fused": fused_marks_to_json(fused)}  # fmt: skip
         elif a["shape"] != shape:
@@ -163,6 +171,7 @@ class AtomWriter:
     ) -> tuple[SlotInfo, dict[str, Any]]:
         """The SlotInfo and TensorStore spec of one slot (its own shape, or the atom's)."""
         a = self.atoms[atom]
+        check_component(slot, f"import: atom {atom!r}: slot")
         shape = a["shape"] if slot_shape is None else tuple(int(d) for d in slot_shape)
         dt = np.dtype(dtype)
         chunks, inner = import_chunks(shape, dt.itemsize)
@@ -303,6 +312,13 @@ class AtomWriter:
         if self._local is not None:
             self._settle(0)
             self._stop_settling()
+        written = {
+            info: store.expected_chunk_keys(a["shape"] if info.shape is None else info.shape, info)
+            for a in self.atoms.values()
+            for info in a["slots"].values()
+        }
+        store.record_fingerprints(self.staging.target, written, "p0")
+        if self._local is not None:
             store.sync_tree(self._local)
         atoms = {}
         for name, a in self.atoms.items():

@@ -1,0 +1,214 @@
+"""Integrity beyond the per-chunk crc32c: which bytes belong where, and which metadata was committed.
+
+The zarr3 `crc32c` codec proves a chunk's bytes are the bytes written, not that they are the bytes
+written *for this position*: two equal-size chunk files swapped (in one array or across arrays)
+pass it. So every writer records, per stored array, a **fingerprint** of each chunk file it wrote,
+keyed by the file's chunk key, in `<array>/digests/<writer>.json` (`{"array": <path>, "chunks":
+{key: fingerprint}}`). A fingerprint is the crc32 of the crc32c values the file already carries
+(its own trailer; for a shard file, its index and every inner chunk's trailer), so it is read back
+with a few small byte-range reads per file (no second pass over the data) and changes whenever any
+byte of the file's content does. Readers compare the fingerprints of the files they are about to
+read against the table; a file that moved, or a table that names another array, is a
+`ChecksumError` naming the atom, slot and chunk.
+
+What is not covered: a writer who rewrites a chunk *and* its crc32c *and* the table on purpose.
+The checks catch damage and mix-ups, not a forger (that needs signatures, outside this format).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from ..errors import ChecksumError
+from .manifest import SlotInfo
+
+DIGEST_DIR = "digests"
+DIGEST_FORMAT = "ucp-digests/1"
+_MISSING = np.uint64(2**64 - 1)
+
+
+def grid_counts(shape: Sequence[int], chunks: Sequence[int]) -> list[int]:
+    """Chunk files per axis of an array (0 along an empty axis)."""
+    return [-(-int(d) // int(c)) if d else 0 for d, c in zip(shape, chunks)]
+
+
+def keys_in_box(box: Sequence[tuple[int, int]], chunks: Sequence[int]) -> list[str]:
+    """Chunk keys (`c/i/j`) of the files that hold any element of `box` ((start, stop) per axis).
+
+    >>> keys_in_box([(0, 4), (3, 5)], (2, 2))
+    ['c/0/1', 'c/0/2', 'c/1/1', 'c/1/2']
+    >>> keys_in_box([], ())
+    ['c']
+    """
+    if any(a >= b for a, b in box):
+        return []
+    ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, chunks)]
+    import itertools
+
+    return ["/".join(["c", *map(str, idx)]) for idx in itertools.product(*ranges)]
+
+
+def inner_per_shard(info: SlotInfo) -> int:
+    """Inner chunks in one shard file (1 for an unsharded array)."""
+    if info.inner_chunks is None:
+        return 1
+    return math.prod(c // i for c, i in zip(info.chunks, info.inner_chunks))
+
+
+def _local_dir(kv: ts.KvStore) -> str | None:
+    spec = kv.spec().to_json()
+    return spec["path"] if spec.get("driver") == "file" else None
+
+
+def _local_fingerprint(path: str, info: SlotInfo, n: int) -> str | None:
+    """`fingerprints` of one local file with one open and a few preads (no kvstore round trips)."""
+    tail = 16 * n + 4 if info.inner_chunks is not None else 4
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        t = os.pread(fd, tail, size - tail) if size >= tail else b""
+        crc = zlib.crc32(t)
+        if info.inner_chunks is not None and len(t) == tail:
+            for off, nb in np.frombuffer(t[:-4], "<u8").reshape(n, 2):
+                if off == _MISSING or nb < 4 or off > 2**62:
+                    continue
+                end = int(off) + int(nb)
+                crc = zlib.crc32(os.pread(fd, 4, end - 4) if end <= size else b"?", crc)
+        return f"{crc:08x}"
+    finally:
+        os.close(fd)
+
+
+def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[str, str]:
+    """Fingerprint of each chunk file `keys` of one array (its kvstore `kv`); missing: absent.
+
+    Local files: one open and a few preads each. Other kvstores: two rounds of batched byte-range
+    reads: each file's tail (trailer, or shard index + its trailer), then each inner chunk's
+    4-byte trailer.
+    """
+    keys = list(keys)
+    local = _local_dir(kv)
+    if local is not None:
+        n = inner_per_shard(info)
+        found = {k: _local_fingerprint(os.path.join(local, k), info, n) for k in keys}
+        return {k: v for k, v in found.items() if v is not None}
+    n = inner_per_shard(info)
+    sharded = info.inner_chunks is not None
+    tail = 16 * n + 4 if sharded else 4
+    with ts.Batch() as batch:
+        futs = [kv.read(k, byte_range=slice(-tail, None), batch=batch) for k in keys]
+    tails: dict[str, bytes] = {}
+    for k, f in zip(keys, futs):
+        try:
+            r = f.result()
+        except ValueError:  # shorter than its tail: a truncated file
+            tails[k] = b""
+            continue
+        if r.state == "value":
+            tails[k] = bytes(r.value)
+    if not sharded:
+        return {k: f"{zlib.crc32(t):08x}" for k, t in tails.items()}
+    reads: dict[str, list[Any]] = {}
+    with ts.Batch() as batch:
+        for k, t in tails.items():
+            if len(t) != tail:
+                continue
+            index = np.frombuffer(t[:-4], "<u8").reshape(n, 2)
+            reads[k] = []
+            for off, nb in index:
+                if off == _MISSING or nb < 4 or off > 2**62:
+                    continue
+                end = int(off) + int(nb)
+                reads[k].append(kv.read(k, byte_range=slice(end - 4, end), batch=batch))
+    out = {}
+    for k, t in tails.items():
+        crc = zlib.crc32(t)
+        for f in reads.get(k, []):
+            try:
+                value = bytes(f.result().value)
+            except ValueError:
+                value = b"?"
+            crc = zlib.crc32(value, crc)
+        out[k] = f"{crc:08x}"
+    return out
+
+
+def write_table(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str], writer: str) -> None:
+    """Record the fingerprints of the chunk files `keys` this writer wrote (after they landed)."""
+    fps = fingerprints(kv, info, sorted(set(keys)))
+    if not fps:
+        return
+    doc = {"format": DIGEST_FORMAT, "array": info.path, "chunks": fps}
+    kv.write(f"{DIGEST_DIR}/{writer}.json", json.dumps(doc, sort_keys=True).encode()).result()
+
+
+def read_table(
+    kv: ts.KvStore, info: SlotInfo, listing: Iterable[str], where: str
+) -> dict[str, str]:
+    """The fingerprint table of one array, from every `digests/*.json` in its listing.
+
+    Raises:
+        ChecksumError: a table is unreadable, names another array, or two tables disagree.
+    """
+    names = sorted(k for k in listing if k.startswith(DIGEST_DIR + "/") and k.endswith(".json"))
+    with ts.Batch() as batch:
+        futs = [kv.read(k, batch=batch) for k in names]
+    table: dict[str, str] = {}
+    for name, f in zip(names, futs):
+        r = f.result()
+        try:
+            doc = json.loads(bytes(r.value))
+            ok = (
+                isinstance(doc, dict)
+                and doc.get("format") == DIGEST_FORMAT
+                and isinstance(doc.get("chunks"), dict)
+                and all(isinstance(v, str) for v in doc["chunks"].values())
+            )
+        except (ValueError, RecursionError):
+            ok = False
+        if not ok:
+            raise ChecksumError(f"{where}: {name} is not a readable fingerprint table; damaged")
+        if doc.get("array") != info.path:
+            raise ChecksumError(
+                f"{where}: {name} holds the fingerprints of array {doc.get('array')!r}, not "
+                f"{info.path!r}: files were moved between arrays; the checkpoint is corrupt"
+            )
+        for k, v in doc["chunks"].items():
+            if table.setdefault(k, v) != v:
+                raise ChecksumError(f"{where}: two fingerprint tables disagree on {k}; damaged")
+    return table
+
+
+def check(
+    kv: ts.KvStore, info: SlotInfo, keys: Sequence[str], table: Mapping[str, str], where: str
+) -> None:
+    """Refuse chunk files whose fingerprint is not the one recorded for their position.
+
+    Raises:
+        ChecksumError: a file has no recorded fingerprint, or another one (naming the file).
+    """
+    missing = [k for k in keys if k not in table]
+    if missing:
+        raise ChecksumError(
+            f"{where}: no fingerprint recorded for chunk file {missing[0]!r} "
+            f"({len(missing)} in all); the digests of this array are damaged or missing"
+        )
+    got = fingerprints(kv, info, keys)
+    for k in keys:
+        if got.get(k) != table[k]:
+            raise ChecksumError(
+                f"{where}: chunk file {k!r} does not hold the bytes written for that position "
+                f"(fingerprint {got.get(k, 'missing')}, recorded {table[k]}): it was swapped, "
+                "replaced or rewritten; the checkpoint is corrupt: restore an earlier one"
+            )

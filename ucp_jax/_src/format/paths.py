@@ -1,0 +1,129 @@
+"""Names from checkpoints and source folders, turned into paths that cannot leave their folder.
+
+Every reader and writer that makes a file path out of a name it did not choose (an atom, a slot, a
+tensor name in a DeepSpeed or safetensors file, a `relative_path` in a DCP `.metadata`, a file in a
+safetensors index) goes through here:
+
+* `check_component(name)`: one path component: no separators, not `.`/`..`, no NUL, not empty.
+* `join_inside(root, rel)`: a relative path below `root` (components checked one by one).
+* `refuse_symlinks(root, rel)` / `open_inside(root, rel)`: no component below `root` is a
+  symbolic link (the root itself may be one: `/ckpt/latest -> step_100` is the user's choice).
+* `check_tree(root)`: nothing anywhere below `root` is a symbolic link.
+
+They raise `UnsafePathError` naming the name, the folder and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import IO
+
+from ..errors import UnsafePathError
+
+MAX_COMPONENT_BYTES = 255  # NAME_MAX on Linux and macOS
+
+
+def check_component(name: object, what: str) -> str:
+    """`name` as one path component, or UnsafePathError.
+
+    Args:
+        name: the name (an atom, a slot, a tensor name...).
+        what: what it names, for the message ("atom", "tensor name in x.pt", ...).
+
+    Returns:
+        `name`, unchanged.
+
+    Raises:
+        UnsafePathError: it is not a str, empty, `.` or `..`, holds `/`, `\\` or NUL, or is too long.
+
+    >>> check_component("fp32", "slot")
+    'fp32'
+    >>> check_component("../x", "slot")
+    Traceback (most recent call last):
+    ...
+    ucp_jax._src.errors.UnsafePathError: slot '../x': a path component must not hold '/' or '\\\\'; rename it
+    """
+    if not isinstance(name, str):
+        raise UnsafePathError(f"{what} {name!r}: expected a string, found {type(name).__name__}")
+    if name in ("", ".", ".."):
+        raise UnsafePathError(
+            f"{what} {name!r}: not a usable file name (empty, '.' or '..'); rename it"
+        )
+    if "/" in name or "\\" in name:
+        raise UnsafePathError(
+            f"{what} {name!r}: a path component must not hold '/' or '\\\\'; rename it"
+        )
+    if "\x00" in name:
+        raise UnsafePathError(f"{what} {name!r}: holds a NUL byte; rename it")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_COMPONENT_BYTES:
+        raise UnsafePathError(
+            f"{what} {name[:40]!r}...: longer than {MAX_COMPONENT_BYTES} bytes; rename it"
+        )
+    return name
+
+
+def split_relative(rel: object, what: str) -> list[str]:
+    """The components of a relative path with '/' separators, each checked.
+
+    Raises:
+        UnsafePathError: absolute, empty, or a component that `check_component` refuses.
+    """
+    if not isinstance(rel, str) or not rel:
+        raise UnsafePathError(f"{what} {rel!r}: expected a non-empty relative path")
+    if rel.startswith(("/", "\\")) or (len(rel) > 1 and rel[1] == ":"):
+        raise UnsafePathError(f"{what} {rel!r}: an absolute path; only paths inside the folder")
+    return [check_component(c, f"{what} {rel!r}: component") for c in rel.split("/")]
+
+
+def join_inside(root: str, rel: str, what: str) -> str:
+    """`root/rel`, refusing any `rel` that could name something outside `root`.
+
+    >>> join_inside("/src", "model-00001.safetensors", "file")
+    '/src/model-00001.safetensors'
+    """
+    return os.path.join(root, *split_relative(rel, what))
+
+
+def refuse_symlinks(root: str, rel: str, what: str) -> str:
+    """`join_inside(root, rel)`, after checking no component below `root` is a symbolic link.
+
+    Components that do not exist are not checked (opening them fails on its own).
+    """
+    path = root
+    for c in split_relative(rel, what):
+        path = os.path.join(path, c)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafePathError(
+                f"{path}: {what} is a symbolic link ({os.readlink(path)!r}); links inside a "
+                "checkpoint or source folder are refused: copy the real files in"
+            )
+    return os.path.join(root, *split_relative(rel, what))
+
+
+def open_inside(root: str, rel: str, what: str) -> IO[bytes]:
+    """Open `root/rel` for binary reading: inside `root`, and no symbolic link on the way.
+
+    Raises:
+        UnsafePathError: see `refuse_symlinks`.
+        OSError: the file cannot be opened.
+    """
+    path = refuse_symlinks(root, rel, what)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    return os.fdopen(fd, "rb")
+
+
+def check_tree(root: str, what: str) -> None:
+    """Refuse a folder with a symbolic link anywhere below it (files and folders alike)."""
+    for top, dirs, files in os.walk(root, followlinks=False):
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            if os.path.islink(path):
+                raise UnsafePathError(
+                    f"{path}: a symbolic link inside {what} {root} ({os.readlink(path)!r}); "
+                    "links are refused: copy the real files in"
+                )
