@@ -29,14 +29,14 @@ import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main  # noqa: E402
 from ucp_jax._src.errors import LimitError, MismatchError, UcpError, UnsafePathError  # noqa: E402
 from ucp_jax._src.torch.dcp import DCPFormatError, import_dcp, read_metadata  # noqa: E402
-from ucp_jax._src.torch.deepspeed import (  # noqa: E402
+from ucp_jax._src.torch.export import export_deepspeed_universal  # noqa: E402
+from ucp_jax._src.torch.safetensors import SafetensorsError, import_safetensors  # noqa: E402
+from ucp_jax._src.torch.unpickle import STAND_INS, UnsafePickleError, load  # noqa: E402
+from ucp_jax.torch import (  # noqa: E402
     DeepSpeedFormatError,
     import_deepspeed,
     import_deepspeed_universal,
 )
-from ucp_jax._src.torch.export import export_deepspeed_universal  # noqa: E402
-from ucp_jax._src.torch.safetensors import SafetensorsError, import_safetensors  # noqa: E402
-from ucp_jax._src.torch.unpickle import STAND_INS, UnsafePickleError, load  # noqa: E402
 
 # ------------------------------------------------------------------------------- the harness
 
