@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from .model import GPTConfig, Layout, PyTree, _fused_sizes, param_shardings
+from .model import GPTConfig, Layout, PyTree, fused_sizes, param_shardings
 
 _BLOCK_PARAMS = (
     "ln1.scale",
@@ -92,7 +92,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _put(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
+def put_sharded(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global host array as a jax.Array with `sharding` (each device takes its region)."""
     return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
 
@@ -112,7 +113,7 @@ def to_layout(
     """
     layout.check(config)
     c, t = config, layout.tensor
-    vp, fused = c.padded_vocab(t), _fused_sizes(config)
+    vp, fused = c.padded_vocab(t), fused_sizes(config)
     flat: dict[str, np.ndarray] = {}
     emb = canonical["embed.embedding"]
     flat["embed.embedding"] = np.pad(emb, ((0, vp - c.vocab_size), (0, 0)))
@@ -127,7 +128,7 @@ def to_layout(
         stacked = np.stack(per_layer)
         flat[f"layers.{name}"] = stacked.reshape(lead + stacked.shape[1:])
     shardings = param_shardings(config, layout, mesh)
-    return jax.tree.map(_put, _unflatten(flat), shardings)
+    return jax.tree.map(put_sharded, _unflatten(flat), shardings)
 
 
 def from_layout(params: PyTree, config: GPTConfig, layout: Layout) -> dict[str, np.ndarray]:
@@ -143,7 +144,7 @@ def from_layout(params: PyTree, config: GPTConfig, layout: Layout) -> dict[str, 
     """
     c, t = config, layout.tensor
     flat = {k: np.asarray(v) for k, v in _flatten(params).items()}
-    fused = _fused_sizes(config)
+    fused = fused_sizes(config)
     out = {
         "embed.embedding": flat["embed.embedding"][: c.vocab_size],
         "unembed.kernel": flat["unembed.kernel"][:, : c.vocab_size],

@@ -231,7 +231,8 @@ def _block(x: jax.Array, p: dict, c: GPTConfig, t: int) -> jax.Array:
 # ----------------------------------------------------------------------------- layouts
 
 
-def _fused_sizes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+def fused_sizes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The sub-param sizes of each fused leaf (qkv, gate_up) of a config."""
     c = config
     qkv = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim)
     return {"attn.qkv.kernel": qkv, "mlp.gate_up.kernel": (c.d_ff, c.d_ff)}
@@ -306,7 +307,7 @@ def ucp_rules(config: GPTConfig, layout: Layout) -> list[tuple[str, Any]]:
         (r"embed\.embedding", ucp.VocabPadded(config.vocab_size, axis=0)),
         (r"unembed\.kernel", ucp.VocabPadded(config.vocab_size, axis=1)),
     ]
-    for name, sizes in _fused_sizes(config).items():
+    for name, sizes in fused_sizes(config).items():
         fused = ucp.Fused(sizes, axis=1, shard_axis="tensor")  # axis of the per-layer atom
         rules.append((r"layers\.(" + re.escape(name) + ")", (fused, stacked)))
     rules.append((r"layers\.(.*)", stacked))

@@ -11,7 +11,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .layouts import _put
+from .layouts import put_sharded
 from .model import (
     BATCH_AXES,
     GPTConfig,
@@ -122,7 +122,7 @@ def batch(config: GPTConfig, step: int, batch_size: int, mesh: Mesh) -> jax.Arra
     start = rng.integers(0, config.vocab_size, size=(batch_size, 1))
     stride = rng.integers(1, 9, size=(batch_size, 1))
     tokens = ((start + stride * np.arange(config.seq_len + 1)) % config.vocab_size).astype(np.int32)
-    return _put(tokens, NamedSharding(mesh, P(BATCH_AXES, None)))
+    return put_sharded(tokens, NamedSharding(mesh, P(BATCH_AXES, None)))
 
 
 def loss_fn(params: PyTree, tokens: jax.Array, config: GPTConfig, layout: Layout) -> jax.Array:

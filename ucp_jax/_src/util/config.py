@@ -7,34 +7,23 @@ before the call it affects. The README's "Environment switches" table lists them
 from __future__ import annotations
 
 import os
+from typing import Any
 
 GIB = 1 << 30
 MIB = 1 << 20
 
 
-def _int(name: str, default: int) -> int:
+def _number(name: str, default: float, kind: type, unit: str) -> Any:
+    """The environment variable `name` as a `kind` (int or float), or `default` when unset."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
         raise ValueError(
-            f"environment variable {name}={raw!r} is not an integer (bytes); "
-            f"unset it or give a whole number such as {default}"
-        ) from None
-
-
-def _float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(
-            f"environment variable {name}={raw!r} is not a number (seconds); "
-            f"unset it or give a number such as {default:g}"
+            f"environment variable {name}={raw!r} is not {'an integer' if kind is int else 'a number'}"
+            f" ({unit}); unset it or give one such as {kind(default)}"
         ) from None
 
 
@@ -44,7 +33,7 @@ def inflight_bytes() -> int:
     >>> inflight_bytes() > 0
     True
     """
-    return _int("UCP_INFLIGHT_BYTES", GIB)
+    return int(_number("UCP_INFLIGHT_BYTES", GIB, int, "bytes"))
 
 
 def import_inflight_bytes() -> int:
@@ -54,7 +43,7 @@ def import_inflight_bytes() -> int:
     >>> import_inflight_bytes() > 0
     True
     """
-    return _int("UCP_IMPORT_INFLIGHT_BYTES", 64 * MIB)
+    return int(_number("UCP_IMPORT_INFLIGHT_BYTES", 64 * MIB, int, "bytes"))
 
 
 def barrier_timeout_s() -> float:
@@ -64,7 +53,7 @@ def barrier_timeout_s() -> float:
     >>> barrier_timeout_s() > 0
     True
     """
-    return _float("UCP_BARRIER_TIMEOUT_S", 1800.0)
+    return float(_number("UCP_BARRIER_TIMEOUT_S", 1800.0, float, "seconds"))
 
 
 def snapshot_device_copies() -> bool:
