@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from ._src.checkpoint import Checkpoint as Checkpoint
     from ._src.checkpoint import list_checkpoints as list_checkpoints
     from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
+    from ._src.importers.orbax import import_orbax as import_orbax
+    from ._src.importers.orbax_source import OrbaxImportError as OrbaxImportError
     from ._src.restore import restore as restore
     from ._src.save import SaveHandle as SaveHandle
     from ._src.save import async_save as async_save
@@ -49,6 +51,8 @@ _LAZY = {
     "Checkpoint": ("._src.checkpoint", "Checkpoint"),
     "list_checkpoints": ("._src.checkpoint", "list_checkpoints"),
     "open": ("._src.checkpoint", "open_checkpoint"),
+    "import_orbax": ("._src.importers.orbax", "import_orbax"),
+    "OrbaxImportError": ("._src.importers.orbax_source", "OrbaxImportError"),
     "restore": ("._src.restore", "restore"),
     "SaveHandle": ("._src.save", "SaveHandle"),
     "async_save": ("._src.save", "async_save"),

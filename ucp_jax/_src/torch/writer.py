@@ -131,8 +131,11 @@ class AtomWriter:
         *,
         pattern: list[dict[str, Any]] | None = None,
         fused: list[dict[str, Any]] | None = None,
+        role: str | None = None,
     ) -> None:
         """Declare an atom (idempotent; the shape must not change).
+
+        `role`: for an optimizer leaf that mirrors no parameter, e.g. 'ScaleByAdamState.count'.
 
         Raises:
             UnsafePathError: the name cannot be an atom folder (not a string, empty, `.`, `..`,
@@ -145,7 +148,7 @@ class AtomWriter:
                 raise UnsafePathError(f"import: tensor name {name!r} is not a string")
             check_component(atom_dir(name)[len("atoms/") :], f"import: tensor {name!r} as atom")
             self.atoms[name] = {"shape": shape, "slots": {}, "pattern": pattern or [],
-                                "fused": fused or []}  # fmt: skip
+                                "fused": fused or [], "role": role}  # fmt: skip
         elif a["shape"] != shape:
             raise MismatchError(
                 f"import: parameter {name!r} has shape {a['shape']} in one file and {shape} in "
@@ -303,8 +306,20 @@ class AtomWriter:
 
     # ------------------------------------------------------------------------------- commit
 
-    def commit(self, *, step: int | None, source: dict[str, Any], extra: Any = None) -> str:
-        """Write the manifest and COMMIT; returns the checkpoint's location."""
+    def commit(
+        self,
+        *,
+        step: int | None,
+        source: dict[str, Any],
+        extra: Any = None,
+        rules: list[list[Any]] | None = None,
+        leaves: dict[str, dict[str, Any]] | None = None,
+    ) -> str:
+        """Write the manifest and COMMIT; returns the checkpoint's location.
+
+        `rules` / `leaves`: the manifest's rules and leaf records, when the importer mapped the
+        source's leaves with rules (restore uses them when it is given none).
+        """
         self.flush()
         if self._local is not None:
             self._settle(0)
@@ -324,7 +339,7 @@ class AtomWriter:
             main = a["slots"].get(PARAM_SLOT) or next(iter(a["slots"].values()))
             atoms[name] = AtomInfo(
                 shape=a["shape"], dtype=main.dtype, slots=a["slots"], pattern=a["pattern"],
-                leaf=name, fused=a["fused"],
+                leaf=name, fused=a["fused"], role=a.get("role"),
             )  # fmt: skip
         src = {
             "library": "ucp_jax",
@@ -332,7 +347,9 @@ class AtomWriter:
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **source,
         }
-        self.staging.commit(Manifest(step=step, atoms=atoms, source=src, extra=extra))
+        manifest = Manifest(step=step, atoms=atoms, source=src, extra=extra, rules=rules or [],
+                            leaves=leaves or {})  # fmt: skip
+        self.staging.commit(manifest)
         return self.loc.url
 
     def __enter__(self) -> AtomWriter:
