@@ -197,6 +197,16 @@ def small_orbax(tmp_path_factory) -> Path:
 
 def _damaged(small_orbax: Path, tmp_path: Path, how: str) -> Path:
     src = tmp_path / "src"
+    if how == "chunk-missing":  # one zarr3 folder per array: metadata intact, data gone
+        params = {"a": np.ones((64, 8), np.float32), "z": np.ones(4, np.float32)}
+        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)
+        with ocp.Checkpointer(handler) as ckptr:
+            ckptr.save(src, args=ocp.args.PyTreeSave({"params": params}))
+        chunks = [f for f in (src / "params.z").rglob("*") if f.is_file() and f.name != "zarr.json"]
+        assert chunks
+        for f in chunks:
+            f.unlink()
+        return src
     shutil.copytree(small_orbax, src)
     if how == "metadata-garbage":
         (src / "_METADATA").write_text("{not json")
@@ -220,7 +230,7 @@ def _damaged(small_orbax: Path, tmp_path: Path, how: str) -> Path:
 
 @pytest.mark.parametrize(
     "how", ["metadata-garbage", "metadata-truncated", "data-missing", "data-corrupt",
-            "ocdbt-manifest-gone"],  # fmt: skip
+            "ocdbt-manifest-gone", "chunk-missing"],  # fmt: skip
 )
 def test_damaged_orbax_checkpoint_clear_error_nothing_left(tmp_path, small_orbax, how):
     src = _damaged(small_orbax, tmp_path, how)

@@ -317,6 +317,10 @@ def convert_main(args: Any) -> int:
     """`ucp convert orbax SRC DST [--item I] [--step N] [--overwrite]`: prints one line."""
     from ..checkpoint import Checkpoint
 
+    if "MALLOC_ARENA_MAX" not in os.environ:  # bounded memory: see limit_malloc_arenas
+        from ..torch.writer import limit_malloc_arenas
+
+        limit_malloc_arenas(2)
     t0 = time.perf_counter()
     out = import_orbax(args.src, args.dst, item=args.item, step=args.step, overwrite=args.overwrite)
     ck = Checkpoint(out)
