@@ -29,6 +29,7 @@ import time
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, REPO)  # this checkout's ucp_jax, before any installed one
 
 from convert_deepspeed import run_measured  # noqa: E402  (the same measurement)
 
@@ -140,7 +141,7 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     for name, cmd in cmds.items():
         subprocess.run(["sync"], check=False)  # no dirty pages of the run before
-        wall, peak, tail = run_measured(cmd, env)
+        wall, peak, _ = run_measured(cmd, env)
         results[name] = {"wall_s": round(wall, 2), "peak_rss_bytes": peak}
         print(f"{name}: {wall:.1f} s, peak RSS {peak / 2**20:.0f} MiB", flush=True)
     t0 = time.perf_counter()

@@ -7,7 +7,6 @@ of their parameter's atom. Damaged or foreign input must give a clear UcpError a
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -229,8 +228,15 @@ def _damaged(small_orbax: Path, tmp_path: Path, how: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    "how", ["metadata-garbage", "metadata-truncated", "data-missing", "data-corrupt",
-            "ocdbt-manifest-gone", "chunk-missing"],  # fmt: skip
+    "how",
+    [
+        "metadata-garbage",
+        "metadata-truncated",
+        "data-missing",
+        "data-corrupt",
+        "ocdbt-manifest-gone",
+        "chunk-missing",
+    ],
 )
 def test_damaged_orbax_checkpoint_clear_error_nothing_left(tmp_path, small_orbax, how):
     src = _damaged(small_orbax, tmp_path, how)

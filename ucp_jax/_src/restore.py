@@ -17,8 +17,8 @@ from .checkpoint import Checkpoint, _wrap_io, list_checkpoints, open_checkpoint
 from .errors import MismatchError, NotACheckpointError, PatternError
 from .format.dtypes import np_dtype
 from .format.manifest import STEP_SLOT, AtomInfo
-from .mapping.names import legacy_names
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
+from .mapping.names import legacy_names
 from .mapping.patterns import box_shape, box_size, index_to_box, relative_slices, to_slices
 from .mapping.rules import CompiledRules, Rule
 from .util.gcpause import gc_paused

@@ -42,6 +42,7 @@ from ..mapping.rules import CompiledRules, Rule
 from ..torch.writer import DEFAULT_INFLIGHT_BYTES, AtomWriter, import_chunks
 from .orbax_source import OrbaxArray, OrbaxImportError, OrbaxSource, open_orbax
 
+OCDBT_CACHE_BYTES = 16 << 20
 MAX_ELEMENTS = 1 << 48  # of one array; more is a damaged or hostile shape
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -114,10 +115,11 @@ class _Reader:
     """Opens the source arrays (concurrently) and reads blocks of them ahead, within a budget."""
 
     def __init__(self, src: OrbaxSource, bindings: Sequence[LeafBinding]) -> None:
-        import orbax.checkpoint as ocp
         import tensorstore as ts
 
-        self.ctx = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+        # the resource Orbax's OCDBT specs name, with a small B-tree node cache: Orbax's
+        # default (100 MB) would be most of this importer's memory
+        self.ctx = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": OCDBT_CACHE_BYTES}})
         self.where: dict[str, OrbaxArray] = {}
         futs = []
         for b in bindings:

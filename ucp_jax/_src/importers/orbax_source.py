@@ -100,9 +100,7 @@ def _is_item(folder: str) -> bool:
 
 def _subdirs(folder: str) -> list[str]:
     try:
-        return sorted(
-            e.name for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)
-        )
+        return sorted(e.name for e in os.scandir(folder) if e.is_dir(follow_symlinks=False))
     except OSError as e:
         raise NotACheckpointError(f"{folder}: cannot list the folder ({e.strerror or e})") from e
 
