@@ -257,7 +257,7 @@ def test_not_an_orbax_checkpoint(tmp_path, small_orbax, capsys):
     ucp.save(tmp_path / "universal", {"w": np.ones(3, np.float32)})
     (tmp_path / "file").write_text("x")
     for src in ("empty", "universal", "file", "missing"):
-        with pytest.raises(ucp.NotACheckpointError, match="Orbax|no such folder"):
+        with pytest.raises(ucp.NotACheckpointError, match=r"Orbax|no such folder"):
             ucp.import_orbax(tmp_path / src, out / "ucp")
     with pytest.raises(ucp.NotACheckpointError, match="no PyTree item 'state'"):
         ucp.import_orbax(small_orbax.parent, out / "ucp", item="state")
