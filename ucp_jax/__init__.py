@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from ._src.checkpoint import Checkpoint as Checkpoint
     from ._src.checkpoint import list_checkpoints as list_checkpoints
     from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
+    from ._src.importers.orbax import import_orbax as import_orbax
+    from ._src.importers.orbax_source import OrbaxImportError as OrbaxImportError
     from ._src.restore import ReadStats as ReadStats
     from ._src.restore import last_read_stats as last_read_stats
     from ._src.restore import restore as restore
@@ -51,6 +53,8 @@ _LAZY = {
     "Checkpoint": ("._src.checkpoint", "Checkpoint"),
     "list_checkpoints": ("._src.checkpoint", "list_checkpoints"),
     "open": ("._src.checkpoint", "open_checkpoint"),
+    "import_orbax": ("._src.importers.orbax", "import_orbax"),
+    "OrbaxImportError": ("._src.importers.orbax_source", "OrbaxImportError"),
     "restore": ("._src.restore", "restore"),
     "ReadStats": ("._src.restore", "ReadStats"),
     "last_read_stats": ("._src.restore", "last_read_stats"),

@@ -111,7 +111,7 @@ def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
 
 
 def _add_torch_commands(sub: Any) -> None:
-    """`ucp convert deepspeed|safetensors|dcp SRC DST` and `ucp export deepspeed-universal SRC DST`."""
+    """`ucp convert deepspeed|safetensors|dcp|orbax SRC DST` and `ucp export deepspeed-universal SRC DST`."""
     conv = sub.add_parser("convert", help="import a PyTorch checkpoint as a universal checkpoint")
     kinds = conv.add_subparsers(dest="kind", required=True)
     p = kinds.add_parser(
@@ -125,6 +125,11 @@ def _add_torch_commands(sub: Any) -> None:
     p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as stored)")
     p = kinds.add_parser("dcp", help="a torch.distributed.checkpoint folder (e.g. FSDP2)")
     p.add_argument("--model-prefix", default="model.", help="prefix stripped from model entries")
+    p = kinds.add_parser(
+        "orbax", help="an Orbax checkpoint: item folder, CheckpointManager step folder or root"
+    )
+    p.add_argument("--item", default=None, help="only this item of a step folder (e.g. state)")
+    p.add_argument("--step", type=int, default=None, help="step of a CheckpointManager root")
     exp = sub.add_parser("export", help="write a universal checkpoint in a PyTorch format")
     ekinds = exp.add_subparsers(dest="kind", required=True)
     ekinds.add_parser("deepspeed-universal", help="a folder DeepSpeed resumes (load_universal)")
@@ -206,6 +211,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_torch_commands(sub)
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "convert" and args.kind == "orbax":
+            from .importers.orbax import convert_main
+
+            try:
+                return convert_main(args)
+            except (FileExistsError, FileNotFoundError, NotADirectoryError) as e:
+                print(f"ucp convert: {e}", file=sys.stderr)
+                return 1
         if args.cmd in ("convert", "export"):
             return _torch_command(args)
         if args.cmd == "inspect":

@@ -17,6 +17,7 @@ from .format.manifest import STEP_SLOT, AtomInfo
 from .format.store import wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
 from .mapping.boxes import box_shape, box_size, index_to_box, relative_slices, to_slices
+from .mapping.names import legacy_names
 from .mapping.patterns import Fused, chain_from_json, fused_marks_to_json
 from .mapping.rules import CompiledRules, Rule
 from .util import config
@@ -102,6 +103,10 @@ def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool) -> _Resolved:
             if p.atom is None or p.atom in atom_of:
                 continue
             name, slot = p.atom, b.slot
+            if name not in ckpt.atoms:  # written before NNX / Linen names were unified?
+                name = next(
+                    (n for n in legacy_names(name, b.base, b.legacy) if n in ckpt.atoms), name
+                )
             if b.role is not None and name not in ckpt.atoms:
                 name, slot = _by_role(ckpt, b)
             info = ckpt.atom(name, leaf=b.name)

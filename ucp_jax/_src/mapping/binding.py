@@ -13,7 +13,7 @@ import numpy as np
 from ..format.dtypes import dtype_name, np_dtype
 from ..format.manifest import PARAM_SLOT, VALUE_SLOT
 from .boxes import Box, box_size, full_box, index_to_box
-from .names import named_leaves
+from .names import named_leaves, path_to_name
 from .patterns import LeafContext, PatternChain, Piece, atom_shapes, chain_pieces
 from .rules import CompiledRules
 from .slots import OPT_PREFIX, classify_opt_state
@@ -37,6 +37,8 @@ class LeafBinding:
         ctx: what the patterns know about the leaf (name, regex match, mesh axis sizes).
         shape, dtype, sharding: the leaf's global shape, dtype and sharding (None for host values).
         value: the array, ShapeDtypeStruct or host value itself.
+        legacy: the base name jax's raw key path gives when it differs from `base` (an NNX
+            `.value`, a Linen `params.` prefix): checkpoints written before names were unified.
     """
 
     name: str
@@ -51,6 +53,7 @@ class LeafBinding:
     dtype: np.dtype
     sharding: jax.sharding.Sharding | None
     value: Any
+    legacy: str | None = None
 
     def pieces(self, box: Box) -> list[Piece]:
         """Atom pieces filling `box` of this leaf."""
@@ -92,12 +95,15 @@ def bind_state(
     param_leaves = named_leaves(params)
     pbind: list[LeafBinding] = []
     by_name: dict[str, LeafBinding] = {}
-    for name, _, leaf in param_leaves:
+    legacy: dict[str, str] = {}
+    for name, path, leaf in param_leaves:
+        if path_to_name(path) != name:
+            legacy[name] = path_to_name(path)
         shape, dtype, sharding = _leaf_meta(leaf, name)
         idx, m, chain = rules.match(name)
         ctx = LeafContext(name, m, mesh_axes(sharding))
         b = LeafBinding(name, "param", name, PARAM_SLOT, None, idx, chain, ctx, shape, dtype,
-                        sharding, leaf)  # fmt: skip
+                        sharding, leaf, legacy.get(name))  # fmt: skip
         pbind.append(b)
         by_name[name] = b
     obind: list[LeafBinding] = []
@@ -111,12 +117,13 @@ def bind_state(
                 p = by_name[o.param]
                 ctx = LeafContext(o.name, p.ctx.match, mesh_axes(sharding), base=o.param)
                 b = LeafBinding(o.name, "opt", o.param, o.slot or "", None, p.rule, p.chain, ctx,
-                                shape, dtype, sharding, o.leaf)  # fmt: skip
+                                shape, dtype, sharding, o.leaf, p.legacy)  # fmt: skip
             else:
                 idx, m, chain = rules.match(o.name)
                 ctx = LeafContext(o.name, m, mesh_axes(sharding))
+                raw = path_to_name(o.path, OPT_PREFIX)
                 b = LeafBinding(o.name, "opt", o.name, VALUE_SLOT, o.role, idx, chain, ctx,
-                                shape, dtype, sharding, o.leaf)  # fmt: skip
+                                shape, dtype, sharding, o.leaf, raw if raw != o.name else None)  # fmt: skip
             obind.append(b)
     return pbind, obind
 

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from ..format.manifest import SLOT_ALIASES
-from .names import key_to_str, path_to_name
+from .names import is_variable, key_to_str, named_leaves, path_to_name
 
 OPT_PREFIX = "opt_state"
 
@@ -45,7 +45,8 @@ def classify_opt_state(
 ) -> list[OptLeaf]:
     """Split an optax state into parameter-mirroring leaves and the rest.
 
-    A subtree mirrors the parameters when it has the params' tree structure and leaf shapes (adam's
+    A subtree mirrors the parameters when it has the params' tree structure (or their leaf names,
+    as when NNX holds them) and leaf shapes (adam's
     mu/nu, sgd's trace, MultiSteps' acc_grads, ...). Its slot is the field name that holds it,
     renamed as DeepSpeed names it (mu -> exp_avg, nu -> exp_avg_sq); if two subtrees would share a
     slot name, both use their full path instead.
@@ -64,33 +65,41 @@ def classify_opt_state(
     out: list[OptLeaf] = []
 
     def is_mirror(node: Any) -> bool:
-        if jax.tree_util.tree_structure(node) != params_def:
+        if [_shape(x) for x in jax.tree_util.tree_leaves(node)] != shapes:
             return False
-        return [_shape(x) for x in jax.tree_util.tree_leaves(node)] == shapes
+        if jax.tree_util.tree_structure(node) == params_def:
+            return True
+        try:  # the same parameter names, held another way (NNX variables, nnx.State, ...)
+            return [n for n, _, _ in named_leaves(node)] == list(param_names)
+        except ValueError:
+            return False
 
-    def walk(node: Any, path: tuple[Any, ...], container: str) -> None:
+    def walk(node: Any, path: tuple[Any, ...], npath: tuple[Any, ...], container: str) -> None:
+        # path: jax's key path; npath: the same without the `.value` of NNX variables
         if not jax.tree_util.tree_leaves(node):
             return
-        field = key_to_str(path[-1]) if path else "state"
+        field = key_to_str(npath[-1]) if npath else "state"
         if shapes and is_mirror(node):
             slot = SLOT_ALIASES.get(field, field)
             mirrors.append((path, slot))
-            for (sub, leaf), pname in zip(
-                jax.tree_util.tree_flatten_with_path(node)[0], param_names
-            ):
-                full = path + tuple(sub)
-                out.append(OptLeaf(full, path_to_name(full, OPT_PREFIX), pname, slot, None, leaf))
+            head = path_to_name(npath, OPT_PREFIX)
+            for (sub_name, sub, leaf), pname in zip(named_leaves(node), param_names):
+                name = f"{head}.{sub_name}" if sub_name else head
+                out.append(OptLeaf(path + tuple(sub), name, pname, slot, None, leaf))
             return
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node)):
-            name = path_to_name(path, OPT_PREFIX)
+            name = path_to_name(npath, OPT_PREFIX)
             out.append(OptLeaf(path, name, None, None, f"{container}.{field}", node))
             return
         children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-        kind = type(node).__name__
+        wrapper = is_variable(node)
+        kind = container if wrapper else type(node).__name__
         for sub, child in children:
-            walk(child, path + tuple(sub), kind)
+            sub = tuple(sub)
+            nsub = sub[1:] if wrapper and sub and key_to_str(sub[0]) == "value" else sub
+            walk(child, path + sub, npath + nsub, kind)
 
-    walk(opt_state, (), type(opt_state).__name__)
+    walk(opt_state, (), (), type(opt_state).__name__)
     # Resolve clashing slot names (e.g. two momentum traces in one chain) by their full path.
     counts: dict[str, int] = {}
     for _, slot in mirrors:

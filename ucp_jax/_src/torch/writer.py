@@ -130,6 +130,7 @@ class AtomWriter:
         *,
         pattern: Sequence[Pattern] = (),
         fused: Sequence[FusedMark] = (),
+        role: str | None = None,
     ) -> None:
         """Declare an atom (idempotent; the shape must not change).
 
@@ -139,6 +140,7 @@ class AtomWriter:
             pattern: the chain (atom outward) that maps it to the source's layout, recorded in
                 the manifest (e.g. `VocabPadded`, `Partitioned` for TP-sliced sources).
             fused: the sub-param fusions it holds (e.g. q, k, v concatenated).
+            role: for an optimizer leaf that mirrors no parameter, e.g. 'ScaleByAdamState.count'.
 
         Raises:
             UnsafePathError: the name cannot be an atom folder (not a string, empty, `.`, `..`,
@@ -151,7 +153,7 @@ class AtomWriter:
                 raise UnsafePathError(f"import: tensor name {name!r} is not a string")
             atom_dir(name)  # refuses names that cannot be a folder
             self.atoms[name] = {"shape": shape, "slots": {}, "pattern": chain_to_json(pattern),
-                                "fused": fused_marks_to_json(fused)}  # fmt: skip
+                                "fused": fused_marks_to_json(fused), "role": role}  # fmt: skip
         elif a["shape"] != shape:
             raise MismatchError(
                 f"import: parameter {name!r} has shape {a['shape']} in one file and {shape} in "
@@ -306,8 +308,20 @@ class AtomWriter:
 
     # ------------------------------------------------------------------------------- commit
 
-    def commit(self, *, step: int | None, source: dict[str, Any], extra: Any = None) -> str:
-        """Write the manifest and COMMIT; returns the checkpoint's location."""
+    def commit(
+        self,
+        *,
+        step: int | None,
+        source: dict[str, Any],
+        extra: Any = None,
+        rules: list[list[Any]] | None = None,
+        leaves: dict[str, dict[str, Any]] | None = None,
+    ) -> str:
+        """Write the manifest and COMMIT; returns the checkpoint's location.
+
+        `rules` / `leaves`: the manifest's rules and leaf records, when the importer mapped the
+        source's leaves with rules (restore uses them when it is given none).
+        """
         self.flush()
         if self._local is not None:
             self._settle(0)
@@ -327,10 +341,12 @@ class AtomWriter:
             main = a["slots"].get(PARAM_SLOT) or next(iter(a["slots"].values()))
             atoms[name] = AtomInfo(
                 shape=a["shape"], dtype=main.dtype, slots=a["slots"], pattern=a["pattern"],
-                leaf=name, fused=a["fused"],
+                leaf=name, fused=a["fused"], role=a.get("role"),
             )  # fmt: skip
         src = {**source_header(), **source}
-        self.staging.commit(Manifest(step=step, atoms=atoms, source=src, extra=extra))
+        manifest = Manifest(step=step, atoms=atoms, source=src, extra=extra, rules=rules or [],
+                            leaves=leaves or {})  # fmt: skip
+        self.staging.commit(manifest)
         return self.loc.url
 
     def __enter__(self) -> AtomWriter:

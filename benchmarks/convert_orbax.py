@@ -1,0 +1,176 @@
+"""Orbax checkpoint -> universal: `ucp convert orbax` vs Orbax restore of the whole tree + `ucp.save`.
+
+Builds (once, cached in --workdir) an Orbax `StandardCheckpointer` checkpoint of params + Adam
+state sharded on a (2, 4) mesh of CPU devices (OCDBT, Orbax's defaults): an embedding of
+--embed-mib, a head of half that, a scanned [8, 1024, 1024] block stack and biases, with `mu` and
+`nu`: 1.2 GiB with the defaults. Then, each in a fresh process, one after the other:
+
+- `ucp convert orbax SRC DST` (streams array by array);
+- the route a user has without it: `StandardCheckpointer().restore` of the whole tree onto one
+  device, then `ucp.save` of it;
+- an idle process that only imports what the converter imports (the interpreter's own RSS).
+
+It measures wall time and the peak resident memory of each process tree (sampled every 20 ms),
+checks both outputs hold identical atoms, and prints a table (and --json).
+
+    python benchmarks/convert_orbax.py [--embed-mib 256] [--workdir /tmp/ucp_bench_orbax]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.abspath(__file__)
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, REPO)  # this checkout's ucp_jax, before any installed one
+
+from convert_deepspeed import run_measured  # noqa: E402  (the same measurement)
+
+
+def build(path: str, embed_mib: int) -> None:
+    """Write the Orbax checkpoint (runs in a worker process with 8 CPU devices)."""
+    import jax
+    import numpy as np
+    import optax
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    rng = np.random.default_rng(0)
+    dim = 4096
+    rows = embed_mib * 2**20 // (dim * 4)
+
+    def arr(shape: tuple[int, ...], spec: P) -> jax.Array:
+        x = rng.standard_normal(shape, np.float32)
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    params = {
+        "embed": {"embedding": arr((rows, dim), P("model", "data"))},
+        "blocks": {"mlp": {"kernel": arr((8, 1024, 1024), P(None, "data", "model")),
+                           "bias": arr((8, 1024), P(None, "model"))}},
+        "head": {"kernel": arr((dim, rows // 2), P("data", "model"))},
+    }  # fmt: skip
+    mu = jax.tree.map(lambda x: x * 0.1, params)
+    nu = jax.tree.map(lambda x: x * x, params)
+    opt = (optax.ScaleByAdamState(jax.numpy.asarray(1000, jax.numpy.int32), mu, nu),
+           optax.EmptyState())  # fmt: skip
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(path, {"params": params, "opt_state": opt, "step": 1000})
+
+
+def today(src: str, dst: str) -> None:
+    """Orbax restore of the whole tree onto one device, then ucp.save: the route without ucp."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    import ucp_jax as ucp
+
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with ocp.StandardCheckpointer() as ck:
+        meta = ck.metadata(src).item_metadata.tree
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), meta)
+        state = ck.restore(src, target)
+    ucp.save(dst, state["params"], state["opt_state"], step=int(state["step"]))
+
+
+def idle() -> None:
+    """Import what `ucp convert orbax` imports, and nothing else."""
+    import orbax.checkpoint  # noqa: F401
+
+    import ucp_jax._src.importers.orbax  # noqa: F401
+
+
+def compare(a: str, b: str) -> int:
+    """Both checkpoints hold the same atoms, slots and bytes; returns the arrays compared."""
+    import numpy as np
+
+    import ucp_jax as ucp
+
+    ca, cb = ucp.open(a), ucp.open(b)
+    assert sorted(ca.atoms) == sorted(cb.atoms), (sorted(ca.atoms), sorted(cb.atoms))
+    n = 0
+    for name, info in ca.atoms.items():
+        assert set(info.slots) == set(cb.atoms[name].slots), name
+        for slot in info.slots:
+            x, y = np.asarray(ca.read(name, slot)), np.asarray(cb.read(name, slot))
+            assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), (name, slot)
+            n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--embed-mib", type=int, default=256, help="size of the largest array")
+    ap.add_argument("--workdir", default="/tmp/ucp_bench_orbax")
+    ap.add_argument("--json", default="bench_out/convert_orbax.json", help="results as JSON")
+    ap.add_argument("--worker", nargs="+", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        kind, *rest = args.worker
+        {"build": lambda: build(rest[0], args.embed_mib), "today": lambda: today(*rest),
+         "idle": idle}[kind]()  # fmt: skip
+        return
+    src = os.path.join(args.workdir, f"orbax_{args.embed_mib}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu")  # fmt: skip
+    if not os.path.isdir(src):
+        print(f"building the Orbax checkpoint in {src} ...", flush=True)
+        build_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        subprocess.run([sys.executable, HERE, "--embed-mib", str(args.embed_mib), "--worker",
+                        "build", src], check=True, env=build_env)  # fmt: skip
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(src) for f in fs)
+    largest = args.embed_mib * 2**20
+    out_convert = os.path.join(args.workdir, "ucp_convert")
+    out_today = os.path.join(args.workdir, "ucp_today")
+    cmds = {
+        "ucp convert orbax": [sys.executable, "-m", "ucp_jax._src.cli", "convert", "orbax", src,
+                              out_convert],
+        "Orbax restore + ucp.save": [sys.executable, HERE, "--worker", "today", src, out_today],
+        "idle (imports only)": [sys.executable, HERE, "--worker", "idle"],
+    }  # fmt: skip
+    results = {}
+    for d in (out_convert, out_today):
+        shutil.rmtree(d, ignore_errors=True)
+    for name, cmd in cmds.items():
+        subprocess.run(["sync"], check=False)  # no dirty pages of the run before
+        wall, peak, _ = run_measured(cmd, env)
+        results[name] = {"wall_s": round(wall, 2), "peak_rss_bytes": peak}
+        print(f"{name}: {wall:.1f} s, peak RSS {peak / 2**20:.0f} MiB", flush=True)
+    t0 = time.perf_counter()
+    checked = compare(out_convert, out_today)
+    a, b = results["ucp convert orbax"], results["Orbax restore + ucp.save"]
+    base = results["idle (imports only)"]["peak_rss_bytes"]
+    rows = [
+        ("checkpoint", f"Orbax StandardCheckpointer, OCDBT, params + Adam mu/nu on a (2, 4) "
+                       f"mesh, {size / 2**30:.2f} GiB on disk, largest array "
+                       f"{largest / 2**20:.0f} MiB"),
+        ("ucp convert orbax", f"{a['wall_s']:.1f} s, peak RSS {a['peak_rss_bytes'] / 2**20:.0f} MiB"),
+        ("Orbax restore + ucp.save", f"{b['wall_s']:.1f} s, peak RSS "
+                                     f"{b['peak_rss_bytes'] / 2**20:.0f} MiB"),
+        ("speed-up", f"{b['wall_s'] / a['wall_s']:.2f}x"),
+        ("idle interpreter (same imports)", f"peak RSS {base / 2**20:.0f} MiB"),
+        ("ucp peak RSS / largest array", f"{a['peak_rss_bytes'] / largest:.2f} (above the idle "
+                                         f"interpreter: {(a['peak_rss_bytes'] - base) / largest:.2f})"),
+        ("identical atoms", f"{checked} arrays compared in {time.perf_counter() - t0:.1f} s"),
+    ]  # fmt: skip
+    print()
+    print("| | |\n|---|---|")
+    for k, v in rows:
+        print(f"| {k} | {v} |")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "largest_array_bytes": largest, "checkpoint_bytes": size,
+                       "rows": rows}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Importers of checkpoints written by JAX libraries (Orbax) into universal checkpoints."""
