@@ -19,16 +19,24 @@ from ._src.torch.dcp import import_dcp as import_dcp
 from ._src.torch.deepspeed import import_deepspeed as import_deepspeed
 from ._src.torch.deepspeed import import_deepspeed_universal as import_deepspeed_universal
 from ._src.torch.export import export_deepspeed_universal as export_deepspeed_universal
+from ._src.torch.hf import hf_mapping as hf_mapping
+from ._src.torch.hf import import_hf as import_hf
+from ._src.torch.hf_export import export_hf as export_hf
 from ._src.torch.safetensors import PRESETS as PRESETS
+from ._src.torch.safetensors import AtomFrom as AtomFrom
 from ._src.torch.safetensors import import_safetensors as import_safetensors
 from ._src.torch.unpickle import UnsafePickleError as UnsafePickleError
 from ._src.torch.unpickle import load as load_weights_only
 
 __all__ = [
     "PRESETS",
+    "AtomFrom",
     "UnsafePickleError",
     "export_deepspeed_universal",
+    "export_hf",
+    "hf_mapping",
     "import_dcp",
+    "import_hf",
     "import_deepspeed",
     "import_deepspeed_universal",
     "import_safetensors",

@@ -259,9 +259,10 @@ def ucp_rules(config: LlamaConfig, layout: Layout) -> list[tuple[str, Any]]:
 
     stacked = ucp.Stacked(r"blocks.{i}.\1", axes=(0, 1) if layout.stages > 1 else 0)
     rules: list[tuple[str, Any]] = [
-        (r"embed\.embedding", ucp.VocabPadded(config.vocab_size, axis=0)),
-        (r"unembed\.kernel", ucp.VocabPadded(config.vocab_size, axis=1)),
+        (r"embed\.embedding", ucp.VocabPadded(config.vocab_size, axis=0))
     ]
+    if not config.tie_embeddings:
+        rules.append((r"unembed\.kernel", ucp.VocabPadded(config.vocab_size, axis=1)))
     for name, (sizes, axis) in fused_sizes(config).items():
         fused = ucp.Fused(sizes, axis=axis, shard_axis="tensor")  # axis of the per-layer atom
         rules.append((r"layers\.(" + re.escape(name) + ")", (fused, stacked)))
@@ -308,3 +309,17 @@ def config_from_checkpoint(path: Any) -> LlamaConfig:
             "or save with extra=ucp_extra(config)"
         )
     return config_from_hf(cfg, f"{ck.path}: manifest extra.hf_config")
+
+
+_LAZY = dict.fromkeys(("init_canonical", "to_layout", "from_layout"), "llama_layouts")
+_LAZY |= dict.fromkeys(("batch", "loss_fn", "make_train_step", "make_logits_fn"), "llama_train")
+_LAZY |= dict.fromkeys(("HFConfigError", "config_from_hf", "read_config_json"), "llama_config")
+
+
+def __getattr__(name: str) -> Any:
+    """Lazily re-export the layout, training and config helpers, so ``llama`` offers them all."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
