@@ -147,7 +147,7 @@ def test_rope_matters(imported: dict) -> None:
 
 
 def test_import_records_config_and_patterns(imported: dict) -> None:
-    _, src, ckpt = imported["qwen2-bias-tied"]
+    _, _src, ckpt = imported["qwen2-bias-tied"]
     ck = ucp.open(ckpt)
     assert ck.manifest.extra["hf_config"]["model_type"] == "qwen2"
     assert "unembed.kernel" not in ck.atoms  # tied
@@ -207,7 +207,9 @@ def test_hf_train_on_mesh_export(imported: dict, tmp_path: object) -> None:
     mesh_b = L.make_mesh(lay_b)
     pt = L.abstract_params(cfg, lay_b, mesh_b)
     p_b, o_b = ucp.restore(saved, pt, abstract_opt_state(opt, pt), rules=L.ucp_rules(cfg, lay_b))
-    _, _, loss_b = L.make_train_step(cfg, lay_b, mesh_b, opt)(p_b, o_b, L.batch(cfg, 3, 4, 16, mesh_b))
+    _, _, loss_b = L.make_train_step(cfg, lay_b, mesh_b, opt)(
+        p_b, o_b, L.batch(cfg, 3, 4, 16, mesh_b)
+    )
     _, _, loss_a = step(params, opt_state, L.batch(cfg, 3, 4, 16, mesh))
     assert abs(float(loss_b) / float(loss_a) - 1) <= TOL
 

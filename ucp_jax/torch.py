@@ -36,9 +36,9 @@ __all__ = [
     "export_hf",
     "hf_mapping",
     "import_dcp",
-    "import_hf",
     "import_deepspeed",
     "import_deepspeed_universal",
+    "import_hf",
     "import_safetensors",
     "load_weights_only",
 ]

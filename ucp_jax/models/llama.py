@@ -106,15 +106,15 @@ class Llama(nnx.Module):
             lead, ls = (c.n_layers,), (None,)
         self.embed = _Group(embedding=_param((vp, d), (tp, fs)))
         self.layers = _Group(
-            ln1=_Norm(lead + (d,), (*ls, None)),
+            ln1=_Norm((*lead, d), (*ls, None)),
             attn=_Group(
-                qkv=_Dense(lead + (d, sum(c.qkv_sizes)), (*ls, fs, tp), c.qkv_bias),
-                out=_Kernel(lead + (c.n_heads * c.head_dim, d), (*ls, tp, fs)),
+                qkv=_Dense((*lead, d, sum(c.qkv_sizes)), (*ls, fs, tp), c.qkv_bias),
+                out=_Kernel((*lead, c.n_heads * c.head_dim, d), (*ls, tp, fs)),
             ),
-            ln2=_Norm(lead + (d,), (*ls, None)),
+            ln2=_Norm((*lead, d), (*ls, None)),
             mlp=_Group(
-                gate_up=_Kernel(lead + (d, 2 * c.d_ff), (*ls, fs, tp)),
-                down=_Kernel(lead + (c.d_ff, d), (*ls, tp, fs)),
+                gate_up=_Kernel((*lead, d, 2 * c.d_ff), (*ls, fs, tp)),
+                down=_Kernel((*lead, c.d_ff, d), (*ls, tp, fs)),
             ),
         )
         self.ln_f = _Norm((d,), (None,))

@@ -80,9 +80,8 @@ class LlamaConfig:
     @property
     def qkv_sizes(self) -> tuple[int, int, int]:
         """Columns of q, k and v in the fused QKV kernel."""
-        return (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim) + (
-            self.n_kv_heads * self.head_dim,
-        )
+        kv = self.n_kv_heads * self.head_dim
+        return (self.n_heads * self.head_dim, kv, kv)
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies ``[head_dim // 2]`` (float32), as transformers computes them."""
@@ -172,11 +171,15 @@ def _get(cfg: Mapping[str, Any], key: str, kind: type, where: str, default: Any 
         raise HFConfigError(f"{where}: field {key!r} is missing; expected a {kind.__name__}")
     if v is None and default is None:
         return None
-    ok = isinstance(v, kind) and not isinstance(v, bool) if kind is not bool else isinstance(v, bool)
+    ok = (
+        isinstance(v, kind) and not isinstance(v, bool) if kind is not bool else isinstance(v, bool)
+    )
     if kind is float and isinstance(v, int) and not isinstance(v, bool):
         ok, v = True, float(v)
     if not ok or (kind is int and v <= 0) or (kind is float and not (math.isfinite(v) and v > 0)):
-        raise HFConfigError(f"{where}: field {key!r} must be a positive {kind.__name__}, found {v!r:.60}")
+        raise HFConfigError(
+            f"{where}: field {key!r} must be a positive {kind.__name__}, found {v!r:.60}"
+        )
     return v
 
 
@@ -199,7 +202,9 @@ def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, tuple[tuple[str, A
         )
     prf = merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if prf != 1.0:
-        raise HFConfigError(f"{where}: unsupported feature partial_rotary_factor={prf!r} (only 1.0)")
+        raise HFConfigError(
+            f"{where}: unsupported feature partial_rotary_factor={prf!r} (only 1.0)"
+        )
     scaling: dict[str, Any] = {}
     if kind == "linear":
         scaling = {"rope_type": kind, "factor": _get(merged, "factor", float, where)}
@@ -259,7 +264,9 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
     nkv = _get(cfg, "num_key_value_heads", int, where, nh) or nh
     hd = _get(cfg, "head_dim", int, where, None) or d // nh
     if nh % nkv:
-        raise HFConfigError(f"{where}: num_key_value_heads={nkv} does not divide num_attention_heads={nh}")
+        raise HFConfigError(
+            f"{where}: num_key_value_heads={nkv} does not divide num_attention_heads={nh}"
+        )
     theta, scaling = _rope(cfg, where)
     tie = _get(cfg, "tie_word_embeddings", bool, where, False)
     return LlamaConfig(

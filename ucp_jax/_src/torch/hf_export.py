@@ -117,7 +117,11 @@ def plan_tensors(
                 )
             used.add(atom)
             info = ck.atoms[atom]
-            want = np.dtype(dtype) if dtype is not None else np.dtype(_np_name(info.slots[PARAM_SLOT].dtype))
+            want = (
+                np.dtype(dtype)
+                if dtype is not None
+                else np.dtype(_np_name(info.slots[PARAM_SLOT].dtype))
+            )
             off = 0
             for src, size in zip(spec.sources, _split_sizes(ck, atom, spec)):
                 idx = [slice(None)] * len(info.shape)
@@ -163,7 +167,9 @@ def _header(tensors: list[_Tensor]) -> bytes:
     off = 0
     for t in tensors:
         if t.dtype.name not in _CODES:
-            raise MismatchError(f"export: tensor {t.name!r}: dtype {t.dtype.name} has no safetensors code")
+            raise MismatchError(
+                f"export: tensor {t.name!r}: dtype {t.dtype.name} has no safetensors code"
+            )
         head[t.name] = {"dtype": _CODES[t.dtype.name], "shape": list(t.shape),
                         "data_offsets": [off, off + t.nbytes]}  # fmt: skip
         off += t.nbytes
