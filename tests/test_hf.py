@@ -222,3 +222,40 @@ def test_canonical_init_roundtrip() -> None:
         back = L.from_layout(L.to_layout(canon, cfg, layout, L.make_mesh(layout)), cfg, layout)
         assert all(np.array_equal(back[k], v) for k, v in canon.items())
     assert jax.device_count() == 8
+
+
+def test_custom_model_mapping_roundtrip(tmp_path: object) -> None:
+    """A user's own params, saved with a Fused rule, exported with an AtomFrom mapping, imported back."""
+    import safetensors.numpy
+
+    from ucp_jax.torch import AtomFrom, import_safetensors
+
+    rng = np.random.default_rng(0)
+    params = {
+        "wte": {"embedding": rng.standard_normal((10, 4), dtype=np.float32)},
+        "h": {str(i): {"qkv": {"kernel": rng.standard_normal((4, 12), dtype=np.float32)}}
+              for i in range(2)},
+    }  # fmt: skip
+    rules = [(r"h\.\d+\.qkv\.kernel", ucp.Fused((4, 4, 4), axis=1))]
+    ucp.save(tmp_path / "mine", params, rules=rules)
+    mapping = {
+        "wte.embedding": AtomFrom(("tok.weight",)),
+        "h.{i}.qkv.kernel": AtomFrom(
+            tuple(f"layers.{{i}}.{p}.weight" for p in "qkv"), transpose=True, axis=1
+        ),
+    }
+    export_hf(tmp_path / "mine", tmp_path / "hf", mapping=mapping, config={"model_type": "mine"})
+    (shard,) = [f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]
+    got = safetensors.numpy.load_file(tmp_path / "hf" / shard)
+    assert np.array_equal(got["tok.weight"], params["wte"]["embedding"])
+    for i in range(2):
+        k = params["h"][str(i)]["qkv"]["kernel"]
+        for j, p in enumerate("qkv"):
+            assert np.array_equal(got[f"layers.{i}.{p}.weight"], k[:, 4 * j : 4 * j + 4].T)
+    back = import_safetensors(tmp_path / "hf", tmp_path / "back", preset=mapping)
+    ck = ucp.open(back)
+    assert np.array_equal(ck.read("h.1.qkv.kernel"), params["h"]["1"]["qkv"]["kernel"])
+    with pytest.raises(ucp.MismatchError, match="no Hugging Face name"):
+        export_hf(
+            tmp_path / "mine", tmp_path / "hf2", mapping={"wte.embedding": mapping["wte.embedding"]}
+        )

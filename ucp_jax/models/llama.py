@@ -270,50 +270,12 @@ def ucp_rules(config: LlamaConfig, layout: Layout) -> list[tuple[str, Any]]:
     return rules
 
 
-def ucp_extra(config: LlamaConfig) -> dict[str, Any]:
-    """What to pass as ``extra=`` to ``ucp.save`` so that ``export_hf`` finds the config.
-
-    Args:
-        config: the model configuration.
-
-    Returns:
-        ``{"hf_config": <config.json dict>}``.
-
-    >>> ucp_extra(LlamaConfig())["hf_config"]["model_type"]
-    'llama'
-    """
-    return {"hf_config": config.to_hf()}
-
-
-def config_from_checkpoint(path: Any) -> LlamaConfig:
-    """The configuration recorded in a checkpoint's manifest ``extra`` (by import_hf or save).
-
-    Args:
-        path: a universal checkpoint (or an open ``ucp.Checkpoint``).
-
-    Returns:
-        The :class:`LlamaConfig`.
-
-    Raises:
-        HFConfigError: the manifest records no ``hf_config``.
-    """
-    from .._src.checkpoint import Checkpoint
-    from .llama_config import HFConfigError, config_from_hf
-
-    ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
-    extra = ck.manifest.extra
-    cfg = extra.get("hf_config") if isinstance(extra, dict) else None
-    if not isinstance(cfg, dict):
-        raise HFConfigError(
-            f"{ck.path}: the manifest's extra records no 'hf_config'; import it with import_hf, "
-            "or save with extra=ucp_extra(config)"
-        )
-    return config_from_hf(cfg, f"{ck.path}: manifest extra.hf_config")
-
-
 _LAZY = dict.fromkeys(("init_canonical", "to_layout", "from_layout"), "llama_layouts")
 _LAZY |= dict.fromkeys(("batch", "loss_fn", "make_train_step", "make_logits_fn"), "llama_train")
-_LAZY |= dict.fromkeys(("HFConfigError", "config_from_hf", "read_config_json"), "llama_config")
+_LAZY |= dict.fromkeys(
+    ("HFConfigError", "config_from_hf", "read_config_json", "ucp_extra", "config_from_checkpoint"),
+    "llama_config",
+)
 
 
 def __getattr__(name: str) -> Any:

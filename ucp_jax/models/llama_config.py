@@ -277,3 +277,43 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
         rope_scaling=scaling, qkv_bias=mt == "qwen2", tie_embeddings=bool(tie),
         sliding_window=window, hf=json.dumps(dict(cfg), sort_keys=True),
     )  # fmt: skip
+
+
+def ucp_extra(config: LlamaConfig) -> dict[str, Any]:
+    """What to pass as ``extra=`` to ``ucp.save`` so that ``export_hf`` finds the config.
+
+    Args:
+        config: the model configuration.
+
+    Returns:
+        ``{"hf_config": <config.json dict>}``.
+
+    >>> ucp_extra(LlamaConfig())["hf_config"]["model_type"]
+    'llama'
+    """
+    return {"hf_config": config.to_hf()}
+
+
+def config_from_checkpoint(path: Any) -> LlamaConfig:
+    """The configuration recorded in a checkpoint's manifest ``extra`` (by import_hf or save).
+
+    Args:
+        path: a universal checkpoint (or an open ``ucp.Checkpoint``).
+
+    Returns:
+        The :class:`LlamaConfig`.
+
+    Raises:
+        HFConfigError: the manifest records no ``hf_config``.
+    """
+    from .._src.checkpoint import Checkpoint  # reads files only: no JAX
+
+    ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    extra = ck.manifest.extra
+    cfg = extra.get("hf_config") if isinstance(extra, dict) else None
+    if not isinstance(cfg, dict):
+        raise HFConfigError(
+            f"{ck.path}: the manifest's extra records no 'hf_config'; import it with import_hf, "
+            "or save with extra=ucp_extra(config)"
+        )
+    return config_from_hf(cfg, f"{ck.path}: manifest extra.hf_config")

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ...models.llama_config import LlamaConfig, config_from_hf
+from ...models.llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
 from ..checkpoint import Checkpoint
 from ..errors import MismatchError
 from ..format.manifest import PARAM_SLOT
@@ -292,8 +292,6 @@ def export_hf(
 
     >>> ucp.torch.export_hf("/tmp/ucp/llama_step100", "llama-ft/", max_shard_size="2GB")  # doctest: +SKIP
     """
-    from ...models.llama import config_from_checkpoint
-
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     if mapping is not None:
         cfg_json = dict(config.to_hf() if isinstance(config, LlamaConfig) else config or {})
