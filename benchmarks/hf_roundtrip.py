@@ -49,7 +49,7 @@ def _hwm() -> int:
     return 0
 
 
-def _mesh_params(ck: str):  # noqa: ANN202
+def _mesh_params(ck: str):
     import ucp_jax as ucp
     from ucp_jax.demo import Layout
     from ucp_jax.models import llama as L
@@ -57,11 +57,13 @@ def _mesh_params(ck: str):  # noqa: ANN202
     cfg = L.config_from_checkpoint(ck)
     layout = Layout(**LAYOUT)
     mesh = L.make_mesh(layout)
-    params, _ = ucp.restore(ck, L.abstract_params(cfg, layout, mesh), rules=L.ucp_rules(cfg, layout))
+    params, _ = ucp.restore(
+        ck, L.abstract_params(cfg, layout, mesh), rules=L.ucp_rules(cfg, layout)
+    )
     return cfg, layout, mesh, params
 
 
-def _sd_to_canonical(sd: dict, cfg) -> dict:  # noqa: ANN001
+def _sd_to_canonical(sd: dict, cfg) -> dict:
     """HF state dict (numpy) -> canonical atoms, via the same mapping as import_hf."""
     import numpy as np
 
@@ -104,7 +106,7 @@ def worker(phase: str, work: str) -> dict:
     elif phase == "in-torch":
         model = T.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
         sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-        cfg = L.config_from_hf(json.load(open(os.path.join(src, "config.json"))))
+        cfg = L.config_from_hf(L.read_config_json(os.path.join(src, "config.json")))
         layout = L.Layout(**LAYOUT)
         mesh = L.make_mesh(layout)
         params = L.to_layout(_sd_to_canonical(sd, cfg), cfg, layout, mesh)
@@ -149,7 +151,9 @@ def build(work: str, layers: int) -> int:
         model = T.AutoModelForCausalLM.from_config(cfg).float()
         model.save_pretrained(src + ".tmp", max_shard_size=SHARD)
         os.rename(src + ".tmp", src)
-    return max(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src) if f.endswith(".safetensors"))
+    return max(
+        os.path.getsize(os.path.join(src, f)) for f in os.listdir(src) if f.endswith(".safetensors")
+    )
 
 
 def main() -> None:
