@@ -11,8 +11,9 @@ checked before anything is written: a refused import leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,21 @@ from .writer import AtomWriter
 
 CONFIG = "config.json"
 _LAYER = "model.layers.{i}."
+RELEASE_BYTES = 128 << 20  # source pages read since the last release, before they are dropped
+
+
+def _release(tensors: Mapping[str, SafetensorsFile], names: list[str]) -> None:
+    """Drop the mapped pages of source tensors already written (they would stay in our RSS)."""
+    page = mmap.PAGESIZE
+    for n in names:
+        sf = tensors[n]
+        mm = getattr(sf._mm, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            continue
+        b, e = sf.header[n]["data_offsets"]
+        start = (sf.base + b) // page * page
+        with contextlib.suppress(OSError, ValueError):
+            mm.madvise(mmap.MADV_DONTNEED, start, sf.base + e - start)
 
 
 def hf_mapping(config: LlamaConfig) -> dict[str, AtomFrom]:
@@ -212,7 +228,8 @@ def import_hf(
     stored = _check_tensors(tensors, config, src)
     want = None if dtype is None else np.dtype(dtype)
     plan = expand(hf_mapping(config), config.n_layers)
-    vocab = re.compile(r"(embed\.embedding|unembed\.kernel)")
+    read: list[str] = []
+    nread = 0
     with AtomWriter(dst, overwrite=overwrite) as w:
         for atom, (spec, srcs) in plan.items():
             arrays = [tensors[s].array(s) for s in srcs]
@@ -231,8 +248,12 @@ def import_hf(
                 off += a.shape[spec.axis]
                 out = a if want is None or a.dtype == want else a.astype(want)
                 w.write(atom, "fp32", tuple(box), np.ascontiguousarray(out))
-            if vocab.fullmatch(atom):
-                w.flush()  # the largest tensors: release their pages before the next
+            read += srcs
+            nread += sum(a.nbytes for a in arrays)
+            if nread > RELEASE_BYTES:  # bounded memory: written, so their pages can go
+                w.flush()
+                _release(tensors, read)
+                read, nread = [], 0
         files = sorted({os.path.basename(sf.path) for sf in tensors.values()})
         source = {
             "framework": "huggingface",

@@ -31,6 +31,7 @@ from .hf import hf_mapping, hf_shapes
 from .safetensors import _DTYPES, INDEX, AtomFrom
 
 DEFAULT_MAX_SHARD = "5GB"
+BLOCK_BYTES = 32 << 20  # a tensor is read, transposed and written in row blocks of this size
 _CODES = {np.dtype(v).name: k for k, v in _DTYPES.items()}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
@@ -162,6 +163,23 @@ def shard(tensors: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
     return shards
 
 
+def _blocks(t: _Tensor) -> list[tuple[tuple[slice, ...], int]]:
+    """Atom regions of ``t``'s successive row blocks (<= BLOCK_BYTES each), with their bytes."""
+    if not t.shape or t.nbytes <= BLOCK_BYTES:
+        return [(t.index, t.nbytes)]
+    rows = t.shape[0]
+    row_bytes = t.nbytes // rows
+    step = max(1, BLOCK_BYTES // max(row_bytes, 1))
+    ax = 1 if t.transpose else 0  # the atom axis that holds the tensor's rows
+    base = t.index[ax].start or 0
+    out = []
+    for r in range(0, rows, step):
+        idx = list(t.index)
+        idx[ax] = slice(base + r, base + min(r + step, rows))
+        out.append((tuple(idx), (min(r + step, rows) - r) * row_bytes))
+    return out
+
+
 def _header(tensors: list[_Tensor]) -> bytes:
     head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     off = 0
@@ -235,12 +253,13 @@ def write_folder(
                 head = _header(group)
                 f.write(len(head).to_bytes(8, "little") + head)
                 for t in group:
-                    a = ck.read(t.atom, PARAM_SLOT, t.index)
-                    a = a.T if t.transpose else a
-                    np.ascontiguousarray(a.astype(t.dtype, copy=False)).tofile(f)
+                    for index, nbytes in _blocks(t):
+                        a = ck.read(t.atom, PARAM_SLOT, index)
+                        a = a.T if t.transpose else a
+                        np.ascontiguousarray(a.astype(t.dtype, copy=False)).tofile(f)
+                        if bar is not None:
+                            bar.advance(bar._ucp_task, nbytes)
                     wmap[t.name] = fname
-                    if bar is not None:
-                        bar.advance(bar._ucp_task, t.nbytes)
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": wmap}
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump(index, f, indent=2)
