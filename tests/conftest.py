@@ -19,7 +19,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # step would pass for the wrong reason.
         import importlib
 
-        for mod in ("torch", "deepspeed", "safetensors", "nbclient", "matplotlib"):
+        for mod in ("torch", "deepspeed", "safetensors", "nbclient", "matplotlib", "transformers"):
             try:
                 importlib.import_module(mod)
             except ImportError as e:

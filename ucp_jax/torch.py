@@ -23,6 +23,9 @@ from ._src.torch.deepspeed_universal import (
     import_deepspeed_universal as import_deepspeed_universal,
 )
 from ._src.torch.export import export_deepspeed_universal as export_deepspeed_universal
+from ._src.torch.hf import hf_mapping as hf_mapping
+from ._src.torch.hf import import_hf as import_hf
+from ._src.torch.hf_export import export_hf as export_hf
 from ._src.torch.safetensors import PRESETS as PRESETS
 from ._src.torch.safetensors import AtomFrom as AtomFrom
 from ._src.torch.safetensors import SafetensorsError as SafetensorsError
@@ -38,9 +41,12 @@ __all__ = [
     "SafetensorsError",
     "UnsafePickleError",
     "export_deepspeed_universal",
+    "export_hf",
+    "hf_mapping",
     "import_dcp",
     "import_deepspeed",
     "import_deepspeed_universal",
+    "import_hf",
     "import_safetensors",
     "load_weights_only",
 ]

@@ -111,7 +111,7 @@ def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
 
 
 def _add_torch_commands(sub: Any) -> None:
-    """`ucp convert deepspeed|safetensors|dcp|orbax SRC DST` and `ucp export deepspeed-universal SRC DST`."""
+    """`ucp convert deepspeed|safetensors|hf|dcp|orbax SRC DST`; `ucp export deepspeed-universal|hf SRC DST`."""
     conv = sub.add_parser("convert", help="import a PyTorch checkpoint as a universal checkpoint")
     kinds = conv.add_subparsers(dest="kind", required=True)
     p = kinds.add_parser(
@@ -123,6 +123,8 @@ def _add_torch_commands(sub: Any) -> None:
         "--preset", default=None, help="map names/layouts onto a model (e.g. llama-demo)"
     )
     p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as stored)")
+    p = kinds.add_parser("hf", help="a Hugging Face Llama/Mistral/Qwen2 folder (config.json)")
+    p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as stored)")
     p = kinds.add_parser("dcp", help="a torch.distributed.checkpoint folder (e.g. FSDP2)")
     p.add_argument("--model-prefix", default="model.", help="prefix stripped from model entries")
     p = kinds.add_parser(
@@ -133,6 +135,9 @@ def _add_torch_commands(sub: Any) -> None:
     exp = sub.add_parser("export", help="write a universal checkpoint in a PyTorch format")
     ekinds = exp.add_subparsers(dest="kind", required=True)
     ekinds.add_parser("deepspeed-universal", help="a folder DeepSpeed resumes (load_universal)")
+    p = ekinds.add_parser("hf", help="a Hugging Face model folder (from_pretrained loads it)")
+    p.add_argument("--max-shard-size", default="5GB", help="bytes per shard (default 5GB)")
+    p.add_argument("--dtype", default=None, help="write weights in this dtype (default: as stored)")
     for parser in (*kinds.choices.values(), *ekinds.choices.values()):
         parser.add_argument("src")
         parser.add_argument("dst")
@@ -154,7 +159,9 @@ def _run_torch_command(args: Any) -> int:
     import time
 
     modules = {"deepspeed": ("deepspeed", "deepspeed_universal"), "safetensors": ("safetensors",),
-               "dcp": ("dcp",)}.get(args.kind, ("export",))  # fmt: skip
+               "dcp": ("dcp",), "hf": ("hf",)}.get(args.kind, ("export",))  # fmt: skip
+    if args.cmd == "export" and args.kind == "hf":
+        modules = ("hf_export",)
     try:  # DeepSpeed and safetensors imports need no torch; DCP and the export do
         mods = [importlib.import_module(f"ucp_jax._src.torch.{m}") for m in modules]
         mod = mods[0]
@@ -168,6 +175,13 @@ def _run_torch_command(args: Any) -> int:
         limit_malloc_arenas(2)
     t0 = time.perf_counter()
     progress = False if args.no_progress else None
+    if args.cmd == "export" and args.kind == "hf":
+        out = mod.export_hf(
+            args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite, progress=progress,
+        )  # fmt: skip
+        print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (from_pretrained loads it)")
+        return 0
     if args.cmd == "export":
         out = mod.export_deepspeed_universal(
             args.src, args.dst, overwrite=args.overwrite, progress=progress
@@ -181,6 +195,8 @@ def _run_torch_command(args: Any) -> int:
         )
         fn = mods[1].import_deepspeed_universal if universal else mod.import_deepspeed
         out = fn(src, args.dst, tag=args.tag, overwrite=args.overwrite, progress=progress)
+    elif args.kind == "hf":
+        out = mod.import_hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
     elif args.kind == "safetensors":
         out = mod.import_safetensors(
             args.src, args.dst, preset=args.preset, dtype=args.dtype, overwrite=args.overwrite

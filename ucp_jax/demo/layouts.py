@@ -55,14 +55,14 @@ def init_canonical(config: GPTConfig, seed: int | None = None) -> dict[str, np.n
     return out
 
 
-def _fuse(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
+def fuse_tp(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
     """Canonical ``[s_0 | s_1 | ...]`` columns -> ``concat_r [s_0[r] | s_1[r] | ...]`` (last axis)."""
     subs = np.split(a, np.cumsum(sizes)[:-1], axis=-1)
     return np.concatenate([np.split(s, t, axis=-1)[r] for r in range(t) for s in subs], axis=-1)
 
 
-def _unfuse(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
-    """Inverse of :func:`_fuse`."""
+def unfuse_tp(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
+    """Inverse of :func:`fuse_tp`."""
     chunk = [n // t for n in sizes]
     groups = np.split(a, t, axis=-1)
     parts = [np.split(g, np.cumsum(chunk)[:-1], axis=-1) for g in groups]
@@ -71,7 +71,7 @@ def _unfuse(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
     )
 
 
-def _unflatten(flat: dict[str, Any]) -> dict:
+def unflatten_tree(flat: dict[str, Any]) -> dict:
     tree: dict = {}
     for name, v in flat.items():
         *path, leaf = name.split(".")
@@ -82,11 +82,11 @@ def _unflatten(flat: dict[str, Any]) -> dict:
     return tree
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_tree(tree: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_tree(v, f"{prefix}{k}."))
         else:
             out[prefix + k] = v
     return out
@@ -124,11 +124,11 @@ def to_layout(
     for name in _BLOCK_PARAMS:
         per_layer = [canonical[f"blocks.{i}.{name}"] for i in range(c.n_layers)]
         if name in fused:
-            per_layer = [_fuse(a, fused[name], t) for a in per_layer]
+            per_layer = [fuse_tp(a, fused[name], t) for a in per_layer]
         stacked = np.stack(per_layer)
         flat[f"layers.{name}"] = stacked.reshape(lead + stacked.shape[1:])
     shardings = param_shardings(config, layout, mesh)
-    return jax.tree.map(put_sharded, _unflatten(flat), shardings)
+    return jax.tree.map(put_sharded, unflatten_tree(flat), shardings)
 
 
 def from_layout(params: PyTree, config: GPTConfig, layout: Layout) -> dict[str, np.ndarray]:
@@ -143,7 +143,7 @@ def from_layout(params: PyTree, config: GPTConfig, layout: Layout) -> dict[str, 
         A flat dict of numpy arrays with canonical names and shapes.
     """
     c, t = config, layout.tensor
-    flat = {k: np.asarray(v) for k, v in _flatten(params).items()}
+    flat = {k: np.asarray(v) for k, v in flatten_tree(params).items()}
     fused = fused_sizes(config)
     out = {
         "embed.embedding": flat["embed.embedding"][: c.vocab_size],
@@ -154,5 +154,5 @@ def from_layout(params: PyTree, config: GPTConfig, layout: Layout) -> dict[str, 
         a = flat[f"layers.{name}"]
         a = a.reshape((c.n_layers, *a.shape[2 if layout.stages > 1 else 1 :]))
         for i in range(c.n_layers):
-            out[f"blocks.{i}.{name}"] = _unfuse(a[i], fused[name], t) if name in fused else a[i]
+            out[f"blocks.{i}.{name}"] = unfuse_tp(a[i], fused[name], t) if name in fused else a[i]
     return out

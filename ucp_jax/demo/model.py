@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 PyTree = Any
 MESH_AXES = ("stage", "data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
-_NEG_INF = -1e9
+NEG_INF = -1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,21 +111,21 @@ def make_mesh(layout: Layout, devices: list[jax.Device] | None = None) -> Mesh:
 # ----------------------------------------------------------------------------- module definition
 
 
-def _param(shape: tuple[int, ...], spec: tuple[str | None, ...]) -> nnx.Param:
+def make_param(shape: tuple[int, ...], spec: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=spec, eager_sharding=False)
 
 
-class _Kernel(nnx.Module):
+class Kernel(nnx.Module):
     def __init__(self, shape: tuple[int, ...], spec: tuple[str | None, ...]) -> None:
-        self.kernel = _param(shape, spec)
+        self.kernel = make_param(shape, spec)
 
 
-class _Norm(nnx.Module):
+class Norm(nnx.Module):
     def __init__(self, shape: tuple[int, ...], spec: tuple[str | None, ...]) -> None:
-        self.scale = _param(shape, spec)
+        self.scale = make_param(shape, spec)
 
 
-class _Group(nnx.Module):
+class Group(nnx.Module):
     def __init__(self, **children: Any) -> None:
         for k, v in children.items():
             setattr(self, k, v)
@@ -156,21 +156,21 @@ class GPT(nnx.Module):
         def stacked(cls: type, shape: tuple[int, ...], spec: tuple[str | None, ...]) -> nnx.Module:
             return cls(lead + shape, lspec + spec)
 
-        self.embed: Any = _Group(embedding=_param((vp, d), (tp, fs)))
-        self.layers = _Group(
-            ln1=stacked(_Norm, (d,), (None,)),
-            attn=_Group(
-                qkv=stacked(_Kernel, (d, (c.n_heads + 2 * c.n_kv_heads) * hd), (fs, tp)),
-                out=stacked(_Kernel, (c.n_heads * hd, d), (tp, fs)),
+        self.embed: Any = Group(embedding=make_param((vp, d), (tp, fs)))
+        self.layers = Group(
+            ln1=stacked(Norm, (d,), (None,)),
+            attn=Group(
+                qkv=stacked(Kernel, (d, (c.n_heads + 2 * c.n_kv_heads) * hd), (fs, tp)),
+                out=stacked(Kernel, (c.n_heads * hd, d), (tp, fs)),
             ),
-            ln2=stacked(_Norm, (d,), (None,)),
-            mlp=_Group(
-                gate_up=stacked(_Kernel, (d, 2 * c.d_ff), (fs, tp)),
-                down=stacked(_Kernel, (c.d_ff, d), (tp, fs)),
+            ln2=stacked(Norm, (d,), (None,)),
+            mlp=Group(
+                gate_up=stacked(Kernel, (d, 2 * c.d_ff), (fs, tp)),
+                down=stacked(Kernel, (c.d_ff, d), (tp, fs)),
             ),
         )
-        self.ln_f = _Norm((d,), (None,))
-        self.unembed = _Kernel((d, vp), (fs, tp))
+        self.ln_f = Norm((d,), (None,))
+        self.unembed = Kernel((d, vp), (fs, tp))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits ``[batch, seq, padded_vocab]`` of int tokens ``[batch, seq]``; padding is masked.
@@ -183,28 +183,28 @@ class GPT(nnx.Module):
         """
         c = self.config
         emb = self.embed.embedding[...]  # one-hot matmul: exact, and vocab-parallel friendly
-        x = _constrain(jax.nn.one_hot(tokens, emb.shape[0], dtype=emb.dtype) @ emb)
+        x = constrain_batch(jax.nn.one_hot(tokens, emb.shape[0], dtype=emb.dtype) @ emb)
         stacked = nnx.to_pure_dict(nnx.state(self.layers))
         if self.layout.stages > 1:  # the leading [stages, per_stage] axes merge into [n_layers]
             stacked = jax.tree.map(lambda a: a.reshape((c.n_layers, *a.shape[2:])), stacked)
 
         def body(h: jax.Array, p: dict) -> tuple[jax.Array, None]:
-            return _constrain(_block(h, p, c, self.layout.tensor)), None
+            return constrain_batch(_block(h, p, c, self.layout.tensor)), None
 
         x, _ = jax.lax.scan(body, x, stacked)
-        logits = _rms_norm(x, self.ln_f.scale[...], c.norm_eps) @ self.unembed.kernel[...]
+        logits = rms_norm(x, self.ln_f.scale[...], c.norm_eps) @ self.unembed.kernel[...]
         valid = jnp.arange(logits.shape[-1]) < c.vocab_size
-        return jnp.where(valid, logits, _NEG_INF)
+        return jnp.where(valid, logits, NEG_INF)
 
 
-def _constrain(x: jax.Array) -> jax.Array:
+def constrain_batch(x: jax.Array) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *(None,) * (x.ndim - 1)))
 
 
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
@@ -212,17 +212,17 @@ def _block(x: jax.Array, p: dict, c: GPTConfig, t: int) -> jax.Array:
     """One pre-LN transformer block on ``x [b, s, d]`` with per-layer params ``p`` (TP-fused)."""
     b, s, _ = x.shape
     hq, hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
-    h = _rms_norm(x, p["ln1"]["scale"], c.norm_eps)
+    h = rms_norm(x, p["ln1"]["scale"], c.norm_eps)
     qkv = (h @ p["attn"]["qkv"]["kernel"]).reshape(b, s, t, (hq + 2 * hk) // t, hd)
     q, k, v = jnp.split(qkv, [hq // t, (hq + hk) // t], axis=3)  # one [q_r|k_r|v_r] per shard r
     q = q.reshape(b, s, hk, hq // hk, hd)
     k, v = k.reshape(b, s, hk, hd), v.reshape(b, s, hk, hd)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k) / math.sqrt(hd)
     causal = jnp.tril(jnp.ones((s, s), bool))
-    probs = jax.nn.softmax(jnp.where(causal, scores, _NEG_INF), axis=-1)
+    probs = jax.nn.softmax(jnp.where(causal, scores, NEG_INF), axis=-1)
     att = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, hq * hd)
     x = x + att @ p["attn"]["out"]["kernel"]
-    h = _rms_norm(x, p["ln2"]["scale"], c.norm_eps)
+    h = rms_norm(x, p["ln2"]["scale"], c.norm_eps)
     gu = (h @ p["mlp"]["gate_up"]["kernel"]).reshape(b, s, t, 2, c.d_ff // t)
     gate, up = gu[:, :, :, 0].reshape(b, s, c.d_ff), gu[:, :, :, 1].reshape(b, s, c.d_ff)
     return x + (jax.nn.silu(gate) * up) @ p["mlp"]["down"]["kernel"]

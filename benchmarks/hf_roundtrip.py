@@ -1,0 +1,200 @@
+"""Hugging Face <-> JAX mesh, both ways: ucp (streaming) vs the torch route a JAX user takes today.
+
+Builds (once, in --workdir) a ~1 GB fp32 Llama from a config with transformers (random init,
+``save_pretrained`` in shards), then, each in a fresh process with its own peak-RSS counter
+(VmHWM, reset after the imports so the numbers are what the work itself adds):
+
+* in, ucp:    ``import_hf`` (safetensors -> universal atoms) + ``ucp.restore`` onto a 2x4 mesh
+* in, torch:  ``AutoModelForCausalLM.from_pretrained`` -> numpy -> fuse per TP -> ``device_put``
+* ``import_hf`` alone (the CLI case: ``ucp convert hf``)
+* out, ucp:   params on the 2x4 mesh -> ``ucp.save`` + ``export_hf`` (and ``export_hf`` alone)
+* out, torch: params on the 2x4 mesh -> ``jax.device_get`` -> unfuse -> torch -> ``save_pretrained``
+
+and prints one table (wall seconds, peak RSS added by the work, largest shard).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/hf_roundtrip.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.abspath(__file__)
+SHARD = "400MB"
+LAYOUT = dict(data=2, tensor=4)
+
+
+def _hf_config(layers: int) -> dict:
+    return dict(model_type="llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
+                num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                rope_theta=500000.0, tie_word_embeddings=False)  # fmt: skip
+
+
+def _hwm_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _mesh_params(ck: str):
+    import ucp_jax as ucp
+    from ucp_jax.demo import Layout
+    from ucp_jax.models import llama as L
+
+    cfg = L.config_from_checkpoint(ck)
+    layout = Layout(**LAYOUT)
+    mesh = L.make_mesh(layout)
+    params, _ = ucp.restore(
+        ck, L.abstract_params(cfg, layout, mesh), rules=L.ucp_rules(cfg, layout)
+    )
+    return cfg, layout, mesh, params
+
+
+def _sd_to_canonical(sd: dict, cfg) -> dict:
+    """HF state dict (numpy) -> canonical atoms, via the same mapping as import_hf."""
+    import numpy as np
+
+    from ucp_jax._src.torch.hf import expand, hf_mapping
+
+    out = {}
+    for atom, (spec, srcs) in expand(hf_mapping(cfg), cfg.n_layers).items():
+        arrays = [sd[s].T if spec.transpose else sd[s] for s in srcs]
+        out[atom] = np.concatenate(arrays, axis=spec.axis) if len(arrays) > 1 else arrays[0]
+    return out
+
+
+def worker(phase: str, work: str) -> dict:
+    """One measured phase; returns its numbers."""
+    import jax
+    import numpy as np
+    import torch
+    import transformers as T
+
+    import ucp_jax as ucp
+    from ucp_jax.models import llama as L
+    from ucp_jax.torch import export_hf, import_hf
+
+    src, ck = os.path.join(work, "hf_src"), os.path.join(work, "ucp")
+    out: dict = {"phase": phase}
+    if phase in ("out-ucp", "out-torch"):
+        cfg, layout, mesh, params = _mesh_params(ck)  # the JAX job's params: not timed
+        jax.block_until_ready(params)
+    _hwm_reset()
+    base = _hwm()
+    t0 = time.perf_counter()
+    if phase == "in-ucp":
+        shutil.rmtree(ck, ignore_errors=True)
+        import_hf(src, ck)
+        out["import_s"] = time.perf_counter() - t0
+        cfg, layout, mesh, params = _mesh_params(ck)
+        jax.block_until_ready(params)
+    elif phase == "import-only":
+        import_hf(src, ck + "2", overwrite=True)
+    elif phase == "in-torch":
+        model = T.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+        cfg = L.config_from_hf(L.read_config_json(os.path.join(src, "config.json")))
+        layout = L.Layout(**LAYOUT)
+        mesh = L.make_mesh(layout)
+        params = L.to_layout(_sd_to_canonical(sd, cfg), cfg, layout, mesh)
+        jax.block_until_ready(params)
+    elif phase == "out-ucp":
+        saved = os.path.join(work, "saved")
+        shutil.rmtree(saved, ignore_errors=True)
+        ucp.save(saved, params, step=1, rules=L.ucp_rules(cfg, layout), extra=L.ucp_extra(cfg))
+        out["save_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        export_hf(saved, os.path.join(work, "out_ucp"), max_shard_size=SHARD, overwrite=True)
+        out["export_s"] = time.perf_counter() - t1
+    elif phase == "export-only":
+        export_hf(ck, os.path.join(work, "out_ucp2"), max_shard_size=SHARD, overwrite=True)
+    elif phase == "out-torch":
+        canon = L.from_layout(jax.device_get(params), cfg, layout)
+        sd = {}
+        from ucp_jax._src.torch.hf import expand, hf_mapping
+
+        for atom, (spec, srcs) in expand(hf_mapping(cfg), cfg.n_layers).items():
+            a = canon.pop(atom)
+            parts = np.split(a, np.cumsum([cfg.qkv_sizes, (cfg.d_ff,) * 2][0 if "qkv" in atom else 1])[:-1], axis=spec.axis) if len(srcs) > 1 else [a]  # fmt: skip
+            for s, p in zip(srcs, parts):
+                sd[s] = torch.from_numpy(np.ascontiguousarray(p.T if spec.transpose else p))
+        with torch.device("meta"):
+            model = T.AutoModelForCausalLM.from_config(T.AutoConfig.for_model(**cfg.to_hf()))
+        model.save_pretrained(os.path.join(work, "out_torch"), state_dict=sd, max_shard_size=SHARD)
+    out["wall_s"] = time.perf_counter() - t0
+    out["peak_rss_added"] = _hwm() - base
+    return out
+
+
+def build(work: str, layers: int) -> int:
+    """The source HF folder (cached); returns its largest shard's size."""
+    src = os.path.join(work, "hf_src")
+    if not os.path.isdir(src):
+        import torch
+        import transformers as T
+
+        torch.manual_seed(0)
+        cfg = T.AutoConfig.for_model(**_hf_config(layers))
+        model = T.AutoModelForCausalLM.from_config(cfg).float()
+        model.save_pretrained(src + ".tmp", max_shard_size=SHARD)
+        os.rename(src + ".tmp", src)
+    return max(
+        os.path.getsize(os.path.join(src, f)) for f in os.listdir(src) if f.endswith(".safetensors")
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", default="/tmp/ucp_bench_hf")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.phase:
+        print("RESULT " + json.dumps(worker(args.phase, args.workdir)))
+        return
+    os.makedirs(args.workdir, exist_ok=True)
+    largest = build(args.workdir, args.layers)
+    total = sum(os.path.getsize(os.path.join(args.workdir, "hf_src", f))
+                for f in os.listdir(os.path.join(args.workdir, "hf_src")))  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    rows = []
+    for phase in ("in-ucp", "import-only", "in-torch", "out-ucp", "export-only", "out-torch"):
+        subprocess.run(["sync"], check=False)
+        r = subprocess.run([sys.executable, HERE, "--phase", phase, "--workdir", args.workdir],
+                           env=env, capture_output=True, text=True)  # fmt: skip
+        line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+        if r.returncode or not line:
+            sys.exit(f"{phase} failed:\n{r.stderr[-3000:]}")
+        rows.append(json.loads(line[0][7:]))
+    mib = 2**20
+    print(f"model: {total / mib:.0f} MiB of safetensors, largest shard {largest / mib:.0f} MiB, "
+          f"mesh {LAYOUT}")  # fmt: skip
+    print("| route | wall s | peak RSS added (MiB) | x largest shard | detail |")
+    print("|---|---|---|---|---|")
+    names = {"in-ucp": "HF -> mesh: ucp import_hf + restore",
+             "import-only": "HF -> checkpoint: import_hf alone",
+             "in-torch": "HF -> mesh: from_pretrained + numpy + device_put",
+             "out-ucp": "mesh -> HF: ucp.save + export_hf",
+             "export-only": "checkpoint -> HF: export_hf alone",
+             "out-torch": "mesh -> HF: device_get + torch + save_pretrained"}  # fmt: skip
+    for r in rows:
+        detail = ", ".join(f"{k} {r[k]:.2f}" for k in ("import_s", "save_s", "export_s") if k in r)
+        print(f"| {names[r['phase']]} | {r['wall_s']:.2f} | {r['peak_rss_added'] / mib:.0f} | "
+              f"{r['peak_rss_added'] / largest:.2f} | {detail} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

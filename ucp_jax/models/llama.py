@@ -1,0 +1,287 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) in Flax nnx, computing what transformers computes.
+
+RoPE as transformers computes it (``rope_theta``; "linear" and "llama3" scaling), ``head_dim``
+independent of ``d_model / n_heads``, GQA, optional q/k/v bias (Qwen2), tied or untied embeddings,
+RMSNorm, SiLU-gated MLP, Mistral's sliding window. The parameter layout depends on the parallel
+layout exactly as in :mod:`ucp_jax.demo` (whose :class:`~ucp_jax.demo.Layout` and mesh it uses):
+
+* fused QKV (and its bias) / SwiGLU ``[gate | up]`` kernels hold one ``[q_r | k_r | v_r]`` group per
+  tensor-parallel shard ``r``;
+* the embedding / unembedding are zero-padded to a multiple of ``64 * tensor`` rows / columns;
+* per-layer parameters are stacked as ``[n_layers, ...]`` or ``[stages, n_layers // stages, ...]``.
+
+Canonical atoms are named like the demo's (``blocks.{i}.attn.qkv.kernel`` ...), so
+:func:`ucp_rules` restores a checkpoint imported with :func:`ucp_jax.torch.import_hf` onto any layout.
+
+>>> cfg = LlamaConfig(n_layers=2)
+>>> mesh = make_mesh(Layout(tensor=2))  # doctest: +SKIP
+>>> params = ucp.restore(ckpt, abstract_params(cfg, Layout(tensor=2), mesh), rules=ucp_rules(cfg, Layout(tensor=2)))[0]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from ..demo.model import NEG_INF, Group, Kernel, Layout, Norm, constrain_batch, make_param, rms_norm
+from ..demo.model import make_mesh as make_mesh
+from .llama_config import LlamaConfig
+
+PyTree = Any
+BLOCK_PARAMS = (
+    "ln1.scale",
+    "attn.qkv.kernel",
+    "attn.qkv.bias",
+    "attn.out.kernel",
+    "ln2.scale",
+    "mlp.gate_up.kernel",
+    "mlp.down.kernel",
+)
+
+
+def block_params(config: LlamaConfig) -> tuple[str, ...]:
+    """Per-layer parameter names of this configuration (``attn.qkv.bias`` only with a bias)."""
+    return tuple(n for n in BLOCK_PARAMS if config.qkv_bias or n != "attn.qkv.bias")
+
+
+def fused_sizes(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Fused per-layer parameters: name -> (sub-parameter sizes, axis of the per-layer atom)."""
+    out = {"attn.qkv.kernel": (config.qkv_sizes, 1), "mlp.gate_up.kernel": ((config.d_ff,) * 2, 1)}
+    if config.qkv_bias:
+        out["attn.qkv.bias"] = (config.qkv_sizes, 0)
+    return out
+
+
+def check_layout(config: LlamaConfig, layout: Layout) -> None:
+    """Raise ValueError if ``layout`` cannot hold the model.
+
+    Args:
+        config: the model configuration.
+        layout: the parallel layout.
+
+    Raises:
+        ValueError: the tensor degree does not divide the heads or ``d_ff``, or the stages the layers.
+    """
+    t, c = layout.tensor, config
+    for what, n in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("d_ff", c.d_ff)):
+        if n % t:
+            raise ValueError(f"layout {layout.name}: tensor={t} does not divide {what}={n}")
+    if c.n_layers % layout.stages:
+        raise ValueError(f"layout {layout.name}: stages={layout.stages} does not divide n_layers")
+    if c.n_heads % c.n_kv_heads:
+        raise ValueError("n_kv_heads must divide n_heads")
+
+
+class _Dense(nnx.Module):
+    def __init__(self, shape: tuple[int, ...], spec: tuple[str | None, ...], bias: bool) -> None:
+        self.kernel = make_param(shape, spec)
+        if bias:
+            self.bias = make_param(shape[:-2] + shape[-1:], spec[:-2] + spec[-1:])
+
+
+class Llama(nnx.Module):
+    """The Llama-family decoder with layout-dependent parameter shapes (zeros until restored).
+
+    Args:
+        config: the model configuration.
+        layout: the parallel layout whose parameter layout the module holds.
+    """
+
+    def __init__(self, config: LlamaConfig, layout: Layout) -> None:
+        check_layout(config, layout)
+        c, t = config, layout.tensor
+        self.config, self.layout = config, layout
+        d, vp = c.d_model, c.padded_vocab(t)
+        fs = "fsdp" if layout.fsdp > 1 and d % layout.fsdp == 0 else None
+        tp = "tensor" if t > 1 else None
+        if layout.stages > 1:
+            lead, ls = (layout.stages, c.n_layers // layout.stages), ("stage", None)
+        else:
+            lead, ls = (c.n_layers,), (None,)
+        self.embed = Group(embedding=make_param((vp, d), (tp, fs)))
+        self.layers = Group(
+            ln1=Norm((*lead, d), (*ls, None)),
+            attn=Group(
+                qkv=_Dense((*lead, d, sum(c.qkv_sizes)), (*ls, fs, tp), c.qkv_bias),
+                out=Kernel((*lead, c.n_heads * c.head_dim, d), (*ls, tp, fs)),
+            ),
+            ln2=Norm((*lead, d), (*ls, None)),
+            mlp=Group(
+                gate_up=Kernel((*lead, d, 2 * c.d_ff), (*ls, fs, tp)),
+                down=Kernel((*lead, c.d_ff, d), (*ls, tp, fs)),
+            ),
+        )
+        self.ln_f = Norm((d,), (None,))
+        if not c.tie_embeddings:
+            self.unembed = Kernel((d, vp), (fs, tp))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``[batch, seq, padded_vocab]`` of int tokens ``[batch, seq]`` (positions 0..seq-1).
+
+        Args:
+            tokens: int32 token ids.
+
+        Returns:
+            float32 logits; the padded vocabulary columns hold a large negative number.
+        """
+        c = self.config
+        emb = self.embed.embedding[...]
+        x = constrain_batch(jax.nn.one_hot(tokens, emb.shape[0], dtype=emb.dtype) @ emb)
+        s = tokens.shape[1]
+        freqs = jnp.arange(s, dtype=jnp.float32)[:, None] * jnp.asarray(c.inv_freq())[None, :]
+        angles = jnp.concatenate([freqs, freqs], axis=-1)  # [s, head_dim]
+        rope = (jnp.cos(angles), jnp.sin(angles))
+        q_pos, k_pos = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+        mask = k_pos <= q_pos
+        if c.sliding_window is not None:
+            mask = mask & (k_pos > q_pos - c.sliding_window)
+        stacked = nnx.to_pure_dict(nnx.state(self.layers))
+        if self.layout.stages > 1:  # [stages, per_stage] -> [n_layers]
+            stacked = jax.tree.map(lambda a: a.reshape((c.n_layers, *a.shape[2:])), stacked)
+
+        def body(h: jax.Array, p: dict) -> tuple[jax.Array, None]:
+            return constrain_batch(_block(h, p, c, self.layout.tensor, rope, mask)), None
+
+        x, _ = jax.lax.scan(body, x, stacked)
+        h = rms_norm(x, self.ln_f.scale[...], c.norm_eps)
+        logits = h @ (emb.T if c.tie_embeddings else self.unembed.kernel[...])
+        valid = jnp.arange(logits.shape[-1]) < c.vocab_size
+        return jnp.where(valid, logits, NEG_INF)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """transformers' ``apply_rotary_pos_emb`` on ``x [b, s, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[None, :, None, :] + rot * sin[None, :, None, :]
+
+
+def _block(
+    x: jax.Array, p: dict, c: LlamaConfig, t: int, rope: tuple[jax.Array, jax.Array], mask: Any
+) -> jax.Array:
+    """One decoder layer on ``x [b, s, d]`` with per-layer params ``p`` (TP-fused)."""
+    b, s, _ = x.shape
+    hq, hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    h = rms_norm(x, p["ln1"]["scale"], c.norm_eps)
+    qkv = h @ p["attn"]["qkv"]["kernel"]
+    if c.qkv_bias:
+        qkv = qkv + p["attn"]["qkv"]["bias"]
+    qkv = qkv.reshape(b, s, t, (hq + 2 * hk) // t, hd)
+    q, k, v = jnp.split(qkv, [hq // t, (hq + hk) // t], axis=3)  # one [q_r|k_r|v_r] per shard r
+    q = _rotate(q.reshape(b, s, hq, hd), *rope).reshape(b, s, hk, hq // hk, hd)
+    k = _rotate(k.reshape(b, s, hk, hd), *rope)
+    v = v.reshape(b, s, hk, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k) * (hd**-0.5)
+    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
+    att = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, hq * hd)
+    x = x + att @ p["attn"]["out"]["kernel"]
+    h = rms_norm(x, p["ln2"]["scale"], c.norm_eps)
+    gu = (h @ p["mlp"]["gate_up"]["kernel"]).reshape(b, s, t, 2, c.d_ff // t)
+    gate, up = gu[:, :, :, 0].reshape(b, s, c.d_ff), gu[:, :, :, 1].reshape(b, s, c.d_ff)
+    return x + (jax.nn.silu(gate) * up) @ p["mlp"]["down"]["kernel"]
+
+
+@functools.lru_cache(maxsize=64)
+def _graph(config: LlamaConfig, layout: Layout) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: Llama(config, layout)))
+
+
+def model_from_params(params: PyTree, config: LlamaConfig, layout: Layout) -> Llama:
+    """The nnx module holding ``params`` (works inside ``jax.jit``).
+
+    Args:
+        params: nested dict of arrays in ``layout``'s parameter layout.
+        config: the model configuration.
+        layout: the parallel layout of ``params``.
+
+    Returns:
+        A :class:`Llama` whose Params are the given arrays.
+    """
+    return nnx.merge(_graph(config, layout)[0], params)
+
+
+def param_shardings(config: LlamaConfig, layout: Layout, mesh: Mesh) -> PyTree:
+    """The NamedSharding of every parameter, as a nested dict mirroring the params.
+
+    Args:
+        config: the model configuration.
+        layout: the parallel layout.
+        mesh: a mesh with the axes ('stage', 'data', 'fsdp', 'tensor') of this layout.
+
+    Returns:
+        A nested dict of ``NamedSharding``.
+    """
+    return nnx.to_pure_dict(nnx.get_named_sharding(_graph(config, layout)[1], mesh))
+
+
+def abstract_params(config: LlamaConfig, layout: Layout, mesh: Mesh) -> PyTree:
+    """The params as ``jax.ShapeDtypeStruct`` with shardings (a restore target).
+
+    Args:
+        config: the model configuration.
+        layout: the parallel layout.
+        mesh: the layout's mesh.
+
+    Returns:
+        A nested dict of ``jax.ShapeDtypeStruct(shape, float32, sharding=NamedSharding)``.
+
+    >>> abstract_params(LlamaConfig(), Layout(), make_mesh(Layout()))["ln_f"]["scale"].shape
+    (64,)
+    """
+    shapes = nnx.to_pure_dict(_graph(config, layout)[1])
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes,
+        param_shardings(config, layout, mesh),
+    )
+
+
+def ucp_rules(config: LlamaConfig, layout: Layout) -> list[tuple[str, Any]]:
+    """The ``ucp`` rules mapping this model's leaves to canonical atoms (``blocks.{i}...``).
+
+    Args:
+        config: the model configuration.
+        layout: the parallel layout the leaves are in (sets the stacking axes).
+
+    Returns:
+        ``(regex, pattern)`` pairs for ``ucp.save`` / ``ucp.restore``.
+
+    >>> [r for r, _ in ucp_rules(LlamaConfig(), Layout())][:2]
+    ['embed\\\\.embedding', 'unembed\\\\.kernel']
+    """
+    import ucp_jax as ucp  # lazy: the model imports without the core library
+
+    stacked = ucp.Stacked(r"blocks.{i}.\1", axes=(0, 1) if layout.stages > 1 else 0)
+    rules: list[tuple[str, Any]] = [
+        (r"embed\.embedding", ucp.VocabPadded(config.vocab_size, axis=0))
+    ]
+    if not config.tie_embeddings:
+        rules.append((r"unembed\.kernel", ucp.VocabPadded(config.vocab_size, axis=1)))
+    for name, (sizes, axis) in fused_sizes(config).items():
+        fused = ucp.Fused(sizes, axis=axis, shard_axis="tensor")  # axis of the per-layer atom
+        rules.append((r"layers\.(" + re.escape(name) + ")", (fused, stacked)))
+    rules.append((r"layers\.(.*)", stacked))
+    return rules
+
+
+_LAZY = dict.fromkeys(("init_canonical", "to_layout", "from_layout"), "llama_layouts")
+_LAZY |= dict.fromkeys(("batch", "loss_fn", "make_train_step", "make_logits_fn"), "llama_train")
+_LAZY |= dict.fromkeys(
+    ("HFConfigError", "config_from_hf", "read_config_json", "ucp_extra", "config_from_checkpoint"),
+    "llama_config",
+)
+
+
+def __getattr__(name: str) -> Any:
+    """Lazily re-export the layout, training and config helpers, so ``llama`` offers them all."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
