@@ -100,11 +100,11 @@ class Llama(nnx.Module):
         d, vp = c.d_model, c.padded_vocab(t)
         fs = "fsdp" if layout.fsdp > 1 and d % layout.fsdp == 0 else None
         tp = "tensor" if t > 1 else None
+        lead: tuple[int, ...] = (c.n_layers,)
+        ls: tuple[str | None, ...] = (None,)
         if layout.stages > 1:
             lead, ls = (layout.stages, c.n_layers // layout.stages), ("stage", None)
-        else:
-            lead, ls = (c.n_layers,), (None,)
-        self.embed = Group(embedding=make_param((vp, d), (tp, fs)))
+        self.embed: Any = Group(embedding=make_param((vp, d), (tp, fs)))
         self.layers = Group(
             ln1=Norm((*lead, d), (*ls, None)),
             attn=Group(

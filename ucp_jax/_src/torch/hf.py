@@ -22,6 +22,7 @@ import numpy as np
 from ...models.llama_config import LlamaConfig, config_from_hf, read_config_json
 from ..errors import MismatchError
 from ..format.paths import join_inside
+from ..mapping.patterns import FusedMark
 from .limits import ucp_errors
 from .safetensors import AtomFrom, SafetensorsError, SafetensorsFile, open_tensors
 from .writer import AtomWriter
@@ -237,9 +238,9 @@ def import_hf(
                 arrays = [a.T for a in arrays]
             shape = list(arrays[0].shape)
             shape[spec.axis] = sum(a.shape[spec.axis] for a in arrays)
-            fused = []
+            fused: list[FusedMark] = []
             if len(arrays) > 1:
-                fused = [{"sizes": [a.shape[spec.axis] for a in arrays], "axis": spec.axis}]
+                fused = [FusedMark(tuple(a.shape[spec.axis] for a in arrays), spec.axis)]
             w.atom(atom, shape, fused=fused)
             off = 0
             for a in arrays:

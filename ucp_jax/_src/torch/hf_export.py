@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,11 +27,12 @@ from ..errors import MismatchError
 from ..format.manifest import PARAM_SLOT
 from ..format.paths import check_component
 from .hf import hf_mapping, hf_shapes
-from .safetensors import _DTYPES, INDEX, AtomFrom
+from .progress import Progress
+from .safetensors import DTYPES, INDEX, AtomFrom
 
 DEFAULT_MAX_SHARD = "5GB"
 BLOCK_BYTES = 32 << 20  # a tensor is read, transposed and written in row blocks of this size
-_CODES = {np.dtype(v).name: k for k, v in _DTYPES.items()}
+_CODES = {np.dtype(v).name: k for k, v in DTYPES.items()}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
@@ -195,21 +195,6 @@ def _header(tensors: list[_Tensor]) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
-def _progress(enabled: bool | None, total: int) -> Any:
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
-        return None
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-    p = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                 TransferSpeedColumn(), console=Console(stderr=True))  # fmt: skip
-    p.start()
-    p._ucp_task = p.add_task("ucp export hf", total=total)  # type: ignore[attr-defined]
-    return p
-
-
 def write_folder(
     ck: Checkpoint,
     tensors: list[_Tensor],
@@ -244,7 +229,7 @@ def write_folder(
     tmp = dst + ".ucp-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    bar = _progress(progress, sum(t.nbytes for t in tensors))
+    bar = Progress(progress, sum(t.nbytes for t in tensors), "ucp export hf")
     wmap: dict[str, str] = {}
     try:
         for k, group in enumerate(shards, 1):
@@ -257,12 +242,11 @@ def write_folder(
                         a = ck.read(t.atom, PARAM_SLOT, index)
                         a = a.T if t.transpose else a
                         np.ascontiguousarray(a.astype(t.dtype, copy=False)).tofile(f)
-                        if bar is not None:
-                            bar.advance(bar._ucp_task, nbytes)
+                        bar.advance(nbytes)
                     wmap[t.name] = fname
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": wmap}
+        index_doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": wmap}
         with open(os.path.join(tmp, INDEX), "w") as f:
-            json.dump(index, f, indent=2)
+            json.dump(index_doc, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(dict(config_json), f, indent=2, sort_keys=True)
         if os.path.exists(dst):
@@ -272,8 +256,7 @@ def write_folder(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        if bar is not None:
-            bar.stop()
+        bar.stop()
     return dst
 
 

@@ -30,7 +30,7 @@ from ..mapping.patterns import FusedMark
 from .limits import MAX_JSON_DEPTH, as_int, as_shape, json_depth, numel, ucp_errors
 from .writer import AtomWriter
 
-_DTYPES = {
+DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64,
     "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
@@ -88,7 +88,7 @@ class SafetensorsFile:
         return list(self.header)
 
     def dtype(self, name: str) -> np.dtype:
-        return np.dtype(_DTYPES[self.header[name]["dtype"]])
+        return np.dtype(DTYPES[self.header[name]["dtype"]])
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in self.header[name]["shape"])
@@ -136,10 +136,10 @@ def _check_entry(path: str, name: str, h: Any, data: int) -> None:
     if not isinstance(h, dict) or not {"dtype", "shape", "data_offsets"} <= set(h):
         raise SafetensorsError(f"{what}: expected {{dtype, shape, data_offsets}}, found {h!r:.80}")
     code = h["dtype"]
-    if not isinstance(code, str) or code not in _DTYPES:
-        raise SafetensorsError(f"{what}: unsupported dtype {code!r:.40}; known: {sorted(_DTYPES)}")
+    if not isinstance(code, str) or code not in DTYPES:
+        raise SafetensorsError(f"{what}: unsupported dtype {code!r:.40}; known: {sorted(DTYPES)}")
     shape = as_shape(h["shape"], what, SafetensorsError)
-    itemsize = np.dtype(_DTYPES[code]).itemsize
+    itemsize = np.dtype(DTYPES[code]).itemsize
     count = numel(shape, what, itemsize=itemsize, backing=data, backed_by="the data section")
     offs = h["data_offsets"]
     if not isinstance(offs, list) or len(offs) != 2:
