@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-dev
 XLA     := XLA_FLAGS=--xla_force_host_platform_device_count=8
 SRC     := ucp_jax tests $(wildcard benchmarks)
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test test-gpu lint format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,12 @@ format: $(STAMP)
 test: lint
 	$(XLA) $(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules ucp_jax
 	$(XLA) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# On a machine with an accelerator and a Python that has jax for it (GPU_PY): the suite on that
+# accelerator, no CPU devices forced (see tests/conftest.py). Installs nothing.
+GPU_PY  ?= python3
+test-gpu:
+	UCP_TEST_ACCELERATOR=1 XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(XLA) $(BIN)/python benchmarks/save_restore.py

@@ -1,16 +1,24 @@
-"""Test set-up: 8 forced CPU devices (set before jax starts), shared helpers."""
+"""Test set-up: 8 forced CPU devices (set before jax starts), shared helpers.
+
+With UCP_TEST_ACCELERATOR=1 (`make test-gpu`) the suite runs on whatever accelerator jax finds
+instead: no CPU devices are forced, and meshes larger than the devices there are shrunk by
+`helpers.mesh_of` (tests that need a given device count say so and skip). Multi-process tests
+start their own CPU-only jobs either way.
+"""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+ON_ACCELERATOR = os.environ.get("UCP_TEST_ACCELERATOR", "") not in ("", "0")
+if not ON_ACCELERATOR:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
-import jax
-import numpy as np
-import pytest
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -26,7 +34,10 @@ def pytest_configure(config: pytest.Config) -> None:
                 raise pytest.UsageError(
                     f"CI needs {mod!r} installed (make test does it): {e}"
                 ) from e
-    if jax.device_count() < 8:
+    if ON_ACCELERATOR:
+        if jax.default_backend() == "cpu":
+            raise pytest.UsageError("UCP_TEST_ACCELERATOR=1 but jax found no accelerator")
+    elif jax.device_count() < 8:
         raise pytest.UsageError(
             f"tests need 8 devices, found {jax.device_count()}; run through `make test` or set "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts"

@@ -13,9 +13,31 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
+def fit_shape(shape: Sequence[int], devices: int | None = None) -> tuple[int, ...]:
+    """`shape`, with its largest axes halved until it fits on the devices there (accelerator runs).
+
+    On 8 forced CPU devices every mesh of the tests fits and comes back unchanged.
+    """
+    have = jax.device_count() if devices is None else devices
+    out = [int(s) for s in shape]
+    while int(np.prod(out)) > have:
+        k = int(np.argmax(out))
+        out[k] = max(1, out[k] // 2)
+    return tuple(out)
+
+
+def need_devices(n: int) -> None:
+    """Skip the test unless `n` devices are there (it checks a layout that fewer cannot hold)."""
+    import pytest
+
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices, {jax.device_count()} here ({jax.default_backend()})")
+
+
 def mesh_of(shape: Sequence[int], names: Sequence[str] | None = None) -> jax.sharding.Mesh:
-    """A mesh of the first prod(shape) devices."""
+    """A mesh of the first prod(shape) devices (shrunk by `fit_shape` where fewer are there)."""
     names = tuple(names or ("a", "b", "c")[: len(shape)])
+    shape = fit_shape(shape)
     n = int(np.prod(shape))
     return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(tuple(shape)), names)
 
