@@ -73,8 +73,9 @@ def _wrap_errors(fn: F) -> F:
 def split_state(tree: Any) -> tuple[Any, Any, Any, Any]:
     """(params, opt_state, other top-level entries, step leaf) of an imported tree.
 
-    >>> split_state({"params": 1, "opt_state": 2, "step": 3, "batch_stats": 4})
-    (1, 2, {'batch_stats': 4}, 3)
+    >>> import numpy as np
+    >>> split_state({"params": 1, "opt_state": 2, "step": np.int32(3), "batch_stats": 4})
+    (1, 2, {'batch_stats': 4}, np.int32(3))
     >>> split_state({"dense": 1})
     ({'dense': 1}, None, None, None)
     """

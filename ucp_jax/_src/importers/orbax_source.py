@@ -15,7 +15,7 @@ read), each array is opened with the TensorStore spec Orbax itself reads it with
 as Orbax reads them. Nothing is read here beyond metadata.
 
 >>> src = open_orbax("/ckpt/1000")  # doctest: +SKIP
->>> src.tree["params"]["dense"]["kernel"]  # a ShapeDtypeStruct; src.leaves[id(...)] reads it
+>>> src.tree["params"]["dense"]["kernel"]  # a ShapeDtypeStruct; src.leaves[id(...)] reads it  # doctest: +SKIP
 """
 
 from __future__ import annotations
