@@ -216,16 +216,16 @@ def test_import_is_durable_before_commit(tmp_path, monkeypatch):
         fsync(fd)
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
-    from ucp_jax._src.format import store
+    from ucp_jax._src.format import commit as commit_protocol
 
     at_commit: list[int] = []
-    commit = store.Staging.commit
+    commit = commit_protocol.Staging.commit
 
     def recording_commit(self, manifest):  # type: ignore[no-untyped-def]
         at_commit.append(len(synced))  # the manifest and COMMIT are written from here on
         return commit(self, manifest)
 
-    monkeypatch.setattr(store.Staging, "commit", recording_commit)
+    monkeypatch.setattr(commit_protocol.Staging, "commit", recording_commit)
     sd = {f"w{i}": torch.randn(64, 48) for i in range(5)} | {"s": torch.tensor(3.0)}
     st.save_file(sd, tmp_path / "m.safetensors")
     out = import_safetensors(tmp_path / "m.safetensors", tmp_path / "u")

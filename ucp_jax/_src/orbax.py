@@ -57,7 +57,7 @@ import orbax.checkpoint as ocp
 from . import save as save_mod
 from .checkpoint import Checkpoint
 from .errors import NotACheckpointError
-from .format import store
+from .format import commit, store
 from .format.manifest import MANIFEST, Manifest
 from .mapping.rules import Rule
 from .restore import restore as ucp_restore
@@ -90,7 +90,7 @@ class _InPlace:
 
     def commit(self, manifest: Manifest) -> None:
         """Process 0, after every process wrote: the manifest only (COMMIT comes at finalize)."""
-        self.target.write(MANIFEST, store.seal(self.target, manifest))
+        self.target.write(MANIFEST, commit.seal(self.target, manifest))
 
 
 def _step_from_directory(directory: Any) -> int | None:
@@ -184,7 +184,7 @@ class UniversalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"{loc.url}: finalize called but manifest.json is missing; the universal save "
                 "into this folder did not finish"
             )
-        store.write_commit(loc, data)
+        commit.write_commit(loc, data)
 
     def restore(self, directory: Any, args: UniversalRestore | None = None) -> UniversalState:
         """Restore onto the targets' shardings (any mesh); `rules` when the layout changed."""

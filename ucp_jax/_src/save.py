@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from .errors import MismatchError
-from .format import store
+from .format import commit, store
 from .format.dtypes import dtype_name
 from .format.integrity import keys_in_box
 from .format.manifest import AtomInfo, Manifest, SlotInfo, atom_dir, source_header
@@ -60,7 +60,7 @@ class SaveJob:
         # `staging`: another commit protocol with Staging's interface (check, prepare, target,
         # commit); the Orbax handler passes one that writes in place into Orbax's own tmp folder.
         if staging is None:
-            staging = store.Staging(self.loc, overwrite=overwrite)
+            staging = commit.Staging(self.loc, overwrite=overwrite)
         self.staging = staging
         if max_inflight_bytes is None:
             max_inflight_bytes = config.inflight_bytes()
@@ -231,7 +231,7 @@ class SaveJob:
             # that no stale write can reach a retried save's fresh staging area.
             for fs in inflight.drain():
                 _wait_all(fs, raise_first=False)
-        store.record_fingerprints(self.staging.target, written, f"p{jax.process_index()}")
+        commit.record_fingerprints(self.staging.target, written, f"p{jax.process_index()}")
         barrier(self.tag + "-written")
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)

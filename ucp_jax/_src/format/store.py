@@ -8,7 +8,6 @@ import itertools
 import math
 import os
 import shutil
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -16,9 +15,8 @@ import tensorstore as ts
 
 from ..errors import ChecksumError, NotACheckpointError
 from ..util.libc import libc
-from . import integrity
 from .dtypes import zarr_dtype
-from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, check_commit, commit_marker
+from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, check_commit
 
 # One context for the whole process, so that `memory://` stores are shared between calls.
 CONTEXT = ts.Context({"file_io_concurrency": {"limit": 64}, "data_copy_concurrency": {}})
@@ -276,11 +274,6 @@ def wrap_io_error(e: Exception, where: str) -> Exception:
     return e
 
 
-def write_commit(loc: Location, manifest_bytes: bytes) -> None:
-    """Write the COMMIT marker (with the manifest's sha256): the last write of every protocol."""
-    loc.write(COMMIT, commit_marker(manifest_bytes))
-
-
 def load_manifest(loc: Location) -> Manifest:
     """Read the manifest of a committed checkpoint.
 
@@ -310,39 +303,7 @@ def load_manifest(loc: Location) -> Manifest:
     return manifest
 
 
-def seal(target: Location, manifest: Manifest) -> bytes:
-    """Record the sha256 of every array's `zarr.json` in `manifest`; return the manifest's bytes.
-
-    Process 0 calls it at commit, after every array exists (format version 2).
-    """
-    import hashlib
-
-    kv = target.kv()
-    items = [(a, slot, info) for a in manifest.atoms.values() for slot, info in a.slots.items()]
-    with ts.Batch() as batch:
-        futs = [kv.read(f"{info.path}/zarr.json", batch=batch) for _, _, info in items]
-    for (a, slot, info), f in zip(items, futs):
-        r = f.result()
-        if r.state != "value":
-            raise FileNotFoundError(f"{target.url}/{info.path}/zarr.json was never written")
-        sha = hashlib.sha256(bytes(r.value)).hexdigest()
-        a.slots[slot] = dataclasses.replace(info, meta_sha256=sha)
-    return manifest.dumps()
-
-
-def record_fingerprints(target: Location, keys: dict[SlotInfo, set[str]], writer: str) -> None:
-    """Each array's fingerprint table of the chunk files `writer` wrote (see integrity.py)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(item: tuple[SlotInfo, set[str]]) -> None:
-        info, ks = item
-        integrity.write_table(target.child(info.path).kv(), info, ks, writer)
-
-    with ThreadPoolExecutor(8, thread_name_prefix="ucp-digest") as pool:
-        list(pool.map(one, [(i, k) for i, k in keys.items() if k]))
-
-
-def _listdir(path: str) -> list[str]:
+def listdir(path: str) -> list[str]:
     try:
         return os.listdir(path)
     except OSError:
@@ -359,7 +320,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[str]:
     if loc.local_path is not None:
         names = [
             n
-            for n in sorted(_listdir(loc.local_path))
+            for n in sorted(listdir(loc.local_path))
             if not n.startswith(".") and os.path.exists(os.path.join(loc.local_path, n, COMMIT))
         ]
         return [os.path.join(loc.local_path, n) for n in names]
@@ -369,63 +330,6 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[str]:
     )
     base = Location.parse(root).url.rstrip("/")
     return [f"{base}/{n}" for n in names]
-
-
-class Staging:
-    """The commit protocol of one save.
-
-    Local files: arrays go to a hidden temporary directory, renamed onto the final path after the
-    manifest and COMMIT are written. Other kvstores: arrays go to the final path, COMMIT last.
-    """
-
-    def __init__(self, final: Location, *, overwrite: bool) -> None:
-        self.final = final
-        self.overwrite = overwrite
-        if final.local_path is not None:
-            self.target = final.sibling(f".{final.name}.ucp-tmp")
-        else:
-            self.target = final
-
-    def check(self) -> None:
-        """Refuse to clobber an existing checkpoint unless asked (any process may call it)."""
-        if not self.overwrite and self.final.read(COMMIT) is not None:
-            raise FileExistsError(
-                f"{self.final.url} already holds a committed checkpoint; pass overwrite=True "
-                "or save to a new path"
-            )
-
-    def prepare(self) -> None:
-        """Clear the staging area (process 0 only, before arrays are created)."""
-        self.target.remove_all()
-        if self.final.local_path is not None:
-            parent = os.path.dirname(self.final.local_path)
-            os.makedirs(parent, exist_ok=True)
-            # An overwrite killed during its clean-up leaves `.<name>.ucp-old-<id>`: remove it.
-            for n in _listdir(parent):
-                if n.startswith(f".{self.final.name}.ucp-old-"):
-                    shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
-
-    def commit(self, manifest: Manifest) -> None:
-        """Write manifest and COMMIT, then publish atomically (process 0 only)."""
-        data = seal(self.target, manifest)
-        self.target.write(MANIFEST, data)
-        write_commit(self.target, data)
-        if self.final.local_path is None:
-            return
-        final = self.final.local_path
-        assert self.target.local_path is not None
-        if os.path.exists(final):
-            if not self.overwrite:
-                raise FileExistsError(f"{final} appeared during the save; not replacing it")
-            trash = (
-                f"{os.path.dirname(final)}/.{os.path.basename(final)}.ucp-old-{uuid.uuid4().hex}"
-            )
-            os.rename(final, trash)
-            os.rename(self.target.local_path, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(self.target.local_path, final)
-        _fsync_dir(os.path.dirname(final))
 
 
 def start_writeback(path: str) -> None:
@@ -499,11 +403,11 @@ def sync_tree(root: str, *, threads: int = 16) -> int:
 
     with ThreadPoolExecutor(threads, thread_name_prefix="ucp-fsync") as pool:
         list(pool.map(sync, files))
-        list(pool.map(_fsync_dir, dirs))
+        list(pool.map(fsync_dir, dirs))
     return len(files)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

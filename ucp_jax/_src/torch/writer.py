@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import MismatchError, UnsafePathError
-from ..format import store
+from ..format import commit, store
 from ..format.dtypes import dtype_name
 from ..format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
 from ..format.paths import check_component
@@ -102,7 +102,7 @@ class AtomWriter:
         self, dst: Any, *, overwrite: bool = False, max_inflight_bytes: int | None = None
     ) -> None:
         self.loc = store.Location.parse(dst)
-        self.staging = store.Staging(self.loc, overwrite=overwrite)
+        self.staging = commit.Staging(self.loc, overwrite=overwrite)
         self.staging.check()
         self.staging.prepare()
         if max_inflight_bytes is None:
@@ -331,7 +331,7 @@ class AtomWriter:
             for a in self.atoms.values()
             for info in a["slots"].values()
         }
-        store.record_fingerprints(self.staging.target, written, "p0")
+        commit.record_fingerprints(self.staging.target, written, "p0")
         if self._local is not None:
             store.sync_tree(self._local)
         atoms = {}
