@@ -17,6 +17,7 @@ from .format.manifest import STEP_SLOT, AtomInfo
 from .format.store import wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
 from .mapping.boxes import box_shape, box_size, index_to_box, relative_slices, to_slices
+from .mapping.keys import rewrap
 from .mapping.names import legacy_names
 from .mapping.patterns import Fused, chain_from_json, fused_marks_to_json
 from .mapping.rules import CompiledRules, Rule
@@ -94,6 +95,13 @@ def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool) -> _Resolved:
         raise MismatchError(
             f"restore: target leaf {b.name!r} is a ShapeDtypeStruct without a sharding; give it "
             "sharding=NamedSharding(mesh, spec) (or pass a concrete array)"
+        )
+    saved_impl = (ckpt.manifest.leaves.get(b.name) or {}).get("key_impl")
+    if b.key_impl is not None and saved_impl is not None and saved_impl != b.key_impl:
+        raise MismatchError(
+            f"restore: leaf {b.name!r} is a PRNG key of impl {b.key_impl!r} but the checkpoint "
+            f"holds {saved_impl!r} keys; make the target's keys with "
+            f"jax.random.key(..., impl={saved_impl!r})"
         )
     groups = read_groups(b)
     atom_of: dict[str, str] = {}
@@ -249,6 +257,7 @@ def restore(
     budget = config.inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
     values = _read_all(ckpt, resolved, stats, budget)
     _last_stats = stats
+    values = rewrap(values, [r.binding.key_impl for r in resolved])
     return unbind_state(params_target, opt_state_target, values)
 
 

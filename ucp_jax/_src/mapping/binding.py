@@ -13,6 +13,7 @@ import numpy as np
 from ..format.dtypes import dtype_name, np_dtype
 from ..format.manifest import PARAM_SLOT, VALUE_SLOT
 from .boxes import Box, box_size, full_box, index_to_box
+from .keys import unwrap
 from .names import named_leaves, path_to_name
 from .patterns import LeafContext, PatternChain, Piece, atom_shapes, chain_pieces
 from .rules import CompiledRules
@@ -39,6 +40,8 @@ class LeafBinding:
         value: the array, ShapeDtypeStruct or host value itself.
         legacy: the base name jax's raw key path gives when it differs from `base` (an NNX
             `.value`, a Linen `params.` prefix): checkpoints written before names were unified.
+        key_impl: for a typed PRNG key leaf, its impl's name; `value`, shape and dtype are then
+            those of its key data (see `keys.py`).
     """
 
     name: str
@@ -54,6 +57,7 @@ class LeafBinding:
     sharding: jax.sharding.Sharding | None
     value: Any
     legacy: str | None = None
+    key_impl: str | None = None
 
     def pieces(self, box: Box) -> list[Piece]:
         """Atom pieces filling `box` of this leaf."""
@@ -99,11 +103,12 @@ def bind_state(
     for name, path, leaf in param_leaves:
         if path_to_name(path) != name:
             legacy[name] = path_to_name(path)
+        leaf, impl = unwrap(leaf)
         shape, dtype, sharding = _leaf_meta(leaf, name)
         idx, m, chain = rules.match(name)
         ctx = LeafContext(name, m, mesh_axes(sharding))
         b = LeafBinding(name, "param", name, PARAM_SLOT, None, idx, chain, ctx, shape, dtype,
-                        sharding, leaf, legacy.get(name))  # fmt: skip
+                        sharding, leaf, legacy.get(name), impl)  # fmt: skip
         pbind.append(b)
         by_name[name] = b
     obind: list[LeafBinding] = []
@@ -112,18 +117,20 @@ def bind_state(
         names = [n for n, _, _ in param_leaves]
         shapes = [b.shape for b in pbind]
         for o in classify_opt_state(opt_state, params_def, names, shapes):
-            shape, dtype, sharding = _leaf_meta(o.leaf, o.name)
+            leaf, impl = unwrap(o.leaf)
+            shape, dtype, sharding = _leaf_meta(leaf, o.name)
             if o.param is not None:
                 p = by_name[o.param]
                 ctx = LeafContext(o.name, p.ctx.match, mesh_axes(sharding), base=o.param)
                 b = LeafBinding(o.name, "opt", o.param, o.slot or "", None, p.rule, p.chain, ctx,
-                                shape, dtype, sharding, o.leaf, p.legacy)  # fmt: skip
+                                shape, dtype, sharding, leaf, p.legacy, impl)  # fmt: skip
             else:
                 idx, m, chain = rules.match(o.name)
                 ctx = LeafContext(o.name, m, mesh_axes(sharding))
                 raw = path_to_name(o.path, OPT_PREFIX)
                 b = LeafBinding(o.name, "opt", o.name, VALUE_SLOT, o.role, idx, chain, ctx,
-                                shape, dtype, sharding, o.leaf, raw if raw != o.name else None)  # fmt: skip
+                                shape, dtype, sharding, leaf, raw if raw != o.name else None,
+                                impl)  # fmt: skip
             obind.append(b)
     return pbind, obind
 
@@ -269,6 +276,7 @@ def describe_leaf(b: LeafBinding) -> dict[str, Any]:
         "dtype": dtype_name(b.dtype),
         "mesh": b.ctx.mesh_axes,
         "spec": None if spec is None else str(spec),
+        **({"key_impl": b.key_impl} if b.key_impl else {}),
     }
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import MismatchError
 from ..mapping.binding import LeafBinding, bind_state, device_regions, unbind_state
 from ..mapping.boxes import Box, box_shape, box_size, relative_slices
+from ..mapping.keys import rewrap
 from ..mapping.rules import CompiledRules
 from ..util.buffers import aligned_empty
 from . import exchange
@@ -64,6 +65,7 @@ def read_candidate(
             at += n
         else:
             values.append(x)
+    values = rewrap(values, [b.key_impl for b, _ in bound])
     params, opt = unbind_state(params_target, opt_state_target, values)
     return params, opt, blobs
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..mapping.binding import bind_state, write_regions
 from ..mapping.boxes import Box, index_to_box
+from ..mapping.keys import data_leaves
 from ..mapping.rules import CompiledRules, Rule
 from ..util import config
 from . import copies, persist, recovery
@@ -214,9 +215,7 @@ class SnapshotManager:
         self._wait_copy()
         self._reraise()
         t0 = time.perf_counter()
-        leaves = jax.tree_util.tree_leaves(params)
-        if opt_state is not None:
-            leaves += jax.tree_util.tree_leaves(opt_state)
+        leaves = data_leaves(params) + data_leaves(opt_state)  # typed PRNG keys: their data
         prep = self._prepare(params, opt_state, leaves)
         rolled: dict[tuple[int, int], jax.Array] = {}
         for shift, lis in prep.rolls.items():
