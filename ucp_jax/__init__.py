@@ -19,6 +19,7 @@ from ._src.errors import LimitError as LimitError
 from ._src.errors import MismatchError as MismatchError
 from ._src.errors import NotACheckpointError as NotACheckpointError
 from ._src.errors import PatternError as PatternError
+from ._src.errors import RestorePlanError as RestorePlanError
 from ._src.errors import UcpError as UcpError
 from ._src.errors import UnsafePathError as UnsafePathError
 from ._src.format.manifest import AtomInfo as AtomInfo
@@ -32,6 +33,7 @@ from ._src.mapping.patterns import Replicated as Replicated
 from ._src.mapping.patterns import Stacked as Stacked
 from ._src.mapping.patterns import Transposed as Transposed
 from ._src.mapping.patterns import VocabPadded as VocabPadded
+from ._src.mapping.rename import Renamed as Renamed
 
 if TYPE_CHECKING:
     from ._src.checkpoint import Checkpoint as Checkpoint
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
     from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
     from ._src.importers.orbax import import_orbax as import_orbax
     from ._src.importers.orbax_source import OrbaxImportError as OrbaxImportError
+    from ._src.plan_report import RestorePlan as RestorePlan
+    from ._src.plan_report import plan as plan
     from ._src.restore import ReadStats as ReadStats
     from ._src.restore import last_read_stats as last_read_stats
     from ._src.restore import restore as restore
@@ -55,6 +59,8 @@ _LAZY = {
     "open": ("._src.checkpoint", "open_checkpoint"),
     "import_orbax": ("._src.importers.orbax", "import_orbax"),
     "OrbaxImportError": ("._src.importers.orbax_source", "OrbaxImportError"),
+    "plan": ("._src.plan_report", "plan"),
+    "RestorePlan": ("._src.plan_report", "RestorePlan"),
     "restore": ("._src.restore", "restore"),
     "ReadStats": ("._src.restore", "ReadStats"),
     "last_read_stats": ("._src.restore", "last_read_stats"),

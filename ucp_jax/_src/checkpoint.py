@@ -65,7 +65,9 @@ class Checkpoint:
         raise MismatchError(
             f"{self.path}: {who} {name!r}, which the checkpoint does not have"
             + (f" (close: {close})" if close else "")
-            + "; add a rule mapping the leaf to its atom, or restore a matching tree"
+            + "; add a rule mapping the leaf to its atom, or restore a matching tree",
+            leaf=leaf,
+            kind="missing",
         )
 
     def array(self, name: str, slot: str, *, leaf: str | None = None) -> Any:
@@ -93,7 +95,9 @@ class Checkpoint:
                 who = f"leaf {leaf!r} needs" if leaf else "wanted"
                 raise MismatchError(
                     f"{self.path}: {who} slot {slot!r} of atom {name!r}, but it has slots "
-                    f"{sorted(info.slots)}; restore without that optimizer state or save it"
+                    f"{sorted(info.slots)}; restore without that optimizer state or save it",
+                    leaf=leaf,
+                    kind="slot",
                 )
             shape, si = info.slot_shape(slot), info.slots[slot]
             todo.append((name, slot, shape, si))

@@ -15,12 +15,33 @@ class FormatVersionError(UcpError):
     """The checkpoint was written by a newer format version than this library reads."""
 
 
-class MismatchError(UcpError, ValueError):
+class _LeafError(UcpError):
+    """An error about one leaf: `leaf` names it, `kind` says what is wrong (for `ucp.plan`)."""
+
+    def __init__(self, *args: object, leaf: str | None = None, kind: str | None = None) -> None:
+        super().__init__(*args)
+        self.leaf = leaf
+        self.kind = kind
+
+
+class MismatchError(_LeafError, ValueError):
     """A target leaf does not match the checkpoint (shape, dtype, atom, slot or tree)."""
 
 
-class PatternError(UcpError, ValueError):
+class PatternError(_LeafError, ValueError):
     """A rule or pattern cannot be applied to a leaf (sizes, axes or names do not reconcile)."""
+
+
+class RestorePlanError(MismatchError, PatternError):
+    """The targets do not fit the checkpoint: every problem `ucp.plan` found, in one message.
+
+    Attributes:
+        plan: the `RestorePlan` (its `.problems`, `.missing`, `.unexpected`, suggested rules).
+    """
+
+    def __init__(self, message: str, plan: object) -> None:
+        super().__init__(message)
+        self.plan = plan
 
 
 class ChecksumError(UcpError):

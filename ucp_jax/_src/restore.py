@@ -90,18 +90,23 @@ class _Resolved:
     atom_of: dict[str, str]
 
 
-def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool) -> _Resolved:
+def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool, *, read: bool = True) -> _Resolved:
+    """Check a target leaf against the manifest; `read=False` (plans) never reads an array."""
     if b.sharding is None and isinstance(b.value, jax.ShapeDtypeStruct):
         raise MismatchError(
             f"restore: target leaf {b.name!r} is a ShapeDtypeStruct without a sharding; give it "
-            "sharding=NamedSharding(mesh, spec) (or pass a concrete array)"
+            "sharding=NamedSharding(mesh, spec) (or pass a concrete array)",
+            leaf=b.name,
+            kind="target",
         )
     saved_impl = (ckpt.manifest.leaves.get(b.name) or {}).get("key_impl")
     if b.key_impl is not None and saved_impl is not None and saved_impl != b.key_impl:
         raise MismatchError(
             f"restore: leaf {b.name!r} is a PRNG key of impl {b.key_impl!r} but the checkpoint "
             f"holds {saved_impl!r} keys; make the target's keys with "
-            f"jax.random.key(..., impl={saved_impl!r})"
+            f"jax.random.key(..., impl={saved_impl!r})",
+            leaf=b.name,
+            kind="key_impl",
         )
     groups = read_groups(b)
     atom_of: dict[str, str] = {}
@@ -116,7 +121,7 @@ def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool) -> _Resolved:
                     (n for n in legacy_names(name, b.base, b.legacy) if n in ckpt.atoms), name
                 )
             if b.role is not None and name not in ckpt.atoms:
-                name, slot = _by_role(ckpt, b)
+                name, slot = _by_role(ckpt, b, read)
             info = ckpt.atom(name, leaf=b.name)
             if slot not in info.slots:
                 ckpt.array(name, slot, leaf=b.name)  # raises the message
@@ -125,7 +130,9 @@ def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool) -> _Resolved:
                 raise MismatchError(
                     f"restore: leaf {b.name!r} (shape {b.shape}) expects atom {name!r} of shape "
                     f"{p.atom_shape} but the checkpoint has {have}; add or fix a "
-                    "rule (ucp.Fused / VocabPadded / Stacked ...) or pass the matching target"
+                    "rule (ucp.Fused / VocabPadded / Stacked ...) or pass the matching target",
+                    leaf=b.name,
+                    kind="shape",
                 )
             _check_fused(b, name, p.fused, info)
             stored = np_dtype(info.slots[slot].dtype)
@@ -134,13 +141,15 @@ def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool) -> _Resolved:
                 raise MismatchError(
                     f"restore: leaf {b.name!r} wants dtype {b.dtype.name} but atom {name!r} slot "
                     f"{slot!r} is stored as {stored.name}; pass cast=True to convert, or a "
-                    "target of the stored dtype"
+                    "target of the stored dtype",
+                    leaf=b.name,
+                    kind="dtype",
                 )
             atom_of[p.atom], slot_of[p.atom] = name, slot
     return _Resolved(b, groups, slot_of, atom_of)
 
 
-def _by_role(ckpt: Checkpoint, b: LeafBinding) -> tuple[str, str]:
+def _by_role(ckpt: Checkpoint, b: LeafBinding, read: bool = True) -> tuple[str, str]:
     """An optimizer leaf mirroring no parameter, found by its role in another optax structure.
 
     Returns (atom, slot). An optax count (`ScaleByAdamState.count`, ...) of a checkpoint imported
@@ -157,11 +166,13 @@ def _by_role(ckpt: Checkpoint, b: LeafBinding) -> tuple[str, str]:
             if STEP_SLOT in a.slots and a.slot_shape(STEP_SLOT) == ()
         ]
         if steps:
-            return _common_step(ckpt, b, steps), STEP_SLOT
+            return (_common_step(ckpt, b, steps) if read else steps[0]), STEP_SLOT
     raise MismatchError(
         f"restore: leaf {b.name!r} ({b.role}) is not in the checkpoint "
         + (f"(candidates with that role: {found})" if found else "(no atom has that role)")
-        + "; restore params only (opt_state_target=None) or a matching optax structure"
+        + "; restore params only (opt_state_target=None) or a matching optax structure",
+        leaf=b.name,
+        kind="missing",
     )
 
 
@@ -174,7 +185,9 @@ def _common_step(ckpt: Checkpoint, b: LeafBinding, atoms: Sequence[str]) -> str:
         seen = {v: names[:2] for v, names in sorted(values.items())}
         raise MismatchError(
             f"restore: leaf {b.name!r} ({b.role}) takes the per-atom 'step' slots of the "
-            f"checkpoint, but they differ ({seen}); restore params only, or set the count yourself"
+            f"checkpoint, but they differ ({seen}); restore params only, or set the count yourself",
+            leaf=b.name,
+            kind="value",
         )
     return next(iter(values.values()))[0]
 
@@ -185,7 +198,9 @@ def _check_fused(b: LeafBinding, atom: str, marks: Sequence[Any], info: AtomInfo
     if want and info.fused and want != info.fused:
         raise PatternError(
             f"restore: leaf {b.name!r} fuses atom {atom!r} as {want}, but it was saved as "
-            f"{info.fused}; fix the ucp.Fused sizes/axis of the rule to match the saved layout"
+            f"{info.fused}; fix the ucp.Fused sizes/axis of the rule to match the saved layout",
+            leaf=b.name,
+            kind="pattern",
         )
     if want or not info.fused:
         return
@@ -199,7 +214,9 @@ def _check_fused(b: LeafBinding, atom: str, marks: Sequence[Any], info: AtomInfo
                 f"on mesh axis {axis_name!r} (size {n} in leaf {b.name!r}'s mesh), but the rule "
                 f"for {b.name!r} has no ucp.Fused, so it would come back in TP=1 order; add "
                 f"ucp.Fused({p.sizes}, axis={p.axis}, shard_axis={axis_name!r}), "
-                "or ucp.Fused(..., shard_axis=None) if the model wants the canonical order"
+                "or ucp.Fused(..., shard_axis=None) if the model wants the canonical order",
+                leaf=b.name,
+                kind="pattern",
             )
 
 
@@ -233,7 +250,9 @@ def restore(
         (params, opt_state) with the targets' tree structures; opt_state is None when no target.
 
     Raises:
-        NotACheckpointError, FormatVersionError, MismatchError, PatternError, ChecksumError.
+        RestorePlanError: the targets do not fit the checkpoint; one error (a MismatchError and a
+            PatternError) listing every problem `ucp.plan` finds, raised before any array is read.
+        NotACheckpointError, FormatVersionError, ChecksumError.
 
     >>> params, opt_state = ucp.restore("/tmp/ckpt/step_10", abstract_params, abstract_opt)  # doctest: +SKIP
     """
@@ -241,9 +260,14 @@ def restore(
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     compiled = CompiledRules(rules) if rules else CompiledRules.from_json(ckpt.manifest.rules)
     pbind, obind = bind_state(params_target, opt_state_target, compiled)
-    if rules:
-        compiled.check_all_used([b.name for b in pbind + obind])
-    resolved = [_resolve(ckpt, b, cast) for b in pbind + obind]
+    budget = config.inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
+    from .plan_report import build  # every problem in one error, before anything is read
+
+    report = build(ckpt, pbind + obind, compiled if rules else None, cast, budget)
+    report.raise_if_problems()
+    resolved = report.resolved
+    if any(r.slot_of.get(a) == STEP_SLOT for r in resolved for a in r.slot_of):
+        resolved = [_resolve(ckpt, r.binding, cast) for r in resolved]  # counts: steps agree?
     regions = [
         (r.atom_of[p.atom], r.slot_of[p.atom], p.atom_box)
         for r in resolved
@@ -254,7 +278,6 @@ def restore(
     ckpt.open_arrays([(name, slot) for name, slot, _ in regions])
     ckpt.check_regions(regions)  # the chunk files to be read are the ones written there
     stats = ReadStats()
-    budget = config.inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
     values = _read_all(ckpt, resolved, stats, budget)
     _last_stats = stats
     values = rewrap(values, [r.binding.key_impl for r in resolved])

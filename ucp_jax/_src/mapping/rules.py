@@ -8,6 +8,7 @@ from typing import Any
 
 from ..errors import PatternError
 from .patterns import PatternChain, as_chain, chain_from_json, chain_to_json
+from .rename import Renamed as Renamed  # registered, so manifests that record it read back
 
 Rule = tuple[str, Any]
 
