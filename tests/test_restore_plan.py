@@ -127,3 +127,25 @@ def test_plan_with_optimizer_state_dtype_and_rules(tmp_path, monkeypatch):
     monkeypatch.undo()
     got, _ = ucp.restore(tmp_path / "ck", p_t, cast=True)
     assert got["w"].dtype == jnp.bfloat16
+
+
+def test_cli_plan(tmp_path, monkeypatch, capsys):
+    from ucp_jax._src.cli import main
+
+    ucp.save(tmp_path / "ck", place(_state(), mesh_of((2, 4))))
+    (tmp_path / "plan_targets.py").write_text(
+        "import numpy as np\n"
+        "from helpers import mesh_of, targets\n"
+        "def good():\n"
+        "    from test_restore_plan import _state\n"
+        "    return targets(_state(), mesh_of((4, 2)))\n"
+        "def bad():\n"
+        "    from test_restore_plan import _changed\n"
+        "    return _changed(mesh_of((4, 2))), None\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", str(tmp_path / "ck"), "--target", "plan_targets:good"]) == 0
+    assert "4 leaves match, 0 problem(s)" in capsys.readouterr().out
+    assert main(["plan", str(tmp_path / "ck"), "--target", "plan_targets:bad"]) == 1
+    out = capsys.readouterr().out
+    assert "[missing]" in out and "Renamed" in out and "[shape]" in out

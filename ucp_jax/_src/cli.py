@@ -215,6 +215,37 @@ def _run_torch_command(args: Any) -> int:
     return 0
 
 
+def _load(ref: str) -> Any:
+    """`package.module:name` -> that object (the module imported from the working directory too)."""
+    import importlib
+
+    module, _, name = ref.partition(":")
+    if not module or not name:
+        raise ValueError(f"{ref!r} is not MODULE:NAME (e.g. mytrain.targets:make_targets)")
+    sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module), name)
+    finally:
+        sys.path.remove(os.getcwd())
+
+
+def plan_command(path: str, target: str, rules: str | None = None, out: Any = None) -> int:
+    """Print the restore plan of `path` for the targets `MODULE:FUNCTION()` returns.
+
+    The function returns params targets or (params targets, opt_state targets); `rules` names a
+    list of rules (`MODULE:NAME`). Exit status 0 when a restore would go through, 1 otherwise.
+
+    >>> plan_command("/tmp/ckpt/step_10", "mytrain:targets")  # doctest: +SKIP
+    """
+    from .plan_report import plan
+
+    made = _load(target)()
+    params_t, opt_t = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
+    report = plan(path, params_t, opt_t, rules=_load(rules) if rules else ())
+    print(report, file=out or sys.stdout)
+    return 0 if report.ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ucp` command."""
     ap = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for JAX.")
@@ -224,6 +255,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the manifest as JSON, with sizes")
     p = sub.add_parser("verify", help="read every chunk; check checksums and the manifest")
     p.add_argument("path")
+    p = sub.add_parser("plan", help="what a restore onto given targets would do (reads no array)")
+    p.add_argument("path")
+    p.add_argument(
+        "--target",
+        required=True,
+        help="MODULE:FUNCTION returning params targets or (params, opt_state) targets",
+    )
+    p.add_argument("--rules", help="MODULE:NAME of a list of (regex, pattern) rules")
     _add_torch_commands(sub)
     args = ap.parse_args(argv)
     try:
@@ -239,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _torch_command(args)
         if args.cmd == "inspect":
             return inspect_checkpoint(args.path, args.json)
+        if args.cmd == "plan":
+            return plan_command(args.path, args.target, args.rules)
         return verify_checkpoint(args.path)
     except UcpError as e:
         print(f"ucp {args.cmd}: {e}", file=sys.stderr)

@@ -6,10 +6,8 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import struct
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +20,10 @@ from ..mapping.keys import data_leaves
 from ..mapping.rules import CompiledRules, Rule
 from ..util import config
 from . import copies, persist, recovery
+from . import extra as extras
 from .layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
 from .redundancy import Fetch, Sources, fill, plan_fetches, roll
+from .runid import agree_run_id, default_namespace
 from .schemes import RedundancyScheme, scheme_for
 from .shm import NodeStore, huge_pages, namespace_root
 
@@ -63,26 +63,6 @@ class SnapshotStats:
     dispatch_s: float = 0.0
     copy_s: float = 0.0
     rolls: int = 0
-
-
-def _default_namespace(directory: Any) -> str:
-    if directory is None:
-        return "default"
-    text = os.path.abspath(os.fspath(directory)) if "://" not in str(directory) else str(directory)
-    stem = "".join(c if c.isalnum() or c in "-_" else "-" for c in os.path.basename(text))[:32]
-    return f"{stem or 'ckpt'}-{zlib.crc32(text.encode()):08x}"
-
-
-def _agree_run_id() -> int:
-    """A new run id, the same on every process (process 0's clock)."""
-    run = time.time_ns()
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        raw = np.frombuffer(struct.pack("<q", run), np.uint8)
-        raw = np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8)
-        run = struct.unpack("<q", raw.tobytes())[0]
-    return run
 
 
 class SnapshotManager:
@@ -162,7 +142,7 @@ class SnapshotManager:
         self.every = int(every)
         self.persist_every = None if persist_every is None else int(persist_every)
         self.redundancy = redundancy
-        self.namespace = namespace or _default_namespace(directory_for_persist)
+        self.namespace = namespace or default_namespace(directory_for_persist)
         self.root = namespace_root(self.namespace, shm_dir)
         self.keep = int(keep)
         nodes = jax.process_count()
@@ -172,7 +152,7 @@ class SnapshotManager:
         self.donation_safe = donation_safe
         self.rules = tuple(rules)
         self.node = jax.process_index()
-        self.run = _agree_run_id()
+        self.run = agree_run_id()
         self.store = NodeStore(self.root, self.node)
         self.store.ensure()
         self.huge_pages = huge_pages(self.root)
@@ -193,14 +173,17 @@ class SnapshotManager:
         self._error: BaseException | None = None
         self._closed = False
         self._restores = 0
+        self._extra: Any = None
 
     # ------------------------------------------------------------------------------- snapshot
 
-    def snapshot(self, step: int, params: Any, opt_state: Any = None) -> bool:
+    def snapshot(self, step: int, params: Any, opt_state: Any = None, *, extra: Any = None) -> bool:
         """Snapshot the state of `step` (if `step % every == 0`); returns as soon as it is started.
 
         Waits first for the previous snapshot's host copy (one in flight at a time). Every process
-        must call it with the same steps (the redundancy exchange is a collective).
+        must call it with the same steps (the redundancy exchange is a collective). `extra`:
+        this process's non-tensor state of this step (JSON-able, or bytes such as a data
+        loader's state); a restore gives it back as `restored.extra` (see `memory/extra.py`).
 
         Returns:
             Whether a snapshot was started.
@@ -214,6 +197,7 @@ class SnapshotManager:
             return False
         self._wait_copy()
         self._reraise()
+        self._extra = extras.encode(extra)  # read by this snapshot's _fill (after the wait)
         t0 = time.perf_counter()
         leaves = data_leaves(params) + data_leaves(opt_state)  # typed PRNG keys: their data
         prep = self._prepare(params, opt_state, leaves)
@@ -227,7 +211,8 @@ class SnapshotManager:
             )
         job = None
         if self.persist_every and step % (self.every * self.persist_every) == 0:
-            job = persist.make_job(self.directory, step, params, opt_state, self.rules)
+            job = persist.make_job(self.directory, step, params, opt_state, self.rules,
+                                   self._extra, f"ucp-memory/{self.namespace}/{self.run}")  # fmt: skip
         if prep.host_memory and not self.donation_safe:
             # CPU devices, references held: the background thread waits for the step's outputs
             # and copies them while the next steps are dispatched and run.
@@ -333,6 +318,8 @@ class SnapshotManager:
         layout = prep.layout
         index = {"format": "ucp-mem/1", "step": step, "run": self.run, "plan": layout.digest,
                  "node": self.node, "nbytes": prep.nbytes}  # fmt: skip
+        if self._extra is not None:
+            index["extra"] = self._extra
         with self._lock:
             self.store.write_plan(layout.digest, prep.text)
             writer = self.store.begin(step, index, prep.nbytes)

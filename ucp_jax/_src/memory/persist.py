@@ -29,12 +29,19 @@ def step_path(directory: Any, step: int) -> str:
     return os.path.join(d, f"step_{step}")
 
 
-def make_job(
-    directory: Any, step: int, params: Any, opt_state: Any, rules: tuple[Rule, ...]
-) -> SaveJob:
-    """Plan the universal checkpoint of this step (collective-free; every process plans it)."""
+def make_job(directory: Any, step: int, params: Any, opt_state: Any, rules: tuple[Rule, ...],
+             extra: Any = None, tag: str = "") -> SaveJob:  # fmt: skip
+    """Plan the universal checkpoint of this step (every process plans it).
+
+    `extra`: this process's encoded extra; every process's goes into the manifest (one
+    key-value exchange, on the persisted steps only).
+    """
+    from .exchange import allgather_json
+    from .extra import manifest_extra
+
+    extras = allgather_json(extra, f"{tag}/extra-{step}") if tag else [extra]
     return SaveJob(step_path(directory, step), params, opt_state, step=step, rules=rules,
-                   extra={"source": "ucp.memory"}, overwrite=True)  # fmt: skip
+                   extra=manifest_extra(extras), overwrite=True)  # fmt: skip
 
 
 def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int) -> None:

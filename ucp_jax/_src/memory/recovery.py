@@ -26,6 +26,7 @@ from ..errors import NotACheckpointError
 from ..mapping.rules import Rule
 from ..util.gcpause import gc_paused
 from . import exchange
+from . import extra as extra_mod
 from .layout import SnapshotLayout
 from .shm import Entry, committed, list_nodes
 
@@ -69,6 +70,8 @@ class RestoreInfo:
             machines it cannot see).
         copied_bytes: bytes this process copied to assemble regions; the rest of what it
             restored maps the snapshot's pages (on CPU devices: no copy at all).
+        extra: this process's `extra` of the step restored (`snapshot(..., extra=...)`), None
+            when it gave none (or its node's snapshot was lost and decoded from redundancy).
     """
 
     step: int | None
@@ -80,6 +83,7 @@ class RestoreInfo:
     files: list[str] = dataclasses.field(default_factory=list)
     fetched_bytes: int = 0
     copied_bytes: int = 0
+    extra: Any = None
 
 
 _layouts: dict[tuple[str, str], SnapshotLayout] = {}
@@ -236,6 +240,8 @@ def recover(
         info = RestoreInfo(chosen.step, source, str(root), chosen.lost, time.perf_counter() - t0)
         info.files = [str(f) for f in blobs.files]
         info.fetched_bytes, info.copied_bytes = fetched, blobs.copied
+        mine = chosen.entries.get(jax.process_index())
+        info.extra = extra_mod.from_snapshot(None if mine is None else mine.path)
         detail = f", node(s) {chosen.lost} decoded from {chosen.layout.redundancy}" * bool(
             chosen.lost
         )
@@ -261,4 +267,7 @@ def recover(
     )
     params, opt = ucp_restore(found[0], params_target, opt_state_target, rules=rules)
     info = RestoreInfo(found[1], "persisted", found[0], [], time.perf_counter() - t0, reason)
+    from ..checkpoint import open_checkpoint
+
+    info.extra = extra_mod.from_manifest(open_checkpoint(found[0]).extra, jax.process_index())
     return params, opt, info
