@@ -52,6 +52,9 @@ class LlamaConfig:
         tie_embeddings: the output projection is the input embedding transposed.
         sliding_window: attend to at most this many past positions (self included), or None.
         vocab_multiple: the padded vocabulary is a multiple of ``vocab_multiple * tensor``.
+        n_experts: experts per sparse MLP (Mixtral); 0 for the dense SwiGLU MLP.
+        top_k: experts each token is routed to (sparse models).
+        router_aux_loss_coef: weight of the load-balancing loss in the training loss.
         hf: the source ``config.json`` (as a JSON string), written back on export.
     """
 
@@ -70,6 +73,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
     sliding_window: int | None = None
     vocab_multiple: int = 64
+    n_experts: int = 0
+    top_k: int = 2
+    router_aux_loss_coef: float = 0.02
     hf: str = dataclasses.field(default="{}", compare=False, repr=False)
 
     def padded_vocab(self, tensor: int) -> int:
