@@ -22,7 +22,11 @@ from ucp_jax.torch import export_hf, import_hf  # noqa: E402
 
 TOL = 1e-5  # max |logit difference| / max |logit| at each position
 SEQ, BATCH = 24, 2
-LAYOUTS = [MoELayout(expert=4), MoELayout(expert=2, tensor=2, data=2), MoELayout(stages=2, expert=2)]
+LAYOUTS = [
+    MoELayout(expert=4),
+    MoELayout(expert=2, tensor=2, data=2),
+    MoELayout(stages=2, expert=2),
+]
 
 
 def rel_err(out: np.ndarray, ref: np.ndarray) -> float:

@@ -31,10 +31,16 @@ from jax.sharding import Mesh
 
 from ..demo.model import NEG_INF, Group, Kernel, Layout, Norm, constrain_batch, make_param, rms_norm
 from .llama_config import LlamaConfig
-from .moe import EXPERT_PARAMS, check_experts, expert_rules, load_balancing_loss, sparse_mlp
+from .moe import (
+    EXPERT_PARAMS,
+    check_experts,
+    expert_rules,
+    load_balancing_loss,
+    sparse_mlp,
+    sparse_params,
+)
 from .moe import MoELayout as MoELayout
 from .moe import make_mesh as make_mesh
-from .moe import sparse_params
 
 PyTree = Any
 BLOCK_PARAMS = (
@@ -52,8 +58,7 @@ def block_params(config: LlamaConfig) -> tuple[str, ...]:
     """Per-layer parameter names (``attn.qkv.bias`` only with a bias; router and experts if sparse)."""
     names = tuple(n for n in BLOCK_PARAMS if config.qkv_bias or n != "attn.qkv.bias")
     if config.n_experts:
-        names = tuple(n for n in names if not n.startswith("mlp.")) + ("router.kernel",)
-        names += EXPERT_PARAMS
+        names = (*(n for n in names if not n.startswith("mlp.")), "router.kernel", *EXPERT_PARAMS)
     return names
 
 
@@ -62,7 +67,7 @@ def fused_sizes(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], int]]:
 
     The experts' fused ``gate_up`` is not here: :func:`ucp_jax.models.moe.expert_rules` maps it.
     """
-    out = {"attn.qkv.kernel": (config.qkv_sizes, 1)}
+    out: dict[str, tuple[tuple[int, ...], int]] = {"attn.qkv.kernel": (config.qkv_sizes, 1)}
     if not config.n_experts:
         out["mlp.gate_up.kernel"] = ((config.d_ff,) * 2, 1)
     if config.qkv_bias:
