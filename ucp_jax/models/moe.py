@@ -160,7 +160,7 @@ def load_balancing_loss(stats: jax.Array, n_experts: int, tokens: int) -> jax.Ar
     Returns:
         ``E * sum_e(fraction routed to e * mean probability of e)`` over all layers' tokens.
 
-    >>> float(load_balancing_loss(jnp.asarray([[[1.0, 1.0], [0.5, 0.5]]]), 2, 1))
+    >>> float(load_balancing_loss(jnp.asarray([[[1.0, 0.0], [0.5, 0.5]]]), 2, 1))  # balanced: 1
     1.0
     """
     rows = stats.shape[0] * tokens
