@@ -5,6 +5,10 @@ universal checkpoint after step 10. Layouts B (dp4-tp2), C (dp8), D (fsdp4-tp2) 
 each restore it with their own rules and train steps 11..20 on the same batches. The loss curves
 must continue: every resumed loss equals A's within a relative 1e-5 (float32), and every restored
 state is bit-identical to A's saved state. Writes ``losses.json`` and ``losses.png`` to ``--out``.
+
+Then the same for a sparse (Mixtral-style, 4 experts, top-2) Llama: A dp2-ep4 saves, B dp2-ep2,
+C dp2 (experts replicated), D dp2-ep2-tp2 and E pp2-dp2-ep2 resume (``--no-sparse`` skips it;
+``sparse_losses.json``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="total training steps")
     parser.add_argument("--save-at", type=int, default=None, help="checkpoint step (steps // 2)")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--sparse", action=argparse.BooleanOptionalAction, default=True,
+        help="also run the mixture-of-experts experiment (EP/TP/PP changes)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     save_at = args.steps // 2 if args.save_at is None else args.save_at
     if not 1 <= save_at < args.steps:
@@ -86,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:  # matplotlib is a dev extra; `make demo` installs it
         wrote = f"{json_path} (no plot: pip install matplotlib)"
     ok = exp.ok()
+    if args.sparse:
+        ok = _sparse(args.out, args.steps, save_at) and ok
     secs = ", ".join(f"{r.label} {r.seconds:.1f}s" for r in exp.runs.values())
     print(
         f"\nmax rel diff {exp.worst():.2e} (tolerance {TOLERANCE:.0e}): "
@@ -93,6 +103,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"wrote {wrote}  [{secs}; total {time.perf_counter() - t0:.1f}s]")
     return 0 if ok else 1
+
+
+def _sparse(out: Path, steps: int, save_at: int) -> bool:
+    """Run and print the mixture-of-experts experiment; True when its loss curves continue."""
+    from ..models.moe_experiment import SPARSE_A, SPARSE_RESUMED, run_sparse_experiment
+
+    t0 = time.perf_counter()
+    exp = run_sparse_experiment(steps, save_at, checkpoint=out / f"sparse_step_{save_at}")
+    print(
+        f"\nMixture of experts (4 experts, top-2; experts sharded over the 'expert' axis): "
+        f"A {SPARSE_A.name} saves after step {save_at}; "
+        + ", ".join(f"{k} {lay.name}" for k, lay in SPARSE_RESUMED.items())
+        + " resume\n"
+    )
+    print(exp.table())
+    bad = {k: v for k, v in exp.state_mismatches().items() if v}
+    exp.save_json(out / "sparse_losses.json")
+    print(
+        f"\nsparse: max rel diff {exp.worst():.2e} (tolerance {TOLERANCE:.0e}); restored states "
+        f"{'bit-identical' if not bad else f'DIFFERENT: {bad}'}  [{time.perf_counter() - t0:.1f}s]"
+    )
+    return exp.ok()
 
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ class Experiment:
         runs: ``{label: Run}``, the uninterrupted run ``"A"`` first.
     """
 
-    config: GPTConfig
+    config: Any  # GPTConfig; the sparse experiment's LlamaConfig (ucp_jax.models.moe_experiment)
     steps: int
     save_at: int
     checkpoint: Path

@@ -30,8 +30,17 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ..demo.model import NEG_INF, Group, Kernel, Layout, Norm, constrain_batch, make_param, rms_norm
-from ..demo.model import make_mesh as make_mesh
 from .llama_config import LlamaConfig
+from .moe import (
+    EXPERT_PARAMS,
+    check_experts,
+    expert_rules,
+    load_balancing_loss,
+    sparse_mlp,
+    sparse_params,
+)
+from .moe import MoELayout as MoELayout
+from .moe import make_mesh as make_mesh
 
 PyTree = Any
 BLOCK_PARAMS = (
@@ -46,13 +55,21 @@ BLOCK_PARAMS = (
 
 
 def block_params(config: LlamaConfig) -> tuple[str, ...]:
-    """Per-layer parameter names of this configuration (``attn.qkv.bias`` only with a bias)."""
-    return tuple(n for n in BLOCK_PARAMS if config.qkv_bias or n != "attn.qkv.bias")
+    """Per-layer parameter names (``attn.qkv.bias`` only with a bias; router and experts if sparse)."""
+    names = tuple(n for n in BLOCK_PARAMS if config.qkv_bias or n != "attn.qkv.bias")
+    if config.n_experts:
+        names = (*(n for n in names if not n.startswith("mlp.")), "router.kernel", *EXPERT_PARAMS)
+    return names
 
 
 def fused_sizes(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], int]]:
-    """Fused per-layer parameters: name -> (sub-parameter sizes, axis of the per-layer atom)."""
-    out = {"attn.qkv.kernel": (config.qkv_sizes, 1), "mlp.gate_up.kernel": ((config.d_ff,) * 2, 1)}
+    """Fused per-layer parameters: name -> (sub-parameter sizes, axis of the per-layer atom).
+
+    The experts' fused ``gate_up`` is not here: :func:`ucp_jax.models.moe.expert_rules` maps it.
+    """
+    out: dict[str, tuple[tuple[int, ...], int]] = {"attn.qkv.kernel": (config.qkv_sizes, 1)}
+    if not config.n_experts:
+        out["mlp.gate_up.kernel"] = ((config.d_ff,) * 2, 1)
     if config.qkv_bias:
         out["attn.qkv.bias"] = (config.qkv_sizes, 0)
     return out
@@ -66,7 +83,8 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
         layout: the parallel layout.
 
     Raises:
-        ValueError: the tensor degree does not divide the heads or ``d_ff``, or the stages the layers.
+        ValueError: the tensor degree does not divide the heads or ``d_ff``, the stages the layers,
+            or the expert degree the experts.
     """
     t, c = layout.tensor, config
     for what, n in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("d_ff", c.d_ff)):
@@ -76,6 +94,7 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
         raise ValueError(f"layout {layout.name}: stages={layout.stages} does not divide n_layers")
     if c.n_heads % c.n_kv_heads:
         raise ValueError("n_kv_heads must divide n_heads")
+    check_experts(config, layout)
 
 
 class _Dense(nnx.Module):
@@ -112,9 +131,15 @@ class Llama(nnx.Module):
                 out=Kernel((*lead, c.n_heads * c.head_dim, d), (*ls, tp, fs)),
             ),
             ln2=Norm((*lead, d), (*ls, None)),
-            mlp=Group(
-                gate_up=Kernel((*lead, d, 2 * c.d_ff), (*ls, fs, tp)),
-                down=Kernel((*lead, c.d_ff, d), (*ls, tp, fs)),
+            **(
+                sparse_params(c, layout, lead, ls, fs, tp)
+                if c.n_experts
+                else {
+                    "mlp": Group(
+                        gate_up=Kernel((*lead, d, 2 * c.d_ff), (*ls, fs, tp)),
+                        down=Kernel((*lead, c.d_ff, d), (*ls, tp, fs)),
+                    )
+                }
             ),
         )
         self.ln_f = Norm((d,), (None,))
@@ -129,6 +154,17 @@ class Llama(nnx.Module):
 
         Returns:
             float32 logits; the padded vocabulary columns hold a large negative number.
+        """
+        return self.forward(tokens)[0]
+
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The logits of :meth:`__call__` and the load-balancing loss (0 for a dense model).
+
+        Args:
+            tokens: int32 token ids ``[batch, seq]``.
+
+        Returns:
+            ``(logits, aux)``: aux as transformers' Mixtral ``load_balancing_loss_func``.
         """
         c = self.config
         emb = self.embed.embedding[...]
@@ -145,14 +181,18 @@ class Llama(nnx.Module):
         if self.layout.stages > 1:  # [stages, per_stage] -> [n_layers]
             stacked = jax.tree.map(lambda a: a.reshape((c.n_layers, *a.shape[2:])), stacked)
 
-        def body(h: jax.Array, p: dict) -> tuple[jax.Array, None]:
-            return constrain_batch(_block(h, p, c, self.layout.tensor, rope, mask)), None
+        def body(h: jax.Array, p: dict) -> tuple[jax.Array, Any]:
+            h, stats = _block(h, p, c, self.layout.tensor, rope, mask)
+            return constrain_batch(h), stats
 
-        x, _ = jax.lax.scan(body, x, stacked)
+        x, stats = jax.lax.scan(body, x, stacked)
         h = rms_norm(x, self.ln_f.scale[...], c.norm_eps)
         logits = h @ (emb.T if c.tie_embeddings else self.unembed.kernel[...])
         valid = jnp.arange(logits.shape[-1]) < c.vocab_size
-        return jnp.where(valid, logits, NEG_INF)
+        aux = jnp.zeros((), jnp.float32)
+        if c.n_experts:
+            aux = load_balancing_loss(stats, c.n_experts, tokens.shape[0] * s)
+        return jnp.where(valid, logits, NEG_INF), aux
 
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -164,8 +204,8 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def _block(
     x: jax.Array, p: dict, c: LlamaConfig, t: int, rope: tuple[jax.Array, jax.Array], mask: Any
-) -> jax.Array:
-    """One decoder layer on ``x [b, s, d]`` with per-layer params ``p`` (TP-fused)."""
+) -> tuple[jax.Array, Any]:
+    """One decoder layer on ``x [b, s, d]`` with per-layer params ``p`` (TP-fused); router stats."""
     b, s, _ = x.shape
     hq, hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
     h = rms_norm(x, p["ln1"]["scale"], c.norm_eps)
@@ -182,9 +222,12 @@ def _block(
     att = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, hq * hd)
     x = x + att @ p["attn"]["out"]["kernel"]
     h = rms_norm(x, p["ln2"]["scale"], c.norm_eps)
+    if c.n_experts:
+        y, stats = sparse_mlp(h, p, c, t)
+        return x + y, stats
     gu = (h @ p["mlp"]["gate_up"]["kernel"]).reshape(b, s, t, 2, c.d_ff // t)
     gate, up = gu[:, :, :, 0].reshape(b, s, c.d_ff), gu[:, :, :, 1].reshape(b, s, c.d_ff)
-    return x + (jax.nn.silu(gate) * up) @ p["mlp"]["down"]["kernel"]
+    return x + (jax.nn.silu(gate) * up) @ p["mlp"]["down"]["kernel"], None
 
 
 @functools.lru_cache(maxsize=64)
@@ -263,6 +306,8 @@ def ucp_rules(config: LlamaConfig, layout: Layout) -> list[tuple[str, Any]]:
     ]
     if not config.tie_embeddings:
         rules.append((r"unembed\.kernel", ucp.VocabPadded(config.vocab_size, axis=1)))
+    if config.n_experts:
+        rules += expert_rules(config, layout)
     for name, (sizes, axis) in fused_sizes(config).items():
         fused = ucp.Fused(sizes, axis=axis, shard_axis="tensor")  # axis of the per-layer atom
         rules.append((r"layers\.(" + re.escape(name) + ")", (fused, stacked)))

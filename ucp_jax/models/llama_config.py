@@ -1,4 +1,4 @@
-"""The configuration of a Llama-family model (Llama, Mistral, Qwen2), read from a HF ``config.json``.
+"""The configuration of a Llama-family model (Llama, Mistral, Qwen2, Mixtral), from a HF ``config.json``.
 
 Only the fields that change the function the model computes are kept; everything the JAX model
 cannot represent (other activations, MLP or output-projection biases, other RoPE scalings, partial
@@ -23,7 +23,7 @@ import numpy as np
 
 from .._src.errors import UcpError
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
 ROPE_TYPES = ("default", "linear", "llama3")
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -37,7 +37,7 @@ class LlamaConfig:
     """Hyper-parameters of a Llama-family decoder (pre-norm, RoPE, GQA, SiLU-gated MLP).
 
     Attributes:
-        model_type: "llama", "mistral" or "qwen2" (sets the default biases and HF class).
+        model_type: "llama", "mistral", "qwen2" or "mixtral" (sets the default biases and HF class).
         vocab_size: vocabulary size (unpadded).
         d_model: hidden size.
         n_heads: query heads.
@@ -52,6 +52,9 @@ class LlamaConfig:
         tie_embeddings: the output projection is the input embedding transposed.
         sliding_window: attend to at most this many past positions (self included), or None.
         vocab_multiple: the padded vocabulary is a multiple of ``vocab_multiple * tensor``.
+        n_experts: experts per sparse MLP (Mixtral); 0 for the dense SwiGLU MLP.
+        top_k: experts each token is routed to (sparse models).
+        router_aux_loss_coef: weight of the load-balancing loss in the training loss.
         hf: the source ``config.json`` (as a JSON string), written back on export.
     """
 
@@ -70,6 +73,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
     sliding_window: int | None = None
     vocab_multiple: int = 64
+    n_experts: int = 0
+    top_k: int = 2
+    router_aux_loss_coef: float = 0.02
     hf: str = dataclasses.field(default="{}", compare=False, repr=False)
 
     def padded_vocab(self, tensor: int) -> int:
@@ -113,12 +119,20 @@ class LlamaConfig:
         out["rope_parameters"] = rope
         out.pop("rope_scaling", None)
         out["rope_theta"] = self.rope_theta
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             out["sliding_window"] = self.sliding_window
+        if self.n_experts:
+            out.update(num_local_experts=self.n_experts, num_experts_per_tok=self.top_k,
+                       router_aux_loss_coef=self.router_aux_loss_coef)  # fmt: skip
         return out
 
 
-_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 
 def _llama3(inv: np.ndarray, s: Mapping[str, Any]) -> np.ndarray:
@@ -252,8 +266,17 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
             "qwen2's q/k/v biases are modelled"
         )
     window = None
-    if mt == "mistral":
+    if mt in ("mistral", "mixtral"):
         window = _get(cfg, "sliding_window", int, where, None)
+    experts, top_k, aux = 0, 2, 0.02
+    if mt == "mixtral":  # transformers' MixtralConfig defaults
+        experts = _get(cfg, "num_local_experts", int, where, 8)
+        top_k = _get(cfg, "num_experts_per_tok", int, where, 2)
+        aux = float(cfg.get("router_aux_loss_coef", 0.001))
+        if top_k > experts:
+            raise HFConfigError(
+                f"{where}: num_experts_per_tok={top_k} exceeds num_local_experts={experts}"
+            )
     if mt == "qwen2" and (
         cfg.get("use_sliding_window")
         or any(t != "full_attention" for t in cfg.get("layer_types") or [])
@@ -275,7 +298,8 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
         d_ff=_get(cfg, "intermediate_size", int, where),
         norm_eps=_get(cfg, "rms_norm_eps", float, where, 1e-6), rope_theta=theta,
         rope_scaling=scaling, qkv_bias=mt == "qwen2", tie_embeddings=bool(tie),
-        sliding_window=window, hf=json.dumps(dict(cfg), sort_keys=True),
+        sliding_window=window, n_experts=experts, top_k=top_k, router_aux_loss_coef=aux,
+        hf=json.dumps(dict(cfg), sort_keys=True),
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from ..demo.layouts import flatten_tree, fuse_tp, put_sharded, unflatten_tree, u
 from ..demo.model import Layout
 from .llama import PyTree, block_params, check_layout, fused_sizes, param_shardings
 from .llama_config import LlamaConfig
+from .moe import EXPERT_PARAMS, init_experts, stack_experts, unstack_experts
 
 
 def init_canonical(config: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:
@@ -45,6 +46,9 @@ def init_canonical(config: LlamaConfig, seed: int = 0, std: float = 0.02) -> dic
             out[pre + "attn.qkv.bias"] = normal(sum(c.qkv_sizes))
         out[pre + "attn.out.kernel"] = normal(c.n_heads * c.head_dim, d)
         out[pre + "ln2.scale"] = np.ones((d,), np.float32)
+        if c.n_experts:
+            init_experts(c, i, normal, out)
+            continue
         out[pre + "mlp.gate_up.kernel"] = normal(d, 2 * c.d_ff)
         out[pre + "mlp.down.kernel"] = normal(c.d_ff, d)
     out["ln_f.scale"] = np.ones((d,), np.float32)
@@ -79,7 +83,10 @@ def to_layout(
     lead = (layout.stages, c.n_layers // layout.stages) if layout.stages > 1 else (c.n_layers,)
     fused = fused_sizes(c)
     for name in block_params(c):
-        per_layer = [canonical[f"blocks.{i}.{name}"] for i in range(c.n_layers)]
+        if name in EXPERT_PARAMS:
+            per_layer = [stack_experts(canonical, c, name, i, t) for i in range(c.n_layers)]
+        else:
+            per_layer = [canonical[f"blocks.{i}.{name}"] for i in range(c.n_layers)]
         if name in fused:
             per_layer = [fuse_tp(a, fused[name][0], t) for a in per_layer]
         stacked = np.stack(per_layer)
@@ -111,6 +118,9 @@ def from_layout(params: PyTree, config: LlamaConfig, layout: Layout) -> dict[str
         a = flat[f"layers.{name}"]
         a = a.reshape((c.n_layers, *a.shape[2 if layout.stages > 1 else 1 :]))
         for i in range(c.n_layers):
+            if name in EXPERT_PARAMS:
+                out.update(unstack_experts(a[i], c, name, i, t))
+                continue
             out[f"blocks.{i}.{name}"] = (
                 unfuse_tp(a[i], fused[name][0], t) if name in fused else a[i]
             )

@@ -47,7 +47,7 @@ def batch(
 
 
 def loss_fn(params: PyTree, tokens: jax.Array, config: LlamaConfig, layout: Layout) -> jax.Array:
-    """Mean next-token cross-entropy of ``tokens [b, s + 1]``.
+    """Mean next-token cross-entropy of ``tokens [b, s + 1]`` (plus the weighted aux loss if sparse).
 
     Args:
         params: nested dict of arrays in ``layout``'s parameter layout.
@@ -58,8 +58,9 @@ def loss_fn(params: PyTree, tokens: jax.Array, config: LlamaConfig, layout: Layo
     Returns:
         The scalar float32 loss.
     """
-    logits = model_from_params(params, config, layout)(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    logits, aux = model_from_params(params, config, layout).forward(tokens[:, :-1])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return loss + config.router_aux_loss_coef * aux if config.n_experts else loss
 
 
 def make_train_step(

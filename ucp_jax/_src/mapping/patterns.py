@@ -299,14 +299,16 @@ class Fused(Pattern):
 class Stacked(Pattern):
     """The leaf stacks one atom per layer along `axes` (flat layer index row-major over them).
 
-    `atoms` is a name template expanded with the rule's regex groups (`\\1`), then `{i}`.
+    `atoms` is a name template expanded with the rule's regex groups (`\\1`), then `{i}` (the
+    flat index; `index="e"` names it `{e}`, so Stacked chains nest: layers `{i}`, experts `{e}`).
 
-    >>> Stacked(r"blocks.{i}.\\1", axes=(0, 1)).to_json()["axes"]
-    [0, 1]
+    >>> Stacked(r"blocks.{i}.experts.{e}.\\1", axes=0, index="e").to_json()["index"]
+    'e'
     """
 
     atoms: str = ""
     axes: int | tuple[int, ...] = 0
+    index: str = "i"
     kind: ClassVar[str] = "Stacked"
 
     def __post_init__(self) -> None:
@@ -326,8 +328,7 @@ class Stacked(Pattern):
         fused = tuple(FusedMark(m.sizes, keep.index(m.axis)) for m in node.fused)
         out = []
         for idx in itertools.product(*(range(*node.box[a]) for a in axes)):
-            i = int(np.ravel_multi_index(idx, dims)) if dims else 0
-            env = (*node.env, ("i", i))
+            env = (*node.env, (self.index, int(np.ravel_multi_index(idx, dims)) if dims else 0))
             leaf_box = node.leaf_box
             for a, v in zip(axes, idx):
                 la = node.axis_map[a]

@@ -1,6 +1,6 @@
 """Hugging Face model folders (``config.json`` + safetensors) -> atoms of ``ucp_jax.models.llama``.
 
-``config.json`` picks the mapping by ``model_type`` (llama, mistral, qwen2); the shards are
+``config.json`` picks the mapping by ``model_type`` (llama, mistral, qwen2, mixtral); the shards are
 memory-mapped and streamed tensor by tensor into the atoms (memory ~ the writes in flight, not the
 model); the config is recorded in the manifest's ``extra["hf_config"]`` so a restore can build the
 model (:func:`ucp_jax.models.llama.config_from_checkpoint`). Every header, name, shape and dtype is
@@ -71,12 +71,22 @@ def hf_mapping(config: LlamaConfig) -> dict[str, AtomFrom]:
     out |= {
         "blocks.{i}.attn.out.kernel": AtomFrom((lay + "self_attn.o_proj.weight",), transpose=True),
         "blocks.{i}.ln2.scale": AtomFrom((lay + "post_attention_layernorm.weight",)),
-        "blocks.{i}.mlp.gate_up.kernel": AtomFrom(
-            (lay + "mlp.gate_proj.weight", lay + "mlp.up_proj.weight"), transpose=True, axis=1
-        ),
-        "blocks.{i}.mlp.down.kernel": AtomFrom((lay + "mlp.down_proj.weight",), transpose=True),
-        "ln_f.scale": AtomFrom(("model.norm.weight",)),
     }
+    if config.n_experts:  # Mixtral: a router and per-expert w1 (gate), w3 (up), w2 (down)
+        moe = lay + "block_sparse_moe."
+        out["blocks.{i}.router.kernel"] = AtomFrom((moe + "gate.weight",), transpose=True)
+        for e in range(config.n_experts):
+            w = moe + f"experts.{e}.w"
+            out[f"blocks.{{i}}.experts.{e}.gate_up.kernel"] = AtomFrom(
+                (w + "1.weight", w + "3.weight"), transpose=True, axis=1
+            )
+            out[f"blocks.{{i}}.experts.{e}.down.kernel"] = AtomFrom((w + "2.weight",), True)
+    else:
+        out["blocks.{i}.mlp.gate_up.kernel"] = AtomFrom(
+            (lay + "mlp.gate_proj.weight", lay + "mlp.up_proj.weight"), transpose=True, axis=1
+        )
+        out["blocks.{i}.mlp.down.kernel"] = AtomFrom((lay + "mlp.down_proj.weight",), True)
+    out["ln_f.scale"] = AtomFrom(("model.norm.weight",))
     if not config.tie_embeddings:
         out["unembed.kernel"] = AtomFrom(("lm_head.weight",), transpose=True)
     return out
@@ -104,9 +114,16 @@ def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             if c.qkv_bias:
                 out[pre + f"self_attn.{p}_proj.bias"] = (rows,)
         out[pre + "self_attn.o_proj.weight"] = (d, q)
-        out[pre + "mlp.gate_proj.weight"] = (c.d_ff, d)
-        out[pre + "mlp.up_proj.weight"] = (c.d_ff, d)
-        out[pre + "mlp.down_proj.weight"] = (d, c.d_ff)
+        if c.n_experts:
+            out[pre + "block_sparse_moe.gate.weight"] = (c.n_experts, d)
+            for e in range(c.n_experts):
+                w = pre + f"block_sparse_moe.experts.{e}.w"
+                out |= {w + "1.weight": (c.d_ff, d), w + "2.weight": (d, c.d_ff)}
+                out[w + "3.weight"] = (c.d_ff, d)
+        else:
+            out[pre + "mlp.gate_proj.weight"] = (c.d_ff, d)
+            out[pre + "mlp.up_proj.weight"] = (c.d_ff, d)
+            out[pre + "mlp.down_proj.weight"] = (d, c.d_ff)
         out[pre + "input_layernorm.weight"] = (d,)
         out[pre + "post_attention_layernorm.weight"] = (d,)
     out["model.norm.weight"] = (d,)
@@ -204,7 +221,7 @@ def import_hf(
     overwrite: bool = False,
     step: int | None = None,
 ) -> str:
-    """Import a Hugging Face Llama / Mistral / Qwen2 folder as atoms of ``ucp_jax.models.llama``.
+    """Import a Hugging Face Llama / Mistral / Qwen2 / Mixtral folder as ``ucp_jax.models.llama`` atoms.
 
     Args:
         src: a folder with ``config.json`` and ``model.safetensors`` (or sharded with an index).
