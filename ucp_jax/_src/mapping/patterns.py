@@ -93,7 +93,7 @@ class LeafContext:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Node:
+class Node:
     """A box of an intermediate array while a leaf box descends the chain towards its atoms."""
 
     name: str | None
@@ -104,7 +104,7 @@ class _Node:
     env: tuple[tuple[str, int], ...] = ()
     fused: tuple[FusedMark, ...] = ()
 
-    def sub(self, axis: int, start: int, stop: int, inner_start: int, **changes: Any) -> _Node:
+    def sub(self, axis: int, start: int, stop: int, inner_start: int, **changes: Any) -> Node:
         """The part [start, stop) of this node along `axis`, placed at `inner_start` inside."""
         la = self.axis_map[axis]
         l0 = self.leaf_box[la][0] + (start - self.box[axis][0])
@@ -117,7 +117,7 @@ def _replace(t: tuple[Any, ...], i: int, v: Any) -> tuple[Any, ...]:
     return (*t[:i], v, *t[i + 1 :])
 
 
-def _expand(template: str, ctx: LeafContext, env: tuple[tuple[str, int], ...]) -> str:
+def expand_template(template: str, ctx: LeafContext, env: tuple[tuple[str, int], ...]) -> str:
     name = ctx.match.expand(template) if ctx.match is not None else template
     for key, val in env:
         name = name.replace("{" + key + "}", str(val))
@@ -129,7 +129,7 @@ class Pattern:
 
     kind: ClassVar[str] = "Identity"
 
-    def split(self, node: _Node, ctx: LeafContext) -> list[_Node]:
+    def split(self, node: Node, ctx: LeafContext) -> list[Node]:
         """Map `node` (a box of the outer array) to nodes of the inner array(s)."""
         return [node]
 
@@ -186,7 +186,7 @@ class Transposed(Pattern):
         if sorted(self.perm) != list(range(len(self.perm))):
             raise PatternError(f"Transposed: perm {self.perm} is not a permutation of 0..n-1")
 
-    def split(self, node: _Node, ctx: LeafContext) -> list[_Node]:
+    def split(self, node: Node, ctx: LeafContext) -> list[Node]:
         n = len(node.shape)
         if len(self.perm) != n:
             raise PatternError(
@@ -216,7 +216,7 @@ class VocabPadded(Pattern):
     axis: int = 0
     kind: ClassVar[str] = "VocabPadded"
 
-    def split(self, node: _Node, ctx: LeafContext) -> list[_Node]:
+    def split(self, node: Node, ctx: LeafContext) -> list[Node]:
         ax = _axis(self.axis, node.shape, ctx, self)
         if node.shape[ax] < self.size:
             raise PatternError(
@@ -261,7 +261,7 @@ class Fused(Pattern):
                     f"Fused: {len(self.atoms)} atom names for {len(self.sizes)} sizes"
                 )
 
-    def split(self, node: _Node, ctx: LeafContext) -> list[_Node]:
+    def split(self, node: Node, ctx: LeafContext) -> list[Node]:
         ax = _axis(self.axis, node.shape, ctx, self)
         n = int(ctx.mesh_axes.get(self.shard_axis, 1)) if self.shard_axis else 1
         total = sum(self.sizes)
@@ -277,7 +277,7 @@ class Fused(Pattern):
             )
         offsets = np.cumsum((0, *self.sizes))
         s, e = node.box[ax]
-        out: list[_Node] = []
+        out: list[Node] = []
         pos = 0
         for r, k in itertools.product(range(n), range(len(self.sizes))):
             length = self.sizes[k] // n
@@ -286,7 +286,7 @@ class Fused(Pattern):
                 base = r * length + (0 if self.atoms else int(offsets[k]))
                 changes: dict[str, Any] = {}
                 if self.atoms:
-                    name = _expand(self.atoms[k], ctx, node.env)
+                    name = expand_template(self.atoms[k], ctx, node.env)
                     changes = {"name": name, "shape": _replace(node.shape, ax, self.sizes[k])}
                 else:
                     changes = {"fused": (*node.fused, FusedMark(self.sizes, ax))}
@@ -317,7 +317,7 @@ class Stacked(Pattern):
         if len(set(axes)) != len(axes):
             raise PatternError(f"Stacked: repeated axes {axes}")
 
-    def split(self, node: _Node, ctx: LeafContext) -> list[_Node]:
+    def split(self, node: Node, ctx: LeafContext) -> list[Node]:
         assert isinstance(self.axes, tuple)
         axes = [_axis(a, node.shape, ctx, self) for a in self.axes]
         dims = [node.shape[a] for a in axes]
@@ -334,8 +334,8 @@ class Stacked(Pattern):
                 la = node.axis_map[a]
                 l0 = node.leaf_box[la][0] + v - node.box[a][0]
                 leaf_box = _replace(leaf_box, la, (l0, l0 + 1))
-            name = _expand(self.atoms, ctx, env)
-            out.append(_Node(name, box, shape, leaf_box, amap, env, fused))
+            name = expand_template(self.atoms, ctx, env)
+            out.append(Node(name, box, shape, leaf_box, amap, env, fused))
         return out
 
 
@@ -348,9 +348,9 @@ def _axis(axis: int, shape: tuple[int, ...], ctx: LeafContext, p: Pattern) -> in
     return axis % len(shape)
 
 
-def _merge(nodes: list[_Node], ax: int) -> list[_Node]:
+def _merge(nodes: list[Node], ax: int) -> list[Node]:
     """Join neighbours that are contiguous in both the inner array and the leaf."""
-    out: list[_Node] = []
+    out: list[Node] = []
     la = nodes[0].axis_map[ax] if nodes else 0
     for nd in nodes:
         prev = out[-1] if out else None
@@ -478,7 +478,7 @@ def chain_pieces(
         Pieces covering `box` exactly once (padding pieces have `atom=None`).
     """
     shape = tuple(int(d) for d in leaf_shape)
-    nodes = [_Node(ctx.base or ctx.name, box, shape, box, tuple(range(len(shape))))]
+    nodes = [Node(ctx.base or ctx.name, box, shape, box, tuple(range(len(shape))))]
     for p in reversed(chain):
         nodes = [m for nd in nodes if nd.name is not None for m in p.split(nd, ctx)] + [
             nd for nd in nodes if nd.name is None

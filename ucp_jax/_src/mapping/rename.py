@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from .patterns import LeafContext, Pattern, _expand, _Node, register_pattern
+from .patterns import LeafContext, Node, Pattern, expand_template, register_pattern
 
 
 @register_pattern
@@ -23,8 +23,8 @@ class Renamed(Pattern):
     atom: str = ""
     kind: ClassVar[str] = "Renamed"
 
-    def split(self, node: _Node, ctx: LeafContext) -> list[_Node]:
-        return [dataclasses.replace(node, name=_expand(self.atom, ctx, node.env))]
+    def split(self, node: Node, ctx: LeafContext) -> list[Node]:
+        return [dataclasses.replace(node, name=expand_template(self.atom, ctx, node.env))]
 
 
 __all__ = ["Renamed"]
