@@ -39,6 +39,7 @@ class Checkpoint:
         self._arrays: dict[tuple[str, str], Any] = {}
         self._tables: dict[tuple[str, str], dict[str, str]] = {}  # fingerprints (version 2)
         self._checked: dict[tuple[str, str], set[str]] = {}  # chunk files found in place
+        self._sized: dict[tuple[str, str], set[str]] = {}  # chunk files of the right size
 
     @property
     def step(self) -> int | None:
@@ -128,8 +129,32 @@ class Checkpoint:
                     raise
                 raise store.wrap_io_error(e, where) from e
 
-    def check_regions(self, regions: Sequence[tuple[str, str, Any]]) -> None:
-        """Check that the chunk files holding these regions are the ones written there.
+    def check_sizes(self, regions: Sequence[tuple[str, str, Any]]) -> None:
+        """Before reading: the chunk files holding these regions have the sizes they need.
+
+        Local stores only (object stores list no sizes). It keeps a damaged or hostile file from
+        being decoded into a huge buffer.
+
+        Args:
+            regions: (atom, slot, box) with box a sequence of (start, stop) per axis.
+
+        Raises:
+            ChecksumError: a chunk file is truncated, padded or of another array.
+        """
+        if self.loc.local_path is None:
+            return
+        for (name, slot), keys in self._todo(regions, self._sized).items():
+            si = self.atoms[name].slots[slot]
+            where = f"{self.path}: atom {name!r} slot {slot!r}"
+            folder = os.path.join(self.loc.local_path, si.path)
+            _check_file_sizes(folder, si, sorted(keys), where)
+            self._sized[(name, slot)].update(keys)
+
+    def check_fingerprints(self, regions: Sequence[tuple[str, str, Any]]) -> None:
+        """The chunk files holding these regions are the ones written there (format version 2).
+
+        Call it after reading them: its few small reads per file then hit the page cache (on a
+        cold cache, reading them first costs a disk seek per inner chunk).
 
         Args:
             regions: (atom, slot, box) with box a sequence of (start, stop) per axis.
@@ -137,24 +162,28 @@ class Checkpoint:
         Raises:
             ChecksumError: a chunk file was swapped, replaced or has no recorded fingerprint.
         """
-        todo: dict[tuple[str, str], set[str]] = {}
-        for name, slot, box in regions:
-            si = self.atoms[name].slots[slot]
-            done = self._checked.setdefault((name, slot), set())
-            keys = set(integrity.keys_in_box(list(box), si.chunks if box else ())) - done
-            if keys:
-                todo.setdefault((name, slot), set()).update(keys)
-        for (name, slot), keys in todo.items():
+        if self.manifest.version < 2:
+            return  # version 1 recorded no fingerprints
+        for (name, slot), keys in self._todo(regions, self._checked).items():
             si = self.atoms[name].slots[slot]
             where = f"{self.path}: atom {name!r} slot {slot!r}"
             self.array(name, slot)  # opened, so its table is loaded
-            if self.loc.local_path is not None:
-                folder = os.path.join(self.loc.local_path, si.path)
-                _check_file_sizes(folder, si, sorted(keys), where)
-            if self.manifest.version >= 2:  # version 1 recorded no fingerprints
-                kv = self.loc.child(si.path).kv()
-                integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where)
+            kv = self.loc.child(si.path).kv()
+            integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where)
             self._checked[(name, slot)].update(keys)
+
+    def _todo(
+        self, regions: Sequence[tuple[str, str, Any]], done: dict[tuple[str, str], set[str]]
+    ) -> dict[tuple[str, str], set[str]]:
+        """Chunk keys of `regions` not in `done`, per (atom, slot)."""
+        todo: dict[tuple[str, str], set[str]] = {}
+        for name, slot, box in regions:
+            si = self.atoms[name].slots[slot]
+            seen = done.setdefault((name, slot), set())
+            keys = set(integrity.keys_in_box(list(box), si.chunks if box else ())) - seen
+            if keys:
+                todo.setdefault((name, slot), set()).update(keys)
+        return todo
 
     def read(self, name: str, slot: str = "fp32", index: Any = ...) -> np.ndarray:
         """Read any slice of one atom slot; only that region is read from storage.
@@ -174,8 +203,11 @@ class Checkpoint:
         arr = self.array(name, slot)
         try:
             region = arr[index]
-            self.check_regions([(name, slot, _index_box(index, tuple(arr.shape)))])
-            return np.asarray(region.read().result())
+            where = [(name, slot, _index_box(index, tuple(arr.shape)))]
+            self.check_sizes(where)
+            out = np.asarray(region.read().result())
+            self.check_fingerprints(where)
+            return out
         except ValueError as e:
             raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
 

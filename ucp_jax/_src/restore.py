@@ -276,9 +276,10 @@ def restore(
         if p.atom is not None
     ]
     ckpt.open_arrays([(name, slot) for name, slot, _ in regions])
-    ckpt.check_regions(regions)  # the chunk files to be read are the ones written there
+    ckpt.check_sizes(regions)  # before reading: no file decodes into more than its chunk
     stats = ReadStats()
     values = _read_all(ckpt, resolved, stats, budget)
+    ckpt.check_fingerprints(regions)  # the files read are the ones written there, or raise
     _last_stats = stats
     values = rewrap(values, [r.binding.key_impl for r in resolved])
     return unbind_state(params_target, opt_state_target, values)

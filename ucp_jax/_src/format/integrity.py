@@ -7,9 +7,10 @@ keyed by the file's chunk key, in `<array>/digests/<writer>.json` (`{"array": <p
 {key: fingerprint}}`). A fingerprint is the crc32 of the crc32c values the file already carries
 (its own trailer; for a shard file, its index and every inner chunk's trailer), so it is read back
 with a few small byte-range reads per file (no second pass over the data) and changes whenever any
-byte of the file's content does. Readers compare the fingerprints of the files they are about to
-read against the table; a file that moved, or a table that names another array, is a
-`ChecksumError` naming the atom, slot and chunk.
+byte of the file's content does. Readers compare the fingerprints of the files they read against
+the table, after reading them and before returning any value (the small reads then hit the page
+cache); a file that moved, or a table that names another array, is a `ChecksumError` naming the
+atom, slot and chunk.
 
 What is not covered: a writer who rewrites a chunk *and* its crc32c *and* the table on purpose.
 The checks catch damage and mix-ups, not a forger (that needs signatures, outside this format).
