@@ -149,8 +149,11 @@ def plan(
 
 
 def build(ckpt: Checkpoint, bindings: Sequence[LeafBinding], given: CompiledRules | None,
-          cast: bool, budget: int) -> RestorePlan:  # fmt: skip
-    """The plan of bound target leaves (`restore` calls it with its own bindings)."""
+          cast: bool, budget: int, *, account: bool = True) -> RestorePlan:  # fmt: skip
+    """The plan of bound target leaves (`restore` calls it with its own bindings).
+
+    `account=False` leaves out the byte accounting (a restore only needs the problems).
+    """
     from .restore import _resolve
 
     out = RestorePlan(ckpt.path, ckpt.step)
@@ -170,7 +173,8 @@ def build(ckpt: Checkpoint, bindings: Sequence[LeafBinding], given: CompiledRule
     used = {a for r in out.resolved for a in r.atom_of.values()}
     out.unexpected = sorted(a for a in ckpt.atoms if a not in used)
     _suggest(out, bindings)
-    _account(out, ckpt, budget)
+    if account:
+        _account(out, ckpt, budget)
     return out
 
 

@@ -263,7 +263,7 @@ def restore(
     budget = config.inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
     from .plan_report import build  # every problem in one error, before anything is read
 
-    report = build(ckpt, pbind + obind, compiled if rules else None, cast, budget)
+    report = build(ckpt, pbind + obind, compiled if rules else None, cast, budget, account=False)
     report.raise_if_problems()
     resolved = report.resolved
     if any(r.slot_of.get(a) == STEP_SLOT for r in resolved for a in r.slot_of):
