@@ -45,13 +45,27 @@ def seal(target: Location, manifest: Manifest) -> bytes:
     return manifest.dumps()
 
 
-def record_fingerprints(target: Location, keys: dict[SlotInfo, set[str]], writer: str) -> None:
-    """Each array's fingerprint table of the chunk files `writer` wrote (see integrity.py)."""
+def record_fingerprints(
+    target: Location,
+    keys: dict[SlotInfo, set[str]],
+    writer: str,
+    known: dict[str, dict[str, tuple[str, int, int, int]]] | None = None,
+    *,
+    deferred_sync: bool = False,
+) -> None:
+    """Each array's fingerprint table of the chunk files `writer` wrote (see integrity.py).
+
+    `known`: array path -> chunk key -> `integrity.local_fingerprint` taken while the file's pages
+    were hot (used when the file is unchanged since). `deferred_sync`: the tables are not fsynced
+    one by one (the caller syncs the whole tree before COMMIT, as the importers do).
+    """
     from concurrent.futures import ThreadPoolExecutor
 
     def one(item: tuple[SlotInfo, set[str]]) -> None:
         info, ks = item
-        integrity.write_table(target.child(info.path).kv(), info, ks, writer)
+        have = (known or {}).get(info.path)
+        kv = target.child(info.path).kv(deferred_sync=deferred_sync)
+        integrity.write_table(kv, info, ks, writer, have, sync=not deferred_sync)
 
     with ThreadPoolExecutor(8, thread_name_prefix="ucp-digest") as pool:
         list(pool.map(one, [(i, k) for i, k in keys.items() if k]))

@@ -71,13 +71,26 @@ def _local_dir(kv: ts.KvStore) -> str | None:
 
 def _local_fingerprint(path: str, info: SlotInfo, n: int) -> str | None:
     """`fingerprints` of one local file with one open and a few preads (no kvstore round trips)."""
+    found = local_fingerprint(path, info)
+    return None if found is None else found[0]
+
+
+def local_fingerprint(path: str, info: SlotInfo) -> tuple[str, int, int, int] | None:
+    """(fingerprint, size, mtime_ns, inode) of one local chunk file, or None if it cannot be opened.
+
+    Writers that drop a file's pages from the cache take it first, while they are hot, and use it
+    at commit if the file's size, mtime and inode are still the same (`write_table`'s `known`;
+    TensorStore replaces a file by renaming a new one over it, so a rewrite changes the inode).
+    """
+    n = inner_per_shard(info)
     tail = 16 * n + 4 if info.inner_chunks is not None else 4
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         t = os.pread(fd, tail, size - tail) if size >= tail else b""
         crc = zlib.crc32(t)
         if info.inner_chunks is not None and len(t) == tail:
@@ -86,7 +99,7 @@ def _local_fingerprint(path: str, info: SlotInfo, n: int) -> str | None:
                     continue
                 end = int(off) + int(nb)
                 crc = zlib.crc32(os.pread(fd, 4, end - 4) if end <= size else b"?", crc)
-        return f"{crc:08x}"
+        return f"{crc:08x}", size, st.st_mtime_ns, st.st_ino
     finally:
         os.close(fd)
 
@@ -145,13 +158,57 @@ def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[st
     return out
 
 
-def write_table(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str], writer: str) -> None:
-    """Record the fingerprints of the chunk files `keys` this writer wrote (after they landed)."""
-    fps = fingerprints(kv, info, sorted(set(keys)))
+def write_table(
+    kv: ts.KvStore,
+    info: SlotInfo,
+    keys: Iterable[str],
+    writer: str,
+    known: Mapping[str, tuple[str, int, int, int]] | None = None,
+    *,
+    sync: bool = True,
+) -> None:
+    """Record the fingerprints of the chunk files `keys` this writer wrote (after they landed).
+
+    `known`: key -> `local_fingerprint` taken earlier (local files); used when the file's size,
+    mtime and inode are unchanged, else the fingerprint is taken again. `sync=False`: a local table
+    is not fsynced here (the caller syncs the whole tree before COMMIT).
+    """
+    keys = sorted(set(keys))
+    fps: dict[str, str] = {}
+    local = _local_dir(kv) if known else None
+    if local is not None and known:
+        for k in keys:
+            got = known.get(k)
+            if got is None:
+                continue
+            try:
+                st = os.stat(os.path.join(local, k))
+            except OSError:
+                continue
+            if (st.st_size, st.st_mtime_ns, st.st_ino) == got[1:]:
+                fps[k] = got[0]
+    fps.update(fingerprints(kv, info, [k for k in keys if k not in fps]))
     if not fps:
         return
     doc = {"format": DIGEST_FORMAT, "array": info.path, "chunks": fps}
-    kv.write(f"{DIGEST_DIR}/{writer}.json", json.dumps(doc, sort_keys=True).encode()).result()
+    data = json.dumps(doc, sort_keys=True).encode()
+    local = _local_dir(kv)
+    if local is not None:  # a plain file: COMMIT comes after every table is durable
+        folder = os.path.join(local, DIGEST_DIR)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{writer}.json"), "wb") as f:
+            f.write(data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        if sync:
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return
+    kv.write(f"{DIGEST_DIR}/{writer}.json", data).result()
 
 
 def read_table(

@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import MismatchError, UnsafePathError
-from ..format import commit, store
+from ..format import commit, integrity, store
 from ..format.dtypes import dtype_name
 from ..format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
 from ..format.paths import check_component
@@ -113,7 +113,9 @@ class AtomWriter:
         # fsync per file.
         self._local = self.staging.target.local_path
         self._context = store.CONTEXT if self._local is None else store.DEFERRED_SYNC_CONTEXT
-        self._written: collections.deque[str] = collections.deque()  # writeback started
+        self._written: collections.deque[tuple[str, SlotInfo]] = collections.deque()  # writeback on
+        # array path -> chunk key -> fingerprint taken before its pages were dropped (see commit)
+        self._known: dict[str, dict[str, tuple[str, int, int, int]]] = {}
         self._settler: ThreadPoolExecutor | None = None
         self._settling: list[Future[None]] = []
         self.atoms: dict[str, dict[str, Any]] = {}
@@ -264,9 +266,10 @@ class AtomWriter:
         fut, _, (atom, slot, box) = item
         fut.commit.result()
         if self._local is not None:
+            info = self.atoms[atom]["slots"][slot]
             for path in self._shard_files(atom, slot, box):
                 store.start_writeback(path)
-                self._written.append(path)
+                self._written.append((path, info))
             self._settle(SETTLE_LAG)
 
     def _settle(self, lag: int) -> None:
@@ -275,11 +278,20 @@ class AtomWriter:
         while len(self._written) > lag:
             if self._settler is None:
                 self._settler = ThreadPoolExecutor(1, thread_name_prefix="ucp-settle")
-            self._settling.append(self._settler.submit(store.settle_file, self._written.popleft()))
+            path, info = self._written.popleft()
+            self._settling.append(self._settler.submit(self._fingerprint_and_settle, path, info))
         done = [f for f in self._settling if f.done()]
         for f in done:
             f.result()
             self._settling.remove(f)
+
+    def _fingerprint_and_settle(self, path: str, info: SlotInfo) -> None:
+        """Background: fingerprint a written file while its pages are hot, then settle it."""
+        found = integrity.local_fingerprint(path, info)
+        if found is not None and self._local is not None:
+            key = os.path.relpath(path, os.path.join(self._local, info.path))
+            self._known.setdefault(info.path, {})[key] = found
+        store.settle_file(path)
 
     def _stop_settling(self) -> None:
         try:
@@ -331,7 +343,9 @@ class AtomWriter:
             for a in self.atoms.values()
             for info in a["slots"].values()
         }
-        commit.record_fingerprints(self.staging.target, written, "p0")
+        commit.record_fingerprints(
+            self.staging.target, written, "p0", self._known, deferred_sync=self._local is not None
+        )  # sync_tree follows
         if self._local is not None:
             store.sync_tree(self._local)
         atoms = {}
