@@ -64,8 +64,11 @@ def record_fingerprints(
     def one(item: tuple[SlotInfo, set[str]]) -> None:
         info, ks = item
         have = (known or {}).get(info.path)
-        kv = target.child(info.path).kv(deferred_sync=deferred_sync)
-        integrity.write_table(kv, info, ks, writer, have, sync=not deferred_sync)
+        local = target.local_path
+        where = (
+            os.path.join(local, info.path) if local is not None else target.child(info.path).kv()
+        )
+        integrity.write_table(where, info, ks, writer, have, sync=not deferred_sync)
 
     with ThreadPoolExecutor(8, thread_name_prefix="ucp-digest") as pool:
         list(pool.map(one, [(i, k) for i, k in keys.items() if k]))

@@ -104,6 +104,12 @@ def local_fingerprint(path: str, info: SlotInfo) -> tuple[str, int, int, int] | 
         os.close(fd)
 
 
+def _local_fingerprints(local: str, info: SlotInfo, keys: Iterable[str]) -> dict[str, str]:
+    n = inner_per_shard(info)
+    found = {k: _local_fingerprint(os.path.join(local, k), info, n) for k in keys}
+    return {k: v for k, v in found.items() if v is not None}
+
+
 def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[str, str]:
     """Fingerprint of each chunk file `keys` of one array (its kvstore `kv`); missing: absent.
 
@@ -114,9 +120,7 @@ def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[st
     keys = list(keys)
     local = _local_dir(kv)
     if local is not None:
-        n = inner_per_shard(info)
-        found = {k: _local_fingerprint(os.path.join(local, k), info, n) for k in keys}
-        return {k: v for k, v in found.items() if v is not None}
+        return _local_fingerprints(local, info, keys)
     n = inner_per_shard(info)
     sharded = info.inner_chunks is not None
     tail = 16 * n + 4 if sharded else 4
@@ -159,7 +163,7 @@ def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[st
 
 
 def write_table(
-    kv: ts.KvStore,
+    kv: ts.KvStore | str,
     info: SlotInfo,
     keys: Iterable[str],
     writer: str,
@@ -171,11 +175,12 @@ def write_table(
 
     `known`: key -> `local_fingerprint` taken earlier (local files); used when the file's size,
     mtime and inode are unchanged, else the fingerprint is taken again. `sync=False`: a local table
-    is not fsynced here (the caller syncs the whole tree before COMMIT).
+    is not fsynced here (the caller syncs the whole tree before COMMIT). `kv` may be the array's
+    local folder instead of its kvstore (no kvstore is opened then).
     """
     keys = sorted(set(keys))
     fps: dict[str, str] = {}
-    local = _local_dir(kv) if known else None
+    local = kv if isinstance(kv, str) else _local_dir(kv)
     if local is not None and known:
         for k in keys:
             got = known.get(k)
@@ -187,12 +192,15 @@ def write_table(
                 continue
             if (st.st_size, st.st_mtime_ns, st.st_ino) == got[1:]:
                 fps[k] = got[0]
-    fps.update(fingerprints(kv, info, [k for k in keys if k not in fps]))
+    rest = [k for k in keys if k not in fps]
+    if local is not None:
+        fps.update(_local_fingerprints(local, info, rest))
+    elif not isinstance(kv, str):
+        fps.update(fingerprints(kv, info, rest))
     if not fps:
         return
     doc = {"format": DIGEST_FORMAT, "array": info.path, "chunks": fps}
     data = json.dumps(doc, sort_keys=True).encode()
-    local = _local_dir(kv)
     if local is not None:  # a plain file: COMMIT comes after every table is durable
         folder = os.path.join(local, DIGEST_DIR)
         os.makedirs(folder, exist_ok=True)
@@ -208,6 +216,7 @@ def write_table(
             finally:
                 os.close(fd)
         return
+    assert not isinstance(kv, str)
     kv.write(f"{DIGEST_DIR}/{writer}.json", data).result()
 
 
