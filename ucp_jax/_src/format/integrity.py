@@ -69,10 +69,16 @@ def _local_dir(kv: ts.KvStore) -> str | None:
     return spec["path"] if spec.get("driver") == "file" else None
 
 
-def _local_fingerprint(path: str, info: SlotInfo, n: int) -> str | None:
-    """`fingerprints` of one local file with one open and a few preads (no kvstore round trips)."""
-    found = local_fingerprint(path, info)
-    return None if found is None else found[0]
+def _tail_size(info: SlotInfo) -> int:
+    """Bytes at the end of a chunk file that a fingerprint starts from: the crc32c trailer, or
+    for a shard file its index ((offset, nbytes) per inner chunk) and the index's trailer."""
+    return 16 * inner_per_shard(info) + 4 if info.inner_chunks is not None else 4
+
+
+def _trailer_ends(tail: bytes, info: SlotInfo) -> list[int]:
+    """End offsets of the inner chunks a shard's index (in `tail`) lists, in index order."""
+    index = np.frombuffer(tail[:-4], "<u8").reshape(inner_per_shard(info), 2)
+    return [int(off) + int(nb) for off, nb in index if off != _MISSING and nb >= 4 and off <= 2**62]
 
 
 def local_fingerprint(path: str, info: SlotInfo) -> tuple[str, int, int, int] | None:
@@ -82,8 +88,7 @@ def local_fingerprint(path: str, info: SlotInfo) -> tuple[str, int, int, int] | 
     at commit if the file's size, mtime and inode are still the same (`write_table`'s `known`;
     TensorStore replaces a file by renaming a new one over it, so a rewrite changes the inode).
     """
-    n = inner_per_shard(info)
-    tail = 16 * n + 4 if info.inner_chunks is not None else 4
+    tail = _tail_size(info)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -94,10 +99,7 @@ def local_fingerprint(path: str, info: SlotInfo) -> tuple[str, int, int, int] | 
         t = os.pread(fd, tail, size - tail) if size >= tail else b""
         crc = zlib.crc32(t)
         if info.inner_chunks is not None and len(t) == tail:
-            for off, nb in np.frombuffer(t[:-4], "<u8").reshape(n, 2):
-                if off == _MISSING or nb < 4 or off > 2**62:
-                    continue
-                end = int(off) + int(nb)
+            for end in _trailer_ends(t, info):
                 crc = zlib.crc32(os.pread(fd, 4, end - 4) if end <= size else b"?", crc)
         return f"{crc:08x}", size, st.st_mtime_ns, st.st_ino
     finally:
@@ -105,9 +107,8 @@ def local_fingerprint(path: str, info: SlotInfo) -> tuple[str, int, int, int] | 
 
 
 def _local_fingerprints(local: str, info: SlotInfo, keys: Iterable[str]) -> dict[str, str]:
-    n = inner_per_shard(info)
-    found = {k: _local_fingerprint(os.path.join(local, k), info, n) for k in keys}
-    return {k: v for k, v in found.items() if v is not None}
+    found = {k: local_fingerprint(os.path.join(local, k), info) for k in keys}
+    return {k: v[0] for k, v in found.items() if v is not None}
 
 
 def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[str, str]:
@@ -121,9 +122,8 @@ def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[st
     local = _local_dir(kv)
     if local is not None:
         return _local_fingerprints(local, info, keys)
-    n = inner_per_shard(info)
     sharded = info.inner_chunks is not None
-    tail = 16 * n + 4 if sharded else 4
+    tail = _tail_size(info)
     with ts.Batch() as batch:
         futs = [kv.read(k, byte_range=slice(-tail, None), batch=batch) for k in keys]
     tails: dict[str, bytes] = {}
@@ -142,13 +142,10 @@ def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[st
         for k, t in tails.items():
             if len(t) != tail:
                 continue
-            index = np.frombuffer(t[:-4], "<u8").reshape(n, 2)
-            reads[k] = []
-            for off, nb in index:
-                if off == _MISSING or nb < 4 or off > 2**62:
-                    continue
-                end = int(off) + int(nb)
-                reads[k].append(kv.read(k, byte_range=slice(end - 4, end), batch=batch))
+            reads[k] = [
+                kv.read(k, byte_range=slice(end - 4, end), batch=batch)
+                for end in _trailer_ends(t, info)
+            ]
     out = {}
     for k, t in tails.items():
         crc = zlib.crc32(t)

@@ -84,10 +84,8 @@ class Location:
     def name(self) -> str:
         return self.kvstore["path"].rstrip("/").rsplit("/", 1)[-1]
 
-    def kv(self, *, deferred_sync: bool = False) -> ts.KvStore:
-        """The kvstore (writes fsynced each, unless `deferred_sync`: see DEFERRED_SYNC_CONTEXT)."""
-        context = DEFERRED_SYNC_CONTEXT if deferred_sync else CONTEXT
-        return ts.KvStore.open(self.kvstore, context=context).result()
+    def kv(self) -> ts.KvStore:
+        return ts.KvStore.open(self.kvstore, context=CONTEXT).result()
 
     def read(self, key: str) -> bytes | None:
         """The value under `key`, or None when missing."""
