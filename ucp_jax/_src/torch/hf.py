@@ -22,9 +22,14 @@ import numpy as np
 from ...models.llama_config import LlamaConfig, config_from_hf, read_config_json
 from ..errors import MismatchError
 from ..format.paths import join_inside
-from ..mapping.patterns import FusedMark
 from .limits import ucp_errors
-from .safetensors import AtomFrom, SafetensorsError, SafetensorsFile, open_tensors
+from .safetensors import (
+    AtomFrom,
+    SafetensorsError,
+    SafetensorsFile,
+    open_tensors,
+    write_concatenated,
+)
 from .writer import AtomWriter
 
 CONFIG = "config.json"
@@ -253,19 +258,7 @@ def import_hf(
             arrays = [tensors[s].array(s) for s in srcs]
             if spec.transpose:
                 arrays = [a.T for a in arrays]
-            shape = list(arrays[0].shape)
-            shape[spec.axis] = sum(a.shape[spec.axis] for a in arrays)
-            fused: list[FusedMark] = []
-            if len(arrays) > 1:
-                fused = [FusedMark(tuple(a.shape[spec.axis] for a in arrays), spec.axis)]
-            w.atom(atom, shape, fused=fused)
-            off = 0
-            for a in arrays:
-                box = [(0, d) for d in a.shape]
-                box[spec.axis] = (off, off + a.shape[spec.axis])
-                off += a.shape[spec.axis]
-                out = a if want is None or a.dtype == want else a.astype(want)
-                w.write(atom, "fp32", tuple(box), np.ascontiguousarray(out))
+            write_concatenated(w, atom, arrays, spec.axis, want)
             read += srcs
             nread += sum(a.nbytes for a in arrays)
             if nread > RELEASE_BYTES:  # bounded memory: written, so their pages can go

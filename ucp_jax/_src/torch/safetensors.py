@@ -357,17 +357,7 @@ def import_safetensors(
                             f"import: atom {atom!r}: sources {srcs} do not concatenate on axis "
                             f"{spec.axis} ({[x.shape for x in arrays]})"
                         )
-                shape[spec.axis] = sum(a.shape[spec.axis] for a in arrays)
-                fused = []
-                if len(arrays) > 1:
-                    fused = [FusedMark(tuple(a.shape[spec.axis] for a in arrays), spec.axis)]
-                w.atom(atom, shape, fused=fused)
-                off = 0
-                for a in arrays:
-                    box = [(0, d) for d in a.shape]
-                    box[spec.axis] = (off, off + a.shape[spec.axis])
-                    off += a.shape[spec.axis]
-                    w.write(atom, "fp32", tuple(box), _cast(a, want))
+                write_concatenated(w, atom, arrays, spec.axis, want)
                 w.flush()
         files = sorted({os.path.basename(sf.path) for sf in tensors.values()})
         meta = next(iter(tensors.values())).metadata if tensors else {}
@@ -382,6 +372,23 @@ def import_safetensors(
 
 def _cast(a: np.ndarray, want: np.dtype | None) -> np.ndarray:
     return a if want is None or a.dtype == want else a.astype(want)
+
+
+def write_concatenated(
+    w: AtomWriter, atom: str, arrays: list[np.ndarray], axis: int, want: np.dtype | None
+) -> None:
+    """Declare `atom` as `arrays` concatenated along `axis` (a fused atom when there are several:
+    QKV, gate/up) and write each at its offset, cast to `want` (None: as stored)."""
+    shape = list(arrays[0].shape)
+    shape[axis] = sum(a.shape[axis] for a in arrays)
+    fused = [FusedMark(tuple(a.shape[axis] for a in arrays), axis)] if len(arrays) > 1 else []
+    w.atom(atom, shape, fused=fused)
+    off = 0
+    for a in arrays:
+        box = [(0, d) for d in a.shape]
+        box[axis] = (off, off + a.shape[axis])
+        off += a.shape[axis]
+        w.write(atom, "fp32", tuple(box), _cast(a, want))
 
 
 __all__ = ["PRESETS", "AtomFrom", "SafetensorsError", "import_safetensors", "open_tensors"]
