@@ -239,8 +239,27 @@ def fused_sizes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _graph(config: GPTConfig, layout: Layout) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: GPT(config, layout)))
+def module_graph(cls: type, config: Any, layout: Layout) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graph, abstract state) of the nnx model `cls(config, layout)`, built once per arguments.
+
+    The demo GPT and the model families of `ucp_jax.models` share it and the two below.
+    """
+    return nnx.split(nnx.eval_shape(lambda: cls(config, layout)))
+
+
+def module_shardings(cls: type, config: Any, layout: Layout, mesh: Mesh) -> PyTree:
+    """The NamedSharding of every parameter of `cls(config, layout)` on `mesh`, as a nested dict."""
+    return nnx.to_pure_dict(nnx.get_named_sharding(module_graph(cls, config, layout)[1], mesh))
+
+
+def module_abstract_params(cls: type, config: Any, layout: Layout, mesh: Mesh) -> PyTree:
+    """The params of `cls(config, layout)` as ShapeDtypeStructs with their shardings on `mesh`."""
+    shapes = nnx.to_pure_dict(module_graph(cls, config, layout)[1])
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes,
+        module_shardings(cls, config, layout, mesh),
+    )
 
 
 def model_from_params(params: PyTree, config: GPTConfig, layout: Layout) -> GPT:
@@ -254,7 +273,7 @@ def model_from_params(params: PyTree, config: GPTConfig, layout: Layout) -> GPT:
     Returns:
         A :class:`GPT` whose Params are the given arrays.
     """
-    return nnx.merge(_graph(config, layout)[0], params)
+    return nnx.merge(module_graph(GPT, config, layout)[0], params)
 
 
 def param_shardings(config: GPTConfig, layout: Layout, mesh: Mesh) -> PyTree:
@@ -268,7 +287,7 @@ def param_shardings(config: GPTConfig, layout: Layout, mesh: Mesh) -> PyTree:
     Returns:
         A nested dict of ``NamedSharding``.
     """
-    return nnx.to_pure_dict(nnx.get_named_sharding(_graph(config, layout)[1], mesh))
+    return module_shardings(GPT, config, layout, mesh)
 
 
 def abstract_params(config: GPTConfig, layout: Layout, mesh: Mesh) -> PyTree:
@@ -282,12 +301,7 @@ def abstract_params(config: GPTConfig, layout: Layout, mesh: Mesh) -> PyTree:
     Returns:
         A nested dict of ``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding)``.
     """
-    shapes = nnx.to_pure_dict(_graph(config, layout)[1])
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        shapes,
-        param_shardings(config, layout, mesh),
-    )
+    return module_abstract_params(GPT, config, layout, mesh)
 
 
 def ucp_rules(config: GPTConfig, layout: Layout) -> list[tuple[str, Any]]:

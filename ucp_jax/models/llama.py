@@ -20,7 +20,6 @@ Canonical atoms are named like the demo's (``blocks.{i}.attn.qkv.kernel`` ...), 
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
 
@@ -29,7 +28,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from ..demo.model import NEG_INF, Group, Kernel, Layout, Norm, constrain_batch, make_param, rms_norm
+from ..demo.model import (
+    NEG_INF,
+    Group,
+    Kernel,
+    Layout,
+    Norm,
+    constrain_batch,
+    make_param,
+    module_abstract_params,
+    module_graph,
+    module_shardings,
+    rms_norm,
+)
 from .llama_config import LlamaConfig
 from .moe import (
     EXPERT_PARAMS,
@@ -230,11 +241,6 @@ def _block(
     return x + (jax.nn.silu(gate) * up) @ p["mlp"]["down"]["kernel"], None
 
 
-@functools.lru_cache(maxsize=64)
-def _graph(config: LlamaConfig, layout: Layout) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: Llama(config, layout)))
-
-
 def model_from_params(params: PyTree, config: LlamaConfig, layout: Layout) -> Llama:
     """The nnx module holding ``params`` (works inside ``jax.jit``).
 
@@ -246,7 +252,7 @@ def model_from_params(params: PyTree, config: LlamaConfig, layout: Layout) -> Ll
     Returns:
         A :class:`Llama` whose Params are the given arrays.
     """
-    return nnx.merge(_graph(config, layout)[0], params)
+    return nnx.merge(module_graph(Llama, config, layout)[0], params)
 
 
 def param_shardings(config: LlamaConfig, layout: Layout, mesh: Mesh) -> PyTree:
@@ -260,7 +266,7 @@ def param_shardings(config: LlamaConfig, layout: Layout, mesh: Mesh) -> PyTree:
     Returns:
         A nested dict of ``NamedSharding``.
     """
-    return nnx.to_pure_dict(nnx.get_named_sharding(_graph(config, layout)[1], mesh))
+    return module_shardings(Llama, config, layout, mesh)
 
 
 def abstract_params(config: LlamaConfig, layout: Layout, mesh: Mesh) -> PyTree:
@@ -277,12 +283,7 @@ def abstract_params(config: LlamaConfig, layout: Layout, mesh: Mesh) -> PyTree:
     >>> abstract_params(LlamaConfig(), Layout(), make_mesh(Layout()))["ln_f"]["scale"].shape
     (64,)
     """
-    shapes = nnx.to_pure_dict(_graph(config, layout)[1])
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        shapes,
-        param_shardings(config, layout, mesh),
-    )
+    return module_abstract_params(Llama, config, layout, mesh)
 
 
 def ucp_rules(config: LlamaConfig, layout: Layout) -> list[tuple[str, Any]]:
