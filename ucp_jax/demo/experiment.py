@@ -123,33 +123,71 @@ def run_layout(
     Returns:
         The run; its ``state`` is the restored state (``restore_from``) or the saved one.
     """
+    return train_run(DEMO_FAMILY, config, layout, steps, label=label, batch_size=batch_size,
+                     restore_from=restore_from, save_at=save_at, save_to=save_to)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What a reconfiguration run needs of a model family (the demo GPT, the sparse Llama...).
+
+    Each field is the family's function of that name: ``make_mesh(layout)``,
+    ``ucp_rules(config, layout)``, ``init_canonical(config)``,
+    ``to_layout(canonical, config, layout, mesh)``, ``abstract_params(config, layout, mesh)``,
+    ``make_train_step(config, layout, mesh, optimizer)``, ``batch(config, step, batch_size, mesh)``
+    and ``state(params, opt_state, config, layout)`` (canonical numpy atoms per slot).
+    """
+
+    make_mesh: Any
+    ucp_rules: Any
+    init_canonical: Any
+    to_layout: Any
+    abstract_params: Any
+    make_train_step: Any
+    batch: Any
+    state: Any
+
+
+def train_run(
+    family: Family,
+    config: Any,
+    layout: Layout,
+    steps: range,
+    *,
+    label: str,
+    batch_size: int,
+    restore_from: Path | None,
+    save_at: int | None,
+    save_to: Path | None,
+) -> Run:
+    """`run_layout` for any model family (the arguments are `run_layout`'s)."""
     import ucp_jax as ucp  # lazy: the model itself does not need the core library
 
     t0 = time.perf_counter()
-    mesh = make_mesh(layout)
+    mesh = family.make_mesh(layout)
     optimizer = make_optimizer()
-    rules = ucp_rules(config, layout)
+    rules = family.ucp_rules(config, layout)
     state: dict[str, np.ndarray] = {}
     if restore_from is None:
-        params = to_layout(init_canonical(config), config, layout, mesh)
+        params = family.to_layout(family.init_canonical(config), config, layout, mesh)
         opt_state = init_opt_state(optimizer, params)
     else:
-        p_target = abstract_params(config, layout, mesh)
+        p_target = family.abstract_params(config, layout, mesh)
         o_target = abstract_opt_state(optimizer, p_target)
         params, opt_state = ucp.restore(restore_from, p_target, o_target, rules=rules)
-        state = canonical_state(params, opt_state, config, layout)
-    train_step = make_train_step(config, layout, mesh, optimizer)
+        state = family.state(params, opt_state, config, layout)
+    train_step = family.make_train_step(config, layout, mesh, optimizer)
     losses: dict[int, float] = {}
     for step in steps:
         params, opt_state, loss = train_step(
-            params, opt_state, batch(config, step, batch_size, mesh)
+            params, opt_state, family.batch(config, step, batch_size, mesh)
         )
         losses[step] = float(loss)
         if save_at is not None and step == save_at and save_to is not None:
             if save_to.exists():  # our own output from an earlier run
                 shutil.rmtree(save_to)
             ucp.save(save_to, params, opt_state, step=step, rules=rules)
-            state = canonical_state(params, opt_state, config, layout)
+            state = family.state(params, opt_state, config, layout)
     return Run(label, layout, losses, state, time.perf_counter() - t0)
 
 
@@ -379,3 +417,8 @@ def run_experiment(
             restore_from=checkpoint,
         )
     return Experiment(config, steps, save_at, checkpoint, runs)
+
+
+DEMO_FAMILY = Family(make_mesh, ucp_rules, init_canonical, to_layout, abstract_params,
+                     make_train_step, batch, canonical_state)  # fmt: skip
+"""The demo GPT as a :class:`Family`."""

@@ -11,16 +11,13 @@ result is a :class:`ucp_jax.demo.experiment.Experiment`, so it prints the demo's
 
 from __future__ import annotations
 
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..demo.experiment import Experiment, Run
+from ..demo.experiment import Experiment, Family, Run, train_run
 from ..demo.model import GPTConfig
-from ..demo.train import abstract_opt_state, init_opt_state, make_optimizer
 from ..demo.train import batch as demo_batch
 from .llama import abstract_params, make_mesh, ucp_rules
 from .llama_config import LlamaConfig
@@ -59,6 +56,11 @@ def sparse_state(
     return out
 
 
+SPARSE_FAMILY = Family(make_mesh, ucp_rules, init_canonical, to_layout, abstract_params,
+                       make_train_step, sparse_batch, sparse_state)  # fmt: skip
+"""The sparse Llama as a :class:`ucp_jax.demo.experiment.Family`."""
+
+
 def run_sparse(
     layout: MoELayout,
     steps: range,
@@ -85,33 +87,8 @@ def run_sparse(
     Returns:
         The run; its ``state`` is the restored state (``restore_from``) or the saved one.
     """
-    import ucp_jax as ucp  # lazy: the model itself does not need the core library
-
-    t0 = time.perf_counter()
-    mesh, optimizer = make_mesh(layout), make_optimizer()
-    rules = ucp_rules(config, layout)
-    state: dict[str, np.ndarray] = {}
-    if restore_from is None:
-        params = to_layout(init_canonical(config), config, layout, mesh)
-        opt_state = init_opt_state(optimizer, params)
-    else:
-        p_target = abstract_params(config, layout, mesh)
-        o_target = abstract_opt_state(optimizer, p_target)
-        params, opt_state = ucp.restore(restore_from, p_target, o_target, rules=rules)
-        state = sparse_state(params, opt_state, config, layout)
-    step_fn = make_train_step(config, layout, mesh, optimizer)
-    losses: dict[int, float] = {}
-    for s in steps:
-        params, opt_state, loss = step_fn(
-            params, opt_state, sparse_batch(config, s, batch_size, mesh)
-        )
-        losses[s] = float(loss)
-        if save_at is not None and s == save_at and save_to is not None:
-            if save_to.exists():  # our own output from an earlier run
-                shutil.rmtree(save_to)
-            ucp.save(save_to, params, opt_state, step=s, rules=rules)
-            state = sparse_state(params, opt_state, config, layout)
-    return Run(label, layout, losses, state, time.perf_counter() - t0)
+    return train_run(SPARSE_FAMILY, config, layout, steps, label=label, batch_size=batch_size,
+                     restore_from=restore_from, save_at=save_at, save_to=save_to)  # fmt: skip
 
 
 def run_sparse_experiment(
