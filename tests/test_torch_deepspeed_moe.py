@@ -103,6 +103,20 @@ def test_expert_file_of_another_layout_is_refused(ds_moe_ckpts, tmp_path):  # no
         import_deepspeed(src, tmp_path / "out", progress=False)
 
 
+def test_experts_swapped_between_files_are_refused(ds_moe_ckpts, tmp_path):  # noqa: F811
+    """Expert files whose weights are another expert's (a layout other than DeepSpeed's default
+    rank -> EP rank order would read so): the import fails before it commits anything."""
+    src, folder = _copy(ds_moe_ckpts, tmp_path)
+    f1, f2 = (folder / f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in (1, 2))
+    sd1, sd2 = torch.load(f1), torch.load(f2)
+    torch.save({k.replace("experts.2.", "experts.1."): v for k, v in sd2.items()}, f1)
+    torch.save({k.replace("experts.1.", "experts.2."): v for k, v in sd1.items()}, f2)
+    with pytest.raises(DeepSpeedFormatError, match=r"expert_1_.*differs from the optimizer"):
+        import_deepspeed(src, tmp_path / "out", progress=False)
+    with pytest.raises(ucp.NotACheckpointError):
+        ucp.open(str(tmp_path / "out"))
+
+
 def test_moe_without_zero_is_refused(ds_moe_ckpts, tmp_path):  # noqa: F811
     src, folder = _copy(ds_moe_ckpts, tmp_path)
     torch.save({"optimizer": {}}, folder / "expp_rank_0_mp_rank_00_optim_states.pt")

@@ -34,7 +34,7 @@ from .deepspeed_common import (
     read_step,
     resolve_folder,
 )
-from .deepspeed_moe import ExpertGroups, expert_groups, refuse_other_moe
+from .deepspeed_moe import ExpertGroups, check_expert_values, expert_groups, refuse_other_moe
 from .lazy import LazyTensor
 from .lazy import load_lazy as load
 from .limits import as_shape, check_disjoint, check_range, numel, ucp_errors
@@ -285,6 +285,10 @@ def import_deepspeed(
     lay.tag = found_tag or os.path.basename(os.path.normpath(folder))
     with AtomWriter(dst, overwrite=overwrite, max_inflight_bytes=max_inflight_bytes) as w:
         _import_zero(lay, w, progress)
+        if lay.experts is not None:
+            check_expert_values(
+                lay.experts, lambda n: w.array(n, "fp32", np.float32).read().result()
+            )
         return w.commit(step=lay.step(), source=deepspeed_source(lay, "zero"))
 
 

@@ -7,16 +7,20 @@ which ZeRO partitions over the expert-data-parallel group (`dp / ep_size` ranks,
 instead of the whole data-parallel group. With DeepSpeed's default topology (expert parallel groups
 of consecutive ranks), data-parallel rank `d` holds the experts of expert-parallel rank `d % ep_size`,
 and its local expert `i` is global expert `(d % ep_size) * num_local + i`. The expert model files
-(`layer_{l}_expert_{e}_mp_rank_00_model_states.pt`, one per global expert) name them globally; the
-import checks its renaming against them, so a checkpoint laid out otherwise is an error, not a
-silent mix-up of experts.
+(`layer_{l}_expert_{e}_mp_rank_00_model_states.pt`, one per global expert) hold each global
+expert's module weights: the import checks that they name the same experts with the same shapes,
+and, before it commits, that each expert's imported fp32 master cast to the file's dtype equals
+them, so a checkpoint laid out otherwise is an error, not a silent mix-up of experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from ..format.paths import refuse_symlinks
 from .deepspeed_common import DeepSpeedFormatError
@@ -60,7 +64,11 @@ class ExpertGroups:
                 "'.deepspeed_experts.<i>.' in its name; only deepspeed.moe.layer.MoE experts "
                 "are understood"
             )
-        n_local = self.local[(g, m["pre"])]
+        n_local = self.local.get((g, m["pre"]))
+        if n_local is None:
+            raise DeepSpeedFormatError(
+                f"parameter {name!r} of MoE param group {g} is not in the model states' param_shapes"
+            )
         glob = self.ep_rank(g, dp_rank) * n_local + int(m["i"])
         return f"{m['pre']}{glob}{m['post']}"
 
@@ -200,4 +208,28 @@ def _check_expert_files(
         )
 
 
-__all__ = ["ExpertGroups", "expert_groups", "refuse_other_moe"]
+def check_expert_values(eg: ExpertGroups, read_master: Callable[[str], np.ndarray]) -> None:
+    """Each expert file's weights equal the imported fp32 master of that global expert (as cast).
+
+    Args:
+        eg: the layout (its `files`: global parameter name -> expert file).
+        read_master: global parameter name -> the imported fp32 master.
+
+    Raises:
+        DeepSpeedFormatError: a file disagrees (names the file, the parameter and by how much).
+    """
+    for path in sorted(set(eg.files.values())):
+        for key, t in load(path).items():
+            want = t.numpy()
+            got = np.asarray(read_master(key)).astype(want.dtype)
+            if got.shape != want.shape or not np.array_equal(got, want):
+                diff = np.abs(got.astype(np.float32) - want.astype(np.float32)).max()
+                raise DeepSpeedFormatError(
+                    f"{path}: {key!r} differs from the optimizer's master weights of that expert "
+                    f"(max abs diff {diff:.3g}): the experts are laid out on the ranks differently "
+                    "than DeepSpeed's default topology (data-parallel rank d holds expert-parallel "
+                    "rank d % ep_size), or the files are from another save"
+                )
+
+
+__all__ = ["ExpertGroups", "check_expert_values", "expert_groups", "refuse_other_moe"]
