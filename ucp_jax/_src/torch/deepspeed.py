@@ -6,7 +6,8 @@ ZeRO-3: every parameter padded to a multiple of the DP size, in `param_shapes` o
 reads the rank files once, in order, and writes each fragment straight to its place in the atom
 (flat ranges become boxes), so memory stays about one rank file plus the writes in flight.
 Megatron-style tensor/pipeline parallel files (`mp_rank_XX`, `layer_XX-model_YY`) are merged with
-the patterns of `universal_checkpoint_info`, as DeepSpeed's `ds_to_universal` does. DeepSpeed
+the patterns of `universal_checkpoint_info`, as DeepSpeed's `ds_to_universal` does. Mixture-of-
+experts param groups are renamed to global experts (see deepspeed_moe). DeepSpeed
 itself is not needed: its pickles are read weights-only with data stand-ins (see unpickle).
 """
 
@@ -257,7 +258,8 @@ def import_deepspeed(
 ) -> str:
     """Import a DeepSpeed ZeRO-1/2/3 checkpoint (fp32 or bf16, any DP, TP/PP) as universal atoms.
 
-    Atoms are named like the torch parameters; slots are `fp32` (master weights), the optimizer's
+    Atoms are named like the torch parameters (experts of `deepspeed.moe` layers, ZeRO-1/2, by
+    their global index: `...deepspeed_experts.{e}...`, one atom each); slots are `fp32` (master weights), the optimizer's
     flat states (`exp_avg`, `exp_avg_sq` for Adam) and `step` (a scalar per atom, as DeepSpeed's
     universal format keeps it). Reads every rank file once, weights-only; DeepSpeed is not needed.
 
