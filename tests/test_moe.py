@@ -93,3 +93,42 @@ def test_expert_axis_for_a_dense_model_is_refused() -> None:
         abstract_params(LlamaConfig(), MoELayout(expert=2), make_mesh(MoELayout(expert=2)))
     with pytest.raises(ValueError, match="does not divide n_experts"):
         abstract_params(CFG, MoELayout(expert=8), make_mesh(MoELayout(expert=8)))
+
+
+@pytest.mark.parametrize("n_experts", [2, 8])
+def test_fewer_experts_without_the_router_is_an_error(
+    n_experts: int, uninterrupted: Run, checkpoint: Path
+) -> None:
+    """Only the expert leaves restored (no router to give the count away): 2 of the 4 saved
+    experts is an error naming the first expert left behind; 8 is a missing atom."""
+    cfg = LlamaConfig(model_type="mixtral", n_experts=n_experts, d_ff=64, n_layers=2)
+    layout = MoELayout(expert=2)
+    experts = {
+        "layers": {"experts": abstract_params(cfg, layout, make_mesh(layout))["layers"]["experts"]}
+    }
+    rules = [r for r in ucp_rules(cfg, layout) if "experts" in r[0]]
+    with pytest.raises(ucp.MismatchError) as err:
+        ucp.restore(checkpoint, experts, rules=rules)
+    msg = str(err.value)
+    if n_experts == 2:
+        assert "stacks 2 atoms along its {e} axis" in msg and "blocks.0.experts.2." in msg, msg
+    else:
+        assert "blocks.0.experts.4." in msg, msg
+    # the same target with the saved number of experts restores
+    cfg4 = LlamaConfig(model_type="mixtral", n_experts=4, d_ff=64, n_layers=2)
+    experts4 = {
+        "layers": {"experts": abstract_params(cfg4, layout, make_mesh(layout))["layers"]["experts"]}
+    }
+    got, _ = ucp.restore(
+        checkpoint, experts4, rules=[r for r in ucp_rules(cfg4, layout) if "experts" in r[0]]
+    )
+    assert got["layers"]["experts"]["down"]["kernel"].shape[1] == 4
+
+
+def test_fewer_layers_is_an_error(uninterrupted: Run, checkpoint: Path) -> None:
+    """The same check on the layer axis: a 1-layer target of the 2-layer checkpoint."""
+    cfg = LlamaConfig(model_type="mixtral", n_experts=4, d_ff=64, n_layers=1)
+    layout = MoELayout(expert=2)
+    with pytest.raises(ucp.MismatchError, match=r"along its \{i\} axis.*blocks\.1\."):
+        ucp.restore(checkpoint, abstract_params(cfg, layout, make_mesh(layout)),
+                    rules=ucp_rules(cfg, layout))  # fmt: skip

@@ -134,7 +134,9 @@ def _add_torch_commands(sub: Any) -> None:
     p.add_argument("--step", type=int, default=None, help="step of a CheckpointManager root")
     exp = sub.add_parser("export", help="write a universal checkpoint in a PyTorch format")
     ekinds = exp.add_subparsers(dest="kind", required=True)
-    ekinds.add_parser("deepspeed-universal", help="a folder DeepSpeed resumes (load_universal)")
+    p = ekinds.add_parser("deepspeed-universal", help="a folder DeepSpeed resumes (load_universal)")
+    p.add_argument("--expert-parallel", type=int, default=None,
+                   help="ep_size of the MoE job that loads it (default: the source run's, else 1)")  # fmt: skip
     p = ekinds.add_parser("hf", help="a Hugging Face model folder (from_pretrained loads it)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per shard (default 5GB)")
     p.add_argument("--dtype", default=None, help="write weights in this dtype (default: as stored)")
@@ -184,8 +186,9 @@ def _run_torch_command(args: Any) -> int:
         return 0
     if args.cmd == "export":
         out = mod.export_deepspeed_universal(
-            args.src, args.dst, overwrite=args.overwrite, progress=progress
-        )
+            args.src, args.dst, expert_parallel=args.expert_parallel, overwrite=args.overwrite,
+            progress=progress,
+        )  # fmt: skip
         print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (load it with load_universal)")
         return 0
     if args.kind == "deepspeed":

@@ -21,6 +21,7 @@ from .mapping.keys import rewrap
 from .mapping.names import legacy_names
 from .mapping.patterns import Fused, chain_from_json, fused_marks_to_json
 from .mapping.rules import CompiledRules, Rule
+from .mapping.stack_count import stack_overrun
 from .util import config
 from .util.buffers import aligned_empty
 from .util.gcpause import gc_paused
@@ -146,6 +147,17 @@ def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool, *, read: bool = True)
                     kind="dtype",
                 )
             atom_of[p.atom], slot_of[p.atom] = name, slot
+    over = stack_overrun(b.chain, b.shape, b.ctx, ckpt.atoms.__contains__) if atom_of else None
+    if over is not None:
+        index, n, atom = over
+        raise MismatchError(
+            f"restore: leaf {b.name!r} (shape {b.shape}) stacks {n} atoms along its {{{index}}} "
+            f"axis, but the checkpoint also has {atom!r}: it was saved with more (experts, "
+            f"layers ...) and a restore would silently drop them; make the target's {{{index}}} "
+            "count match the checkpoint's (e.g. n_experts, n_layers)",
+            leaf=b.name,
+            kind="shape",
+        )
     return _Resolved(b, groups, slot_of, atom_of)
 
 

@@ -6,7 +6,8 @@ ZeRO-3: every parameter padded to a multiple of the DP size, in `param_shapes` o
 reads the rank files once, in order, and writes each fragment straight to its place in the atom
 (flat ranges become boxes), so memory stays about one rank file plus the writes in flight.
 Megatron-style tensor/pipeline parallel files (`mp_rank_XX`, `layer_XX-model_YY`) are merged with
-the patterns of `universal_checkpoint_info`, as DeepSpeed's `ds_to_universal` does. DeepSpeed
+the patterns of `universal_checkpoint_info`, as DeepSpeed's `ds_to_universal` does. Mixture-of-
+experts param groups are renamed to global experts (see deepspeed_moe). DeepSpeed
 itself is not needed: its pickles are read weights-only with data stand-ins (see unpickle).
 """
 
@@ -34,6 +35,7 @@ from .deepspeed_common import (
     read_step,
     resolve_folder,
 )
+from .deepspeed_moe import ExpertGroups, check_expert_values, expert_groups, refuse_other_moe
 from .lazy import LazyTensor
 from .lazy import load_lazy as load
 from .limits import as_shape, check_disjoint, check_range, numel, ucp_errors
@@ -47,7 +49,6 @@ _OPTIM_RE = re.compile(
 _MODEL_RE = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
-_EXPERT_RE = re.compile(r"^(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$|^expp_rank_")
 
 
 # --------------------------------------------------------------------------------- layout
@@ -60,12 +61,14 @@ class RankFiles(DeepSpeedRun):
     Attributes:
         optim: (dp, mp) -> optimizer states file.
         model: mp -> model states file (dp 0's for ZeRO-3).
+        experts: the MoE param groups' local -> global expert names (None without MoE).
         (and DeepSpeedRun's: folder, tag, stage, tp, pp, dp, meta (the first model states file's
         small entries), osd (the first optimizer file's small entries, no tensors kept))
     """
 
     optim: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
     model: dict[int, str] = dataclasses.field(default_factory=dict)
+    experts: ExpertGroups | None = None
 
 
 def _find_rank_files(
@@ -76,11 +79,7 @@ def _find_rank_files(
     model: dict[int, str] = {}
     z3_model: dict[tuple[int, int], str] = {}
     for n in names:
-        if _EXPERT_RE.match(n):
-            raise DeepSpeedFormatError(
-                f"{folder}: {n} is a mixture-of-experts file; MoE checkpoints are not supported "
-                "yet (convert them with DeepSpeed's ds_to_universal and import_deepspeed_universal)"
-            )
+        refuse_other_moe(folder, n)
         if m := _OPTIM_RE.match(n):
             optim[(int(m["dp"]), int(m["mp"]))] = refuse_symlinks(folder, n, "rank file")
         elif m := _MODEL_RE.match(n):
@@ -151,7 +150,8 @@ def _scan(folder: str) -> RankFiles:
     base = first.get("base_optimizer_state") or first.get(OSD) or {}
     osd0["param_groups"] = param_groups(base.get("param_groups") if isinstance(base, dict) else [])
     dp = len({d for d, _ in optim})
-    return RankFiles(folder, None, stage, tp, pp, dp, meta, osd0, optim, model)
+    experts = expert_groups(folder, names, meta, first, dp, stage, len(mps))
+    return RankFiles(folder, None, stage, tp, pp, dp, meta, osd0, optim, model, experts)
 
 
 def _per_tp_shapes(lay: RankFiles) -> dict[str, list[tuple[int, ...] | None]]:
@@ -162,7 +162,10 @@ def _per_tp_shapes(lay: RankFiles) -> dict[str, list[tuple[int, ...] | None]]:
     for mp, path in sorted(lay.model.items()):
         t = mp % lay.tp
         sd = load(path) if mp != min(lay.model) else lay.meta
-        groups = [*(sd.get("param_shapes") or []), sd.get("frozen_param_shapes") or {}]
+        shapes = sd.get("param_shapes") or []
+        if lay.experts is not None:
+            shapes = lay.experts.global_shapes(shapes)
+        groups = [*shapes, sd.get("frozen_param_shapes") or {}]
         for group in groups:
             for name, shape in group.items():
                 what = f"{path}: parameter {name!r}"
@@ -176,9 +179,13 @@ def _per_tp_shapes(lay: RankFiles) -> dict[str, list[tuple[int, ...] | None]]:
 
 
 def _fragments_z12(
-    lay: RankFiles, osd: dict[str, Any], pp_index: int, uc: dict[str, Any]
+    lay: RankFiles, osd: dict[str, Any], pp_index: int, uc: dict[str, Any], dp_rank: int
 ) -> Iterator[tuple[str, str, LazyTensor, Any]]:
-    """(param, slot, flat fragment, step) of one ZeRO-1/2 rank file, in file order."""
+    """(param, slot, flat fragment, step) of one ZeRO-1/2 rank file, in file order.
+
+    Experts of MoE param groups are named globally (`lay.experts`): rank `dp_rank`'s local
+    expert i is another global expert than the same local name on another expert-parallel rank.
+    """
     skip = (uc or {}).get("pipeline_replicated_parameter_patterns", []) or []
     states = osd["base_optimizer_state"]["state"]
     fp32 = osd["single_partition_of_fp32_groups"]
@@ -200,6 +207,8 @@ def _fragments_z12(
         for name, frag in mapping.items():
             if pp_index > 0 and any(re.match(p, name) for p in skip):
                 continue
+            if lay.experts is not None:
+                name = lay.experts.name(g, name, dp_rank)
             for slot, flat in flats.items():
                 where = f"{flat.path}: param_slice_mappings[{g}][{name!r}] in {slot}"
                 start, n = check_range(getattr(frag, "start", None), getattr(frag, "numel", None),
@@ -249,7 +258,8 @@ def import_deepspeed(
 ) -> str:
     """Import a DeepSpeed ZeRO-1/2/3 checkpoint (fp32 or bf16, any DP, TP/PP) as universal atoms.
 
-    Atoms are named like the torch parameters; slots are `fp32` (master weights), the optimizer's
+    Atoms are named like the torch parameters (experts of `deepspeed.moe` layers, ZeRO-1/2, by
+    their global index: `...deepspeed_experts.{e}...`, one atom each); slots are `fp32` (master weights), the optimizer's
     flat states (`exp_avg`, `exp_avg_sq` for Adam) and `step` (a scalar per atom, as DeepSpeed's
     universal format keeps it). Reads every rank file once, weights-only; DeepSpeed is not needed.
 
@@ -277,6 +287,10 @@ def import_deepspeed(
     lay.tag = found_tag or os.path.basename(os.path.normpath(folder))
     with AtomWriter(dst, overwrite=overwrite, max_inflight_bytes=max_inflight_bytes) as w:
         _import_zero(lay, w, progress)
+        if lay.experts is not None:
+            check_expert_values(
+                lay.experts, lambda n: w.array(n, "fp32", np.float32).read().result()
+            )
         return w.commit(step=lay.step(), source=deepspeed_source(lay, "zero"))
 
 
@@ -310,7 +324,7 @@ def _import_zero(lay: RankFiles, w: AtomWriter, progress: bool | None) -> None:
             pp_index, t = divmod(m, lay.tp)
             osd = load(path)[OSD]
             if lay.stage <= 2:
-                for name, slot, frag, step in _fragments_z12(lay, osd, pp_index, uc):
+                for name, slot, frag, step in _fragments_z12(lay, osd, pp_index, uc, d):
                     key = (name, t, slot)
                     start = pos.get(key, 0)
                     pos[key] = start + frag.numel()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,6 +36,7 @@ from .progress import Progress
 DS_VERSION = "0.19.8"  # written when the source was not DeepSpeed; DeepSpeed checks >= 0.3.17
 MOMENT_SLOTS = ("exp_avg", "exp_avg_sq")
 EMPTY_GROUPS = 64  # DeepSpeed zips these with its own param groups: extra empty ones are ignored
+_EXPERT_RE = re.compile(r"^(?P<pre>.*\.deepspeed_experts\.)(?P<e>\d+)(?P<post>\..*)$")
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -65,6 +67,7 @@ def export_deepspeed_universal(
     *,
     names: Mapping[str, str] | Callable[[str], str | None] | None = None,
     param_groups: list[dict[str, Any]] | None = None,
+    expert_parallel: int | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
 ) -> str:
@@ -84,6 +87,9 @@ def export_deepspeed_universal(
         param_groups: optimizer hyperparameters per param group for DeepSpeed to load; default:
             those recorded when the checkpoint was imported from DeepSpeed, else empty groups
             (the DeepSpeed job's own config then applies).
+        expert_parallel: the expert-parallel size (`ep_size`) of the DeepSpeed MoE job that will
+            load the folder (experts are laid out for it, see above); default: the size of the
+            DeepSpeed run it was imported from (its `ep_size_<P>` param group), else 1.
         overwrite: replace `dst` if it exists.
         progress: show a progress bar (default: when stderr is a terminal).
 
@@ -95,18 +101,20 @@ def export_deepspeed_universal(
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     dst = os.path.abspath(os.fspath(dst))
     params = _parameters(ck, _renamer(names))  # names checked before anything is written
+    src = (ck.manifest.source or {}).get("deepspeed") or {}
+    ep = expert_parallel if expert_parallel is not None else _source_ep(src)
+    stacks = _expert_stacks(params, ep)
     if os.path.exists(dst):
         if not overwrite:
             raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
         shutil.rmtree(dst)
-    src = (ck.manifest.source or {}).get("deepspeed") or {}
     tmp = dst + ".ucp-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     zero = os.path.join(tmp, "zero")
     os.makedirs(zero)
     bar = Progress(progress, sum(ck.atoms[a].nbytes for a in params), "ucp export")
     try:
-        shapes, step_value = _write_params(ck, params, zero, _count(ck), bar)
+        shapes, step_value = _write_params(ck, params, stacks, zero, _count(ck), bar)
         groups = param_groups if param_groups is not None else src.get("param_groups")
         groups = [_group(g) for g in groups or [{} for _ in range(EMPTY_GROUPS)]]
         version = src.get("ds_version") or DS_VERSION
@@ -154,32 +162,75 @@ def _slot_extra(info: Any) -> dict[str, Any]:
     return extra
 
 
+def _source_ep(src: Mapping[str, Any]) -> int:
+    """The expert-parallel size of the DeepSpeed run a checkpoint was imported from (else 1)."""
+    for g in src.get("param_groups") or []:
+        m = re.fullmatch(r"ep_size_(\d+)", str(g.get("name", ""))) if g.get("moe") else None
+        if m:
+            return int(m[1])
+    return 1
+
+
+def _expert_stacks(params: dict[str, str], ep: int) -> dict[str, list[str]]:
+    """Local torch name -> the atoms (one per EP rank) stacked in its universal file (EP > 1)."""
+    if ep < 1:
+        raise MismatchError(f"export: expert_parallel must be >= 1, not {ep}")
+    experts: dict[tuple[str, str], dict[int, str]] = {}
+    for atom, torch_name in params.items():
+        if m := _EXPERT_RE.match(torch_name):
+            experts.setdefault((m["pre"], m["post"]), {})[int(m["e"])] = atom
+    stacks: dict[str, list[str]] = {}
+    if ep == 1:
+        return stacks
+    for (pre, post), by_e in experts.items():
+        n = len(by_e)
+        if sorted(by_e) != list(range(n)) or n % ep:
+            raise MismatchError(
+                f"export: experts {pre}<e>{post} are {sorted(by_e)[:8]}; expert_parallel={ep} needs "
+                "0..E-1 with E a multiple of it (pass the DeepSpeed job's ep_size)"
+            )
+        for i in range(n // ep):
+            stacks[f"{pre}{i}{post}"] = [by_e[r * (n // ep) + i] for r in range(ep)]
+    return stacks
+
+
 def _write_params(
-    ck: Checkpoint, params: dict[str, str], zero: str, count: float | None, bar: Progress
+    ck: Checkpoint,
+    params: dict[str, str],
+    stacks: dict[str, list[str]],
+    zero: str,
+    count: float | None,
+    bar: Progress,
 ) -> tuple[collections.OrderedDict[str, torch.Size], float | None]:
-    """`zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt` of every parameter.
+    """`zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt` of every parameter (experts: `stacks`).
 
     Returns:
         (torch name -> shape, in order; the first step written, or None).
     """
     shapes: collections.OrderedDict[str, torch.Size] = collections.OrderedDict()
     step_value = None
-    for atom, torch_name in params.items():
+    stacked = {a for atoms in stacks.values() for a in atoms}
+    todo = [(a, n, [a]) for a, n in params.items() if a not in stacked]
+    todo += [(atoms[0], name, atoms) for name, atoms in stacks.items()]
+    for atom, torch_name, rows in todo:
         info = ck.atoms[atom]
         pdir = join_inside(zero, torch_name, f"export: atom {atom!r}: parameter")
         os.makedirs(pdir, exist_ok=True)
         extra = _slot_extra(info)
+        if torch_name in stacks:
+            extra.update(cat_dim=0, is_expert_param=True, ep_num_experts=len(rows))
         for slot in (PARAM_SLOT, *MOMENT_SLOTS):
             if slot not in info.slots:
                 continue
-            t = _tensor(ck.read(atom, slot)).float()
+            parts = [_tensor(ck.read(a, slot)).float() for a in rows]
+            t = torch.stack(parts) if torch_name in stacks else parts[0]
             _save({**extra, "param": t}, os.path.join(pdir, f"{slot}.pt"))
         step = float(np.asarray(ck.read(atom, STEP_SLOT))) if STEP_SLOT in info.slots else count
         if step is not None and any(s in info.slots for s in MOMENT_SLOTS):
             _save(torch.tensor(step, dtype=torch.float32), os.path.join(pdir, "step.pt"))
             step_value = step if step_value is None else step_value
         shapes[torch_name] = torch.Size(info.shape)
-        bar.advance(info.nbytes)
+        bar.advance(info.nbytes * len(rows))
     return shapes, step_value
 
 

@@ -1,0 +1,109 @@
+"""Session fixture: real DeepSpeed mixture-of-experts checkpoints (tests/ds/train_moe.py), built
+once with `torchrun` (gloo, CPU) and cached under .pytest_cache apart from the dense ones.
+
+Cases (name: ZeRO stage, dtype, expert-parallel size, ranks): m_z1_fp32 (1, fp32, EP 2, 4 ranks:
+EP 2 x expert-DP 2), m_z2_bf16 (2, bf16, EP 2, 4 ranks), m_z1_fp32_dp3 (1, fp32, EP 1, 3 ranks).
+Each trains 3 steps, saves tag global_step3 under <root>/<name> with every rank's engine state
+beside it (engine_rank<R>.pt: the referee, since DeepSpeed's ds_to_universal cannot convert MoE
+checkpoints), then trains 2 more steps (the losses a resumed job must reproduce).
+The cache key hashes these scripts and the versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+from .fixtures import _locked, torchrun
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOBS = {4: ["m_z1_fp32:1:fp32:2", "m_z2_bf16:2:bf16:2"], 3: ["m_z1_fp32_dp3:1:fp32:1"]}
+CASES = {j.split(":")[0]: (int(j.split(":")[1]), j.split(":")[2], int(j.split(":")[3]), n)
+         for n, jobs in JOBS.items() for j in jobs}  # fmt: skip
+STEPS = 3
+TAG = f"global_step{STEPS}"
+
+
+@dataclasses.dataclass
+class MoECheckpoints:
+    root: str
+    losses: dict
+
+    def zero(self, name: str) -> str:
+        """The DeepSpeed checkpoint directory (with `latest`)."""
+        return os.path.join(self.root, name)
+
+    def engine_state(self, name: str) -> dict[str, dict]:
+        """{global parameter name: {"fp32", "exp_avg", "exp_avg_sq"}} as the engine held them."""
+        import torch
+
+        out: dict[str, dict] = {}
+        for f in sorted(glob.glob(os.path.join(self.zero(name), "engine_rank*.pt"))):
+            for k, v in torch.load(f)["params"].items():
+                if k in out:  # replicas on other ranks hold the same values
+                    assert all(torch.equal(out[k][s], v[s]) for s in v), (f, k)
+                out[k] = v
+        return out
+
+
+def cache_key() -> str:
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    for f in ("moe_model.py", "train_moe.py", "moe_fixtures.py"):
+        with open(os.path.join(HERE, f), "rb") as fh:
+            h.update(fh.read())
+    h.update(f"{version('torch')} {version('deepspeed')}".encode())
+    return h.hexdigest()[:16]
+
+
+def build(root: str) -> dict:
+    os.makedirs(root, exist_ok=True)
+    t0 = time.time()
+    losses: dict = {}
+    for nproc, jobs in JOBS.items():
+        out = os.path.join(root, f"losses_{nproc}.json")
+        args = ["--root", root, "--steps", str(STEPS), "--result", out, *jobs]
+        torchrun(nproc, args, root, script="train_moe.py")
+        with open(out) as f:
+            losses.update(json.load(f))
+    losses["_build_seconds"] = time.time() - t0
+    return losses
+
+
+def get(cache_dir: str) -> MoECheckpoints:
+    """The cached checkpoints, built on first use (process-safe)."""
+    key = cache_key()
+    final = os.path.join(cache_dir, key)
+    os.makedirs(cache_dir, exist_ok=True)
+    with _locked(os.path.join(cache_dir, ".lock")):
+        done = os.path.join(final, "DONE.json")
+        if not os.path.isfile(done):
+            for old in os.listdir(cache_dir):
+                if old != ".lock":
+                    shutil.rmtree(os.path.join(cache_dir, old), ignore_errors=True)
+            tmp = final + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            losses = build(tmp)
+            with open(os.path.join(tmp, "DONE.json"), "w") as f:
+                json.dump(losses, f)
+            os.rename(tmp, final)
+        with open(done) as f:
+            return MoECheckpoints(final, json.load(f))
+
+
+@pytest.fixture(scope="session")
+def ds_moe_ckpts(request: pytest.FixtureRequest) -> MoECheckpoints:
+    """Real DeepSpeed MoE checkpoints and the engine's state at the save, cached between runs."""
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install deepspeed==0.19.8)")
+    return get(str(request.config.cache.mkdir("ds_moe_ckpts")))
