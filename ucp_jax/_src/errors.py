@@ -54,3 +54,7 @@ class UnsafePathError(UcpError, ValueError):
 
 class LimitError(UcpError, ValueError):
     """A size in untrusted input (shape, element count, chunk grid, header) is out of bounds."""
+
+
+class StoreUnreachableError(UcpError, ConnectionError):
+    """An object store did not answer in time (`UCP_STORE_TIMEOUT_S`) or refused the connection."""
