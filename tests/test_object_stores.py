@@ -189,6 +189,28 @@ def test_s3_kill_during_save(s3, tmp_path):
     assert not any(k.startswith("atoms/w") for k in keys), "the killed save's arrays remain"
 
 
+def test_s3_overwrite_drops_commit_before_the_old_objects(s3, monkeypatch):
+    """An overwrite killed while it deletes the old checkpoint's objects leaves no COMMIT over a
+    half-deleted checkpoint: here it dies at the very start of the deletion."""
+    from ucp_jax._src.format import store
+
+    path = f"s3://{BUCKET}/over/step_1"
+    ucp.save(path, _state(1), step=1)
+
+    def killed(self: store.Location) -> None:
+        raise RuntimeError("killed while deleting")
+
+    with monkeypatch.context() as m:
+        m.setattr(store.Location, "remove_all", killed)
+        with pytest.raises(RuntimeError, match="killed while deleting"):
+            ucp.save(path, _state(2), step=2, overwrite=True)
+    assert ucp.list_checkpoints(f"s3://{BUCKET}/over") == []
+    with pytest.raises(ucp.NotACheckpointError, match="did not finish"):
+        ucp.open(path)
+    ucp.save(path, _state(2), step=2)  # nothing committed there now: no overwrite needed
+    _assert_restores(path, seed=2)
+
+
 def test_s3_orbax_checkpoint_manager(s3):
     """The Orbax handler under a CheckpointManager whose directory is s3://.
 
@@ -295,3 +317,20 @@ def test_unreachable_store_fails_within_the_bound(kind, monkeypatch):
     finally:
         if stop is not None:
             stop.set()
+
+
+def test_unreachable_gcs_emulator_fails_within_the_bound(monkeypatch):
+    """gs:// with STORAGE_EMULATOR_HOST at a port that accepts and never answers."""
+    bound = 3.0
+    port, stop = _black_hole()
+    monkeypatch.setenv("UCP_STORE_TIMEOUT_S", str(bound))
+    monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)  # ucp sets it; undo removes it
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"127.0.0.1:{port}")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ucp.StoreUnreachableError, match=f"gs://{BUCKET}/y/step_1") as err:
+            ucp.open(f"gs://{BUCKET}/y/step_1")
+        assert bound - 0.5 <= time.monotonic() - t0 < bound + 2
+        assert f"http://127.0.0.1:{port}" in str(err.value)
+    finally:
+        stop.set()

@@ -259,9 +259,10 @@ def probe(kv: Any, spec: dict[str, Any]) -> None:
     Later requests (array writes, listings) run without a deadline of their own, bounded by the
     retry policy; this first one makes an unreachable store fail fast and clearly.
     """
-    key = json.dumps(
-        [spec.get("driver"), spec.get("bucket"), spec.get("endpoint"), spec.get("host_header")]
-    )
+    endpoint = spec.get("endpoint")
+    if spec.get("driver") == "gcs":
+        endpoint = os.environ.get("TENSORSTORE_GCS_HTTP_URL")
+    key = json.dumps([spec.get("driver"), spec.get("bucket"), endpoint, spec.get("host_header")])
     with _probe_lock:
         if key in _probed:
             return
