@@ -132,6 +132,30 @@ def test_s3_save_restore_list_verify(s3, capsys):
     assert "step 2" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("form", ["profile", "services"])
+def test_s3_endpoint_and_region_from_the_aws_config_file(s3, tmp_path, monkeypatch, form):
+    """No AWS_ENDPOINT_URL* / AWS_REGION: the endpoint and region come from AWS_CONFIG_FILE's
+    profile (AWS_PROFILE), as boto3 reads them (`endpoint_url`, or a `services` section)."""
+    for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(k, raising=False)
+    if form == "profile":
+        text = f"[profile ucp]\nregion = us-east-1\nendpoint_url = {s3}\n"
+    else:
+        text = (
+            "[profile ucp]\nregion = us-east-1\nservices = local\n"
+            f"[services local]\ns3 =\n  endpoint_url = {s3}\n"
+        )
+    (tmp_path / "config").write_text(text)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "ucp")
+    loc = ucp.Location.parse(f"s3://{BUCKET}/cfg/{form}")
+    assert loc.kvstore["endpoint"] == s3 and loc.kvstore["aws_region"] == "us-east-1"
+    ucp.save(loc, _state(6), step=6)
+    _assert_restores(f"s3://{BUCKET}/cfg/{form}", seed=6)
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    assert "endpoint" not in ucp.Location.parse(f"s3://{BUCKET}/cfg/{form}").kvstore
+
+
 def test_s3_verify_finds_a_swapped_object(s3, capsys):
     """Integrity on an object store: a chunk object replaced by another array's fails verify."""
     import boto3
