@@ -343,6 +343,61 @@ def test_unreachable_store_fails_within_the_bound(kind, monkeypatch):
             stop.set()
 
 
+def test_store_gone_during_a_save(s3, monkeypatch):
+    """An S3 server stopped while a save writes: the save fails with StoreUnreachableError after
+    its bounded retries (no hang), and nothing there lists as a checkpoint."""
+    import jax
+    from moto.server import ThreadedMotoServer  # the s3 fixture made sure it is there
+
+    from ucp_jax._src import save as save_mod
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    monkeypatch.setenv("UCP_STORE_TIMEOUT_S", "3")
+    monkeypatch.setenv("UCP_STORE_RETRIES", "3")
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    stream = save_mod.SaveJob._stream
+
+    def slow_stream(self):  # type: ignore[no-untyped-def]
+        for item in stream(self):
+            time.sleep(0.05)  # 64 regions: the writes last ~3 s
+            yield item
+
+    monkeypatch.setattr(save_mod.SaveJob, "_stream", slow_stream)
+    sharding = jax.sharding.NamedSharding(mesh_of((8,)), jax.sharding.PartitionSpec("a"))
+    base = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
+    big = {f"w{i}": jax.device_put(base + i, sharding) for i in range(8)}
+    path = f"s3://{BUCKET}/gone/step_1"
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            ucp.save(path, big, step=1)
+        except BaseException as e:
+            errors.append(e)
+
+    saving = threading.Thread(target=run)
+    saving.start()
+    kv = ucp.Location.parse(path).kv()
+    deadline = time.monotonic() + 30
+    while not any(b"/c/" in k for k in kv.list().result()):
+        assert time.monotonic() < deadline and saving.is_alive(), f"no chunk written: {errors}"
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    server.stop()
+    saving.join(30)
+    took = time.monotonic() - t0
+    assert not saving.is_alive(), "the save hangs on a store that is gone"
+    assert len(errors) == 1 and isinstance(errors[0], ucp.StoreUnreachableError), errors
+    assert path in str(errors[0]) and endpoint in str(errors[0])
+    assert took < 15, f"{took:.1f} s"
+
+
 def test_unreachable_gcs_emulator_fails_within_the_bound(monkeypatch):
     """gs:// with STORAGE_EMULATOR_HOST at a port that accepts and never answers."""
     bound = 3.0

@@ -235,6 +235,20 @@ def looks_unreachable(e: BaseException) -> bool:
     return any(w in msg for w in _UNREACHABLE)
 
 
+def translate(e: BaseException, spec: dict[str, Any], what: str) -> BaseException:
+    """A TensorStore error of a remote store's request as a StoreUnreachableError when it means
+    the store stopped answering (after its retries); any other error as it is.
+
+    >>> type(translate(ValueError("CURL error Could not connect"), {"driver": "s3"}, "x")).__name__
+    'StoreUnreachableError'
+    """
+    if is_remote(spec) and isinstance(e, ValueError) and looks_unreachable(e):
+        out = unreachable(spec, what, str(e)[:300])
+        out.__cause__ = e
+        return out
+    return e
+
+
 def wait(future: Any, spec: dict[str, Any], what: str) -> Any:
     """`future.result()` within `UCP_STORE_TIMEOUT_S`, for one small request to a remote store.
 
