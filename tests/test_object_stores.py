@@ -156,6 +156,18 @@ def test_s3_endpoint_and_region_from_the_aws_config_file(s3, tmp_path, monkeypat
     assert "endpoint" not in ucp.Location.parse(f"s3://{BUCKET}/cfg/{form}").kvstore
 
 
+def test_s3_no_such_bucket(s3, capsys):
+    """A bucket that does not exist: a StoreError naming it, at once, from the API and the CLI."""
+    t0 = time.monotonic()
+    with pytest.raises(ucp.StoreError, match=r"s3://no-such-bucket/run/step_1 .*NoSuchBucket"):
+        ucp.save("s3://no-such-bucket/run/step_1", _state(), step=1)
+    with pytest.raises(ucp.StoreError, match="NoSuchBucket"):
+        ucp.list_checkpoints("s3://no-such-bucket/run")
+    assert time.monotonic() - t0 < 10
+    assert cli_main(["inspect", "s3://no-such-bucket/run/step_1"]) == 1
+    assert "the store refused" in capsys.readouterr().err
+
+
 def test_s3_verify_finds_a_swapped_object(s3, capsys):
     """Integrity on an object store: a chunk object replaced by another array's fails verify."""
     import boto3

@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any
 
-from ..errors import StoreUnreachableError
+from ..errors import StoreError, StoreUnreachableError
 from ..util import config
 
 REMOTE_DRIVERS = frozenset({"s3", "gcs", "gcs_grpc", "http"})
@@ -37,6 +37,16 @@ _UNREACHABLE = (
     "DEADLINE_EXCEEDED",
     "Could not resolve",
     "Could not connect",
+)
+# ... and words of errors that mean it answered with a refusal (bucket, permissions, credentials).
+_REFUSED = (
+    "NoSuchBucket",
+    "AccessDenied",
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidBucketName",
 )
 _probed: set[str] = set()
 _probe_lock = threading.Lock()
@@ -229,6 +239,14 @@ def unreachable(spec: dict[str, Any], what: str, cause: str) -> StoreUnreachable
     )
 
 
+def refused(spec: dict[str, Any], what: str, cause: str) -> StoreError:
+    """The error for a store that answered `what` with a refusal."""
+    return StoreError(
+        f"{describe(spec)}: the store refused {what} ({cause}); check the bucket name, that it "
+        "exists, and the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS)"
+    )
+
+
 def looks_unreachable(e: BaseException) -> bool:
     """Whether a TensorStore error means no connection or no answer (not a missing key)."""
     msg = str(e)
@@ -237,16 +255,22 @@ def looks_unreachable(e: BaseException) -> bool:
 
 def translate(e: BaseException, spec: dict[str, Any], what: str) -> BaseException:
     """A TensorStore error of a remote store's request as a StoreUnreachableError when it means
-    the store stopped answering (after its retries); any other error as it is.
+    the store stopped answering (after its retries), as a StoreError when it refused (bucket,
+    permissions, credentials); any other error as it is.
 
     >>> type(translate(ValueError("CURL error Could not connect"), {"driver": "s3"}, "x")).__name__
     'StoreUnreachableError'
     """
-    if is_remote(spec) and isinstance(e, ValueError) and looks_unreachable(e):
+    if not (is_remote(spec) and isinstance(e, ValueError)):
+        return e
+    if any(w in str(e) for w in _REFUSED):
+        out: StoreError = refused(spec, what, str(e)[:300])
+    elif looks_unreachable(e):
         out = unreachable(spec, what, str(e)[:300])
-        out.__cause__ = e
-        return out
-    return e
+    else:
+        return e
+    out.__cause__ = e
+    return out
 
 
 def wait(future: Any, spec: dict[str, Any], what: str) -> Any:
@@ -254,6 +278,7 @@ def wait(future: Any, spec: dict[str, Any], what: str) -> Any:
 
     Raises:
         StoreUnreachableError: no answer in time, or the connection failed after its retries.
+        StoreError: the store refused (no such bucket, access denied, bad credentials).
     """
     timeout = config.store_timeout_s()
     try:
@@ -262,9 +287,10 @@ def wait(future: Any, spec: dict[str, Any], what: str) -> Any:
         future.cancel()
         raise unreachable(spec, what, f"no answer within {timeout:g} s") from None
     except ValueError as e:
-        if looks_unreachable(e):
-            raise unreachable(spec, what, str(e)[:300]) from e
-        raise
+        err = translate(e, spec, what)
+        if err is e:
+            raise
+        raise err from e
 
 
 def probe(kv: Any, spec: dict[str, Any]) -> None:
