@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 from conftest import assert_tree_bitexact
 from helpers import float_params, mesh_of, place, targets
-from mp.runner import free_port, run_and_kill
+from mp.runner import free_port, run_and_kill, run_job
 
 import ucp_jax as ucp
 from ucp_jax._src.cli import main as cli_main
 
 BUCKET = "ucp-test"
 KILL_WORKER = Path(__file__).parent / "mp" / "kill_remote_worker.py"
+MP_WORKER = Path(__file__).parent / "mp" / "remote_worker.py"
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +203,15 @@ def test_s3_convert_safetensors(s3, tmp_path, capsys, monkeypatch):
         np.testing.assert_array_equal(ck.read(name), want)
     assert cli_main([*args, "--no-progress"]) == 1  # exists: refused without --overwrite
     assert "already holds a committed checkpoint" in capsys.readouterr().err
+
+
+def test_s3_two_processes(s3):
+    """A 2-process jax job saves to S3 (each process its own shards) and restores on another mesh."""
+    root = f"s3://{BUCKET}/mp"
+    outs = run_job(lambda i, addr: [str(MP_WORKER), str(i), addr, root], 2, 180)
+    assert all("OK" in out for out, _ in outs), outs
+    digests = {k for k in ucp.Location.parse(f"{root}/sync").list_keys() if "/digests/" in k}
+    assert {k.rsplit("/", 1)[1] for k in digests} == {"p0.json", "p1.json"}
 
 
 def test_s3_kill_during_save(s3, tmp_path):

@@ -137,7 +137,7 @@ class Location:
             self.kv().delete_range(ts.KvStore.KeyRange(key, key + "\0")), f"a delete of {key!r}"
         )
 
-    def keys(self) -> list[str]:
+    def list_keys(self) -> list[str]:
         """Every key under this location (relative to it); no deadline: a listing may be long."""
         listing = self.kv().list()
         try:
@@ -155,7 +155,7 @@ class Location:
         """Whether anything at all is stored under this location."""
         if self.local_path is not None:
             return os.path.exists(self.local_path)
-        return bool(self.keys())
+        return bool(self.list_keys())
 
     def remove_all(self) -> None:
         """Delete everything under this location."""
@@ -389,7 +389,7 @@ def _committed_names(loc: Location) -> list[str]:
             if not n.startswith(".") and os.path.exists(os.path.join(loc.local_path, n, COMMIT))
         ]
         return names
-    keys = loc.keys()
+    keys = loc.list_keys()
     return sorted({k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)})
 
 
