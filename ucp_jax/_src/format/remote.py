@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any
 
-from ..errors import StoreError, StoreUnreachableError
+from ..errors import StoreError, StoreUnreachableError, UcpError
 from ..util import config
 
 REMOTE_DRIVERS = frozenset({"s3", "gcs", "gcs_grpc", "http"})
@@ -94,8 +94,9 @@ def complete(spec: dict[str, Any]) -> dict[str, Any]:
     """Fill in what TensorStore does not read from the environment itself (in place; returned).
 
     s3: `endpoint` (`AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, then `~/.aws/config`, unless
-    `AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true`), `aws_region` (`AWS_REGION`,
-    `AWS_DEFAULT_REGION`, then `~/.aws/config`). gcs: `TENSORSTORE_GCS_HTTP_URL` from
+    `AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true`) and, with an endpoint, `aws_region` (`AWS_REGION`,
+    `AWS_DEFAULT_REGION`, then `~/.aws/config`; on AWS itself TensorStore looks up the bucket's
+    region). gcs: `TENSORSTORE_GCS_HTTP_URL` from
     `STORAGE_EMULATOR_HOST`. Remote drivers: bounded request retries (`UCP_STORE_RETRIES`).
     Whatever the spec already says is kept.
 
@@ -109,7 +110,9 @@ def complete(spec: dict[str, Any]) -> dict[str, Any]:
             endpoint = _aws_endpoint(profile)
             if endpoint:
                 spec["endpoint"] = endpoint
-        if "aws_region" not in spec:
+        # On AWS itself TensorStore finds each bucket's region (a wrong one would not redirect, as
+        # boto3 does); another endpoint needs the region to sign with.
+        if "aws_region" not in spec and "endpoint" in spec:
             region = (
                 os.environ.get("AWS_REGION")
                 or os.environ.get("AWS_DEFAULT_REGION")
@@ -261,7 +264,7 @@ def translate(e: BaseException, spec: dict[str, Any], what: str) -> BaseExceptio
     >>> type(translate(ValueError("CURL error Could not connect"), {"driver": "s3"}, "x")).__name__
     'StoreUnreachableError'
     """
-    if not (is_remote(spec) and isinstance(e, ValueError)):
+    if not (is_remote(spec) and isinstance(e, ValueError)) or isinstance(e, UcpError):
         return e
     if any(w in str(e) for w in _REFUSED):
         out: StoreError = refused(spec, what, str(e)[:300])
