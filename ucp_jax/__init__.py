@@ -20,6 +20,8 @@ from ._src.errors import MismatchError as MismatchError
 from ._src.errors import NotACheckpointError as NotACheckpointError
 from ._src.errors import PatternError as PatternError
 from ._src.errors import RestorePlanError as RestorePlanError
+from ._src.errors import StoreError as StoreError
+from ._src.errors import StoreUnreachableError as StoreUnreachableError
 from ._src.errors import UcpError as UcpError
 from ._src.errors import UnsafePathError as UnsafePathError
 from ._src.format.manifest import AtomInfo as AtomInfo
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from ._src.checkpoint import Checkpoint as Checkpoint
     from ._src.checkpoint import list_checkpoints as list_checkpoints
     from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
+    from ._src.format.store import Location as Location
     from ._src.importers.orbax import import_orbax as import_orbax
     from ._src.importers.orbax_source import OrbaxImportError as OrbaxImportError
     from ._src.plan_report import RestorePlan as RestorePlan
@@ -57,6 +60,7 @@ _LAZY = {
     "Checkpoint": ("._src.checkpoint", "Checkpoint"),
     "list_checkpoints": ("._src.checkpoint", "list_checkpoints"),
     "open": ("._src.checkpoint", "open_checkpoint"),
+    "Location": ("._src.format.store", "Location"),
     "import_orbax": ("._src.importers.orbax", "import_orbax"),
     "OrbaxImportError": ("._src.importers.orbax_source", "OrbaxImportError"),
     "plan": ("._src.plan_report", "plan"),

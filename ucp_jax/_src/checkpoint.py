@@ -298,8 +298,10 @@ def open_checkpoint(path: Any) -> Checkpoint:
     return Checkpoint(path)
 
 
-def list_checkpoints(directory: Any) -> list[str]:
+def list_checkpoints(directory: Any) -> list[Any]:
     """Committed checkpoints directly under `directory`; partial or killed saves are never listed.
+
+    Paths for a path or URL; `ucp.Location`s for a kvstore spec (dict) or a Location.
 
     >>> ucp.list_checkpoints("/tmp/ckpt")  # doctest: +SKIP
     ['/tmp/ckpt/step_10', '/tmp/ckpt/step_20']

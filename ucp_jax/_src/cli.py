@@ -209,7 +209,7 @@ def _run_torch_command(args: Any) -> int:
             args.src, args.dst, model_prefix=args.model_prefix, overwrite=args.overwrite,
             progress=progress,
         )  # fmt: skip
-    ck = Checkpoint(out)
+    ck = Checkpoint(args.dst)  # DST, not `out`: a kvstore spec keeps its endpoint
     total = sum(a.nbytes for a in ck.atoms.values())
     print(
         f"wrote {ck.path}: {len(ck.atoms)} atoms, {_mib(total)} MiB, step {ck.step}, "

@@ -54,3 +54,11 @@ class UnsafePathError(UcpError, ValueError):
 
 class LimitError(UcpError, ValueError):
     """A size in untrusted input (shape, element count, chunk grid, header) is out of bounds."""
+
+
+class StoreError(UcpError, OSError):
+    """An object store refused a request: no such bucket, access denied, bad credentials."""
+
+
+class StoreUnreachableError(StoreError, ConnectionError):
+    """An object store did not answer in time (`UCP_STORE_TIMEOUT_S`) or refused the connection."""

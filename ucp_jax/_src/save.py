@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from .errors import MismatchError
-from .format import commit, store
+from .format import commit, remote, store
 from .format.dtypes import dtype_name
 from .format.integrity import keys_in_box
 from .format.manifest import AtomInfo, Manifest, SlotInfo, atom_dir, source_header
@@ -277,7 +277,7 @@ class SaveHandle:
         try:
             job.write(host)
         except BaseException as e:  # re-raised on wait() or on the next save
-            self._error = e
+            self._error = remote.translate(e, job.loc.kvstore, "the save's writes")
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -357,7 +357,13 @@ def save(
     _finish_pending()
     job = SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
                    overwrite=overwrite, max_inflight_bytes=max_inflight_bytes)  # fmt: skip
-    job.write(None)
+    try:
+        job.write(None)
+    except ValueError as e:  # an object store that stopped answering: say so, name it
+        err = remote.translate(e, job.loc.kvstore, "the save's writes")
+        if err is e:
+            raise
+        raise err from e
 
 
 def async_save(

@@ -98,7 +98,13 @@ class Staging:
             )
 
     def prepare(self) -> None:
-        """Clear the staging area (process 0 only, before arrays are created)."""
+        """Clear the staging area (process 0 only, before arrays are created).
+
+        In place (object stores): COMMIT goes first, so that a save killed while the old
+        objects are being deleted leaves no marker over a half-deleted checkpoint.
+        """
+        if self.target.local_path is None:
+            self.target.delete(COMMIT)
         self.target.remove_all()
         if self.final.local_path is not None:
             parent = os.path.dirname(self.final.local_path)

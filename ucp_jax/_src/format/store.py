@@ -15,6 +15,7 @@ import tensorstore as ts
 
 from ..errors import ChecksumError, NotACheckpointError
 from ..util.libc import libc
+from . import remote
 from .dtypes import zarr_dtype
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, check_commit
 
@@ -34,24 +35,41 @@ _CODECS: list[dict[str, Any]] = [*_BYTES, {"name": "crc32c"}]
 
 @dataclasses.dataclass(frozen=True)
 class Location:
-    """A checkpoint directory as a TensorStore kvstore spec (any URL: file, gs, s3, memory)."""
+    """A checkpoint directory as a TensorStore kvstore spec (any URL: file, gs, s3, memory).
+
+    Accepted wherever a checkpoint path is (`ucp.save`, `ucp.restore`, `ucp.open`, ...), as is
+    its kvstore spec as a dict: `ucp.Location({"driver": "s3", "bucket": "b", "path": "run/step_1",
+    "endpoint": "http://127.0.0.1:9000"})`. See the README's "Object stores".
+    """
 
     kvstore: dict[str, Any]
 
     @classmethod
-    def parse(cls, path: str | os.PathLike[str]) -> Location:
-        """Accept a local path or any TensorStore kvstore URL.
+    def parse(cls, path: Any) -> Location:
+        """Accept a local path, any TensorStore kvstore URL, a kvstore spec (a dict or JSON text
+        starting with `{`) or a Location; s3 and gs specs are completed from the environment.
 
         >>> Location.parse("memory://ckpt/step_1").kvstore
         {'driver': 'memory', 'path': 'ckpt/step_1/'}
+        >>> Location.parse('{"driver": "memory", "path": "ckpt/step_2"}').url
+        'memory://ckpt/step_2'
         """
-        s = os.fspath(path)
-        if "://" not in s:
-            spec: dict[str, Any] = {"driver": "file", "path": os.path.abspath(s)}
+        spec = remote.spec_of(path)  # a dict, JSON text or Location
+        if spec is not None:
+            spec = ts.KvStore.Spec(spec).to_json()  # validated and normalised
         else:
-            spec = ts.KvStore.Spec(s).to_json()
+            s = os.fspath(path)
+            if "://" not in s:
+                spec = {"driver": "file", "path": os.path.abspath(s)}
+            else:
+                spec = ts.KvStore.Spec(s).to_json()
         spec["path"] = spec.get("path", "").rstrip("/") + "/"
-        return cls(spec)
+        return cls(remote.complete(spec))
+
+    @property
+    def remote(self) -> bool:
+        """Whether the store is reached over the network (s3, gcs, http)."""
+        return remote.is_remote(self.kvstore)
 
     @property
     def local_path(self) -> str | None:
@@ -65,7 +83,11 @@ class Location:
             return self.local_path
         d = self.kvstore
         host = d.get("bucket", "")
-        return f"{d['driver']}://{host}{'/' if host else ''}{d['path'].rstrip('/')}"
+        scheme = {"gcs": "gs", "gcs_grpc": "gs"}.get(d["driver"], d["driver"])
+        return f"{scheme}://{host}{'/' if host else ''}{d['path'].rstrip('/')}"
+
+    def __str__(self) -> str:
+        return self.url
 
     def child(self, rel: str) -> Location:
         """A location below this one."""
@@ -85,15 +107,46 @@ class Location:
         return self.kvstore["path"].rstrip("/").rsplit("/", 1)[-1]
 
     def kv(self) -> ts.KvStore:
-        return ts.KvStore.open(self.kvstore, context=CONTEXT).result()
+        """The open kvstore; a remote one answers a first request within `UCP_STORE_TIMEOUT_S`.
+
+        Raises:
+            StoreUnreachableError: a remote store that does not answer.
+        """
+        opening = ts.KvStore.open(self.kvstore, context=CONTEXT)
+        if not self.remote:
+            return opening.result()
+        kv = remote.wait(opening, self.kvstore, "the opening of its kvstore")
+        remote.probe(kv, self.kvstore)
+        return kv
+
+    def _wait(self, future: Any, what: str) -> Any:
+        """A small request's result; within `UCP_STORE_TIMEOUT_S` on remote stores."""
+        return remote.wait(future, self.kvstore, what) if self.remote else future.result()
 
     def read(self, key: str) -> bytes | None:
         """The value under `key`, or None when missing."""
-        r = self.kv().read(key).result()
+        r = self._wait(self.kv().read(key), f"a read of {key!r}")
         return bytes(r.value) if r.state == "value" else None
 
     def write(self, key: str, data: bytes) -> None:
-        self.kv().write(key, data).result()
+        self._wait(self.kv().write(key, data), f"a write of {key!r}")
+
+    def delete(self, key: str) -> None:
+        """Remove one key (no error when missing)."""
+        self._wait(
+            self.kv().delete_range(ts.KvStore.KeyRange(key, key + "\0")), f"a delete of {key!r}"
+        )
+
+    def list_keys(self) -> list[str]:
+        """Every key under this location (relative to it); no deadline: a listing may be long."""
+        listing = self.kv().list()
+        try:
+            return [k.decode() for k in listing.result()]
+        except ValueError as e:
+            err = remote.translate(e, self.kvstore, "a listing")
+            if err is e:
+                raise
+            raise err from e
 
     def exists(self, key: str) -> bool:
         return self.read(key) is not None
@@ -102,7 +155,7 @@ class Location:
         """Whether anything at all is stored under this location."""
         if self.local_path is not None:
             return os.path.exists(self.local_path)
-        return bool(self.kv().list().result())
+        return bool(self.list_keys())
 
     def remove_all(self) -> None:
         """Delete everything under this location."""
@@ -310,26 +363,34 @@ def listdir(path: str) -> list[str]:
         return []
 
 
-def list_checkpoints(root: str | os.PathLike[str]) -> list[str]:
+def list_checkpoints(root: Any) -> list[Any]:
     """Committed checkpoints directly under `root`, sorted by name; partial saves are skipped.
+
+    Paths (str) for a path or URL `root`; `Location`s for a kvstore spec or a Location (they
+    keep its endpoint and options).
 
     >>> list_checkpoints("/nonexistent")
     []
     """
     loc = Location.parse(root)
+    if isinstance(root, Location) or remote.spec_of(root) is not None:
+        return [loc.child(n) for n in _committed_names(loc)]
+    if loc.local_path is not None:
+        return [os.path.join(loc.local_path, n) for n in _committed_names(loc)]
+    return [f"{loc.url.rstrip('/')}/{n}" for n in _committed_names(loc)]
+
+
+def _committed_names(loc: Location) -> list[str]:
+    """Names of the committed checkpoints directly under `loc`, sorted."""
     if loc.local_path is not None:
         names = [
             n
             for n in sorted(listdir(loc.local_path))
             if not n.startswith(".") and os.path.exists(os.path.join(loc.local_path, n, COMMIT))
         ]
-        return [os.path.join(loc.local_path, n) for n in names]
-    keys = [k.decode() for k in loc.kv().list().result()]
-    names = sorted(
-        {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)}
-    )
-    base = Location.parse(root).url.rstrip("/")
-    return [f"{base}/{n}" for n in names]
+        return names
+    keys = loc.list_keys()
+    return sorted({k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)})
 
 
 def start_writeback(path: str) -> None:

@@ -326,8 +326,8 @@ def convert_main(args: Any) -> int:
 
         limit_malloc_arenas(2)
     t0 = time.perf_counter()
-    out = import_orbax(args.src, args.dst, item=args.item, step=args.step, overwrite=args.overwrite)
-    ck = Checkpoint(out)
+    import_orbax(args.src, args.dst, item=args.item, step=args.step, overwrite=args.overwrite)
+    ck = Checkpoint(args.dst)  # DST, not the returned path: a kvstore spec keeps its endpoint
     total = sum(a.nbytes for a in ck.atoms.values())
     print(
         f"wrote {ck.path}: {len(ck.atoms)} atoms, {total / 2**20:.2f} MiB, step {ck.step}, "

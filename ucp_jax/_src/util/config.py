@@ -56,6 +56,25 @@ def barrier_timeout_s() -> float:
     return float(_number("UCP_BARRIER_TIMEOUT_S", 1800.0, float, "seconds"))
 
 
+def store_timeout_s() -> float:
+    """How long a first request to an object store (s3, gcs, http) may go unanswered before
+    `StoreUnreachableError` (`UCP_STORE_TIMEOUT_S`, default 60 s).
+
+    >>> store_timeout_s() > 0
+    True
+    """
+    return float(_number("UCP_STORE_TIMEOUT_S", 60.0, float, "seconds"))
+
+
+def store_retries() -> int:
+    """Attempts per object-store request on transient errors (`UCP_STORE_RETRIES`, default 8).
+
+    >>> store_retries() >= 1
+    True
+    """
+    return max(int(_number("UCP_STORE_RETRIES", 8, int, "attempts")), 1)
+
+
 def snapshot_device_copies() -> bool:
     """Whether snapshots of CPU devices go through device-side copies, the path accelerators take
     (`UCP_SNAPSHOT_DEVICE_COPIES=1`; default off: they copy straight from the CPU buffers).
