@@ -111,7 +111,7 @@ def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
 
 
 def _add_torch_commands(sub: Any) -> None:
-    """`ucp convert deepspeed|safetensors|hf|dcp|orbax SRC DST`; `ucp export deepspeed-universal|hf SRC DST`."""
+    """`ucp convert deepspeed|safetensors|hf|dcp|megatron|orbax SRC DST`; `ucp export deepspeed-universal|hf SRC DST`."""
     conv = sub.add_parser("convert", help="import a PyTorch checkpoint as a universal checkpoint")
     kinds = conv.add_subparsers(dest="kind", required=True)
     p = kinds.add_parser(
@@ -127,6 +127,15 @@ def _add_torch_commands(sub: Any) -> None:
     p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as stored)")
     p = kinds.add_parser("dcp", help="a torch.distributed.checkpoint folder (e.g. FSDP2)")
     p.add_argument("--model-prefix", default="model.", help="prefix stripped from model entries")
+    p = kinds.add_parser(
+        "megatron", help="a Megatron-Core torch_dist checkpoint of a Llama-like GPT"
+    )
+    p.add_argument("--heads", type=int, default=None, help="attention heads (if not recorded)")
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="true vocabulary (drops TP padding)"
+    )
+    p.add_argument("--norm-eps", type=float, default=1e-5, help="RMSNorm epsilon")
+    p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base")
     p = kinds.add_parser(
         "orbax", help="an Orbax checkpoint: item folder, CheckpointManager step folder or root"
     )
@@ -159,7 +168,7 @@ def _run_torch_command(args: Any) -> int:
     import time
 
     modules = {"deepspeed": ("deepspeed", "deepspeed_universal"), "safetensors": ("safetensors",),
-               "dcp": ("dcp",), "hf": ("hf",)}.get(args.kind, ("export",))  # fmt: skip
+               "dcp": ("dcp",), "hf": ("hf",), "megatron": ("megatron",)}.get(args.kind, ("export",))  # fmt: skip
     if args.cmd == "export" and args.kind == "hf":
         modules = ("hf_export",)
     try:  # DeepSpeed and safetensors imports need no torch; DCP and the export do
@@ -201,6 +210,11 @@ def _run_torch_command(args: Any) -> int:
         out = mod.import_safetensors(
             args.src, args.dst, preset=args.preset, dtype=args.dtype, overwrite=args.overwrite
         )
+    elif args.kind == "megatron":
+        out = mod.import_megatron(
+            args.src, args.dst, heads=args.heads, vocab_size=args.vocab_size,
+            norm_eps=args.norm_eps, rope_theta=args.rope_theta, overwrite=args.overwrite,
+        )  # fmt: skip
     else:
         out = mod.import_dcp(
             args.src, args.dst, model_prefix=args.model_prefix, overwrite=args.overwrite,

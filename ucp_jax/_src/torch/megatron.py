@@ -303,16 +303,14 @@ def import_megatron(
             w.flush()
         if step is None:
             step = _step_of(common)
-        source = {
-            "framework": "megatron-core",
-            "megatron": {"path": os.path.abspath(folder), "heads": heads,
-                         "padded_vocab": shapes["embedding.word_embeddings.weight"][0],
-                         "common": jsonable(common) if common is not None else None},
-        }  # fmt: skip
+        info: dict[str, Any] = {"path": os.path.abspath(folder), "heads": heads,
+                                "padded_vocab": shapes["embedding.word_embeddings.weight"][0],
+                                "common": jsonable(common) if common is not None else None}  # fmt: skip
         try:
-            json.dumps(source)
+            json.dumps(info)
         except (TypeError, ValueError):
-            source["megatron"]["common"] = repr(common)[:2000]
+            info["common"] = repr(common)[:2000]
+        source = {"framework": "megatron-core", "megatron": info}
         return w.commit(step=step, source=source, extra={"hf_config": cfg.to_hf()})
 
 

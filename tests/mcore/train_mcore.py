@@ -4,7 +4,8 @@
 
 Each JOB is `name:tp:pp:dtype:optim` with optim one of `plain` (Megatron's float16/fp32
 optimizer, no distributed optimizer), `full` (distributed optimizer, `fully_reshardable`) or `dp`
-(distributed optimizer, `dp_reshardable`). For each job: train STEPS steps, save with
+(distributed optimizer, `dp_reshardable`; the same state is also saved `fully_reshardable` to
+OUT/<name>_asfull). For each job: train STEPS steps, save with
 `dist_checkpointing.save` to OUT/<name>, and write OUT/<name>.json with the losses, the next
 RESUME steps' losses (after the save, for resume comparisons), and reference logits of a fixed
 batch (gathered over TP; on the last pipeline stage). With `--load DIR --name NAME`, a job instead
@@ -261,6 +262,9 @@ def main() -> None:
                 path = os.path.join(a.root, name)
                 os.makedirs(path, exist_ok=True)
                 dist_checkpointing.save(sharded_sd(model, opt, optim), path)
+                if optim == "dp":  # the same state in the fully_reshardable layout: the referee
+                    os.makedirs(path + "_asfull", exist_ok=True)
+                    dist_checkpointing.save(sharded_sd(model, opt, "full"), path + "_asfull")
                 out["logits"] = reference_logits(model)
                 out["resumed"] = train(model, opt, list(range(STEPS, STEPS + RESUME)))
                 out_name = name

@@ -1,0 +1,153 @@
+"""Megatron-Core torch_dist checkpoints -> universal atoms, checked against torch's own
+`dcp_to_torch_save` of the same folders, then restored onto the JAX Llama model on two meshes
+(logits equal Megatron's forward)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mcore.fixtures import CASES, HEADS, VOCAB, mcore_ckpts  # noqa: E402, F401
+
+import ucp_jax as ucp  # noqa: E402
+from ucp_jax._src.cli import main as ucp_main  # noqa: E402
+from ucp_jax._src.torch.dcp import import_dcp  # noqa: E402
+from ucp_jax._src.torch.megatron import MegatronFormatError, import_megatron  # noqa: E402
+from ucp_jax._src.torch.writer import to_numpy  # noqa: E402
+from ucp_jax.demo import Layout  # noqa: E402
+from ucp_jax.models import llama as L  # noqa: E402
+
+QPG, HD, GROUPS = 2, 8, 2  # the script's GQA: 4 heads of 8 in 2 query groups
+L_ = "decoder.layers."
+
+
+def reference(sd: dict, name: str, layer: int | None) -> np.ndarray:
+    """What atom `name` must hold, from the merged global tensor, by Megatron's documented
+    layouts (written independently of the importer: per-group row ranges, half splits)."""
+    w = sd[name].float().numpy()
+    if layer is not None:
+        w = w[layer]
+    if name.endswith("linear_qkv.weight"):
+        per = (QPG + 2) * HD
+        q = [
+            w[g * per + h * HD : g * per + (h + 1) * HD] for g in range(GROUPS) for h in range(QPG)
+        ]
+        k = [w[g * per + QPG * HD : g * per + (QPG + 1) * HD] for g in range(GROUPS)]
+        v = [w[g * per + (QPG + 1) * HD : (g + 1) * per] for g in range(GROUPS)]
+        return np.concatenate(q + k + v, 0).T
+    if name in ("embedding.word_embeddings.weight",):
+        return w[:VOCAB]
+    if name == "output_layer.weight":
+        return w[:VOCAB].T
+    return w.T if w.ndim == 2 else w
+
+
+ATOMS = {
+    "embedding.word_embeddings.weight": "embed.embedding",
+    "output_layer.weight": "unembed.kernel",
+    "decoder.final_layernorm.weight": "ln_f.scale",
+    L_ + "self_attention.linear_qkv.layer_norm_weight": "ln1.scale",
+    L_ + "self_attention.linear_qkv.weight": "attn.qkv.kernel",
+    L_ + "self_attention.linear_proj.weight": "attn.out.kernel",
+    L_ + "mlp.linear_fc1.layer_norm_weight": "ln2.scale",
+    L_ + "mlp.linear_fc1.weight": "mlp.gate_up.kernel",
+    L_ + "mlp.linear_fc2.weight": "mlp.down.kernel",
+}
+
+
+def _slots(sd: dict, name: str) -> dict[str, str]:
+    """slot -> the key of the merged state dict holding it (fp32 master where there is one)."""
+    master = next(
+        (p + name for p in ("optimizer.state.fp32_param.", "optimizer.state.param.")
+         if p + name in sd), name)  # fmt: skip
+    return {"fp32": master, "exp_avg": "optimizer.state.exp_avg." + name,
+            "exp_avg_sq": "optimizer.state.exp_avg_sq." + name}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_import_matches_dcp_to_torch_save(mcore_ckpts, tmp_path, case):  # noqa: F811
+    """Every weight and Adam moment after import equals torch's merge of the same checkpoint
+    (for dp_reshardable: Megatron's own fully_reshardable save of the same state)."""
+    ref = case + "_asfull" if case.endswith("_dp") else case
+    sd = torch.load(mcore_ckpts.torch_save(ref), weights_only=False)
+    ck = ucp.Checkpoint(import_megatron(mcore_ckpts.path(case), tmp_path / "u", heads=HEADS,
+                                        vocab_size=VOCAB))  # fmt: skip
+    assert ck.step == 2
+    seen = 0
+    for name, atom in ATOMS.items():
+        for slot, key in _slots(sd, name).items():
+            assert key in sd, key
+            for layer in range(4) if name.startswith(L_) else [None]:
+                a = atom if layer is None else f"blocks.{layer}.{atom}"
+                got, want = ck.read(a, slot), reference(sd | {name: sd[key]}, name, layer)
+                assert got.dtype == np.float32 and got.shape == want.shape, (a, slot)
+                np.testing.assert_array_equal(got, want, err_msg=f"{case} {a} {slot}")
+                seen += 1
+    assert seen == 3 * (3 + 6 * 4)
+    assert sorted(ck.atoms) == sorted(
+        [a for n, a in ATOMS.items() if not n.startswith(L_)]
+        + [f"blocks.{i}.{a}" for n, a in ATOMS.items() if n.startswith(L_) for i in range(4)]
+    )
+
+
+def test_dcp_importer_reads_megatron_metadata(mcore_ckpts, tmp_path):  # noqa: F811
+    """`ucp convert dcp` accepts the planner classes Megatron's .metadata pickles; every tensor
+    equals torch's dcp_to_torch_save."""
+    sd = torch.load(mcore_ckpts.torch_save("tp2pp2_bf16"), weights_only=False)
+    ck = ucp.Checkpoint(import_dcp(mcore_ckpts.path("tp2pp2_bf16"), tmp_path / "d"))
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    assert len(tensors) > 20
+    for k, v in tensors.items():
+        got = ck.read(k)
+        np.testing.assert_array_equal(got, to_numpy(v), err_msg=k)
+        assert got.dtype == to_numpy(v).dtype
+
+
+def _logits(ckpt: str, layout: Layout, tokens: np.ndarray) -> np.ndarray:
+    cfg = L.config_from_checkpoint(ckpt)
+    mesh = L.make_mesh(layout)
+    params, _ = ucp.restore(
+        ckpt, L.abstract_params(cfg, layout, mesh), rules=L.ucp_rules(cfg, layout), cast=True
+    )
+    return np.asarray(L.make_logits_fn(cfg, layout, mesh)(params, tokens))
+
+
+def test_restore_computes_megatrons_forward(mcore_ckpts, tmp_path):  # noqa: F811
+    """The Llama model restored from the TP2 fp32 Megatron checkpoint on two meshes gives the
+    logits Megatron's own forward gave on the same batch (<= 1e-5 relative)."""
+    ckpt = import_megatron(mcore_ckpts.path("tp2"), tmp_path / "u", heads=HEADS, vocab_size=VOCAB)
+    ref = np.asarray(mcore_ckpts.results["tp2"]["logits"], np.float32)[..., :VOCAB]
+    g = torch.Generator().manual_seed(7)  # the script's ref_tokens()
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=g).numpy()
+    for layout in (Layout(tensor=2), Layout(stages=2, data=2, tensor=2)):
+        out = _logits(ckpt, layout, tokens)
+        err = float((np.abs(out - ref).max(-1) / np.abs(ref).max(-1)).max())
+        assert err <= 1e-5, (layout, err)
+
+
+def test_cli_convert_megatron(mcore_ckpts, tmp_path, capsys):  # noqa: F811
+    dst = tmp_path / "cli"
+    src = mcore_ckpts.path("tp2dp2_full")
+    rc = ucp_main(["convert", "megatron", src, str(dst), "--heads", "4", "--vocab-size", "60"])
+    assert rc in (0, None)
+    ck = ucp.Checkpoint(str(dst))
+    assert ck.atom("blocks.3.attn.qkv.kernel").shape == (32, 64)
+    assert ck.atom("embed.embedding").shape == (60, 32)
+    assert L.config_from_checkpoint(str(dst)).n_kv_heads == 2
+
+
+def test_refusals(mcore_ckpts, tmp_path):  # noqa: F811
+    src = mcore_ckpts.path("tp2")
+    with pytest.raises(MegatronFormatError, match="heads"):
+        import_megatron(src, tmp_path / "a")  # no args in the common state: heads unknown
+    with pytest.raises(MegatronFormatError, match="heads=3"):
+        import_megatron(src, tmp_path / "b", heads=3)
+    with pytest.raises(MegatronFormatError, match="vocab_size=65"):
+        import_megatron(src, tmp_path / "c", heads=4, vocab_size=65)
+    with pytest.raises(ucp.NotACheckpointError):
+        import_megatron(str(tmp_path), tmp_path / "d", heads=4)
+    assert not os.path.exists(tmp_path / "b")
