@@ -11,12 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mcore.fixtures import CASES, HEADS, VOCAB, mcore_ckpts  # noqa: E402, F401
+from mcore.fixtures import CASES, EXPORTS, HEADS, RESUMES, VOCAB, mcore_ckpts  # noqa: E402, F401
 
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main as ucp_main  # noqa: E402
 from ucp_jax._src.torch.dcp import import_dcp  # noqa: E402
 from ucp_jax._src.torch.megatron import MegatronFormatError, import_megatron  # noqa: E402
+from ucp_jax._src.torch.megatron_export import MegatronExportError, export_megatron  # noqa: E402
 from ucp_jax._src.torch.writer import to_numpy  # noqa: E402
 from ucp_jax.demo import Layout  # noqa: E402
 from ucp_jax.models import llama as L  # noqa: E402
@@ -151,3 +152,47 @@ def test_refusals(mcore_ckpts, tmp_path):  # noqa: F811
     with pytest.raises(ucp.NotACheckpointError):
         import_megatron(str(tmp_path), tmp_path / "d", heads=4)
     assert not os.path.exists(tmp_path / "b")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in RESUMES if n.startswith("ours_")))
+def test_megatron_resumes_from_export(mcore_ckpts, name):  # noqa: F811
+    """Megatron-Core loads our export at another TP/PP than wrote the source (TP1; TP2xPP2) and
+    its next losses equal those of Megatron resumed from its own checkpoint at that layout."""
+    ours = mcore_ckpts.results[name]["resumed"]
+    own = mcore_ckpts.results[name.replace("ours_", "own_")]["resumed"]
+    assert len(ours) == 2 and ours == own, (ours, own)
+    src = mcore_ckpts.results[EXPORTS[RESUMES[name][3]][0]]
+    np.testing.assert_allclose(ours, src["resumed"], rtol=2e-2)  # the job that never stopped
+
+
+@pytest.mark.parametrize("x", sorted(EXPORTS))
+def test_export_equals_source_tensors(mcore_ckpts, tmp_path, x):  # noqa: F811
+    """import -> export gives back every tensor of the source checkpoint (torch's merge of both)."""
+    src = torch.load(mcore_ckpts.torch_save(EXPORTS[x][0]), weights_only=False)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = str(tmp_path / "x.pt")
+    dcp_to_torch_save(mcore_ckpts.path(x), out)
+    got = torch.load(out, weights_only=False)
+    want = {k: v for k, v in src.items() if isinstance(v, torch.Tensor)}
+    assert sorted(k for k, v in got.items() if isinstance(v, torch.Tensor)) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype, k
+        assert torch.equal(got[k], v), k
+    assert got["common_state/shard_0_1"][0]["iteration"] == 2
+
+
+def test_export_cli_and_refusals(mcore_ckpts, tmp_path):  # noqa: F811
+    u = import_megatron(mcore_ckpts.path("tp2"), tmp_path / "u", heads=HEADS, vocab_size=VOCAB)
+    assert ucp_main(["export", "megatron", u, str(tmp_path / "m"), "--padded-vocab", "64"]) in (
+        0, None)  # fmt: skip
+    back = ucp.Checkpoint(import_megatron(str(tmp_path / "m"), tmp_path / "b", heads=HEADS,
+                                          vocab_size=VOCAB))  # fmt: skip
+    ref = ucp.Checkpoint(u)
+    for atom in ref.atoms:
+        for slot in ("fp32", "exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(back.read(atom, slot), ref.read(atom, slot))
+    with pytest.raises(MegatronExportError, match="dtype"):
+        export_megatron(u, tmp_path / "x", dtype="fp16")
+    with pytest.raises(FileExistsError):
+        export_megatron(u, tmp_path / "m")

@@ -7,7 +7,12 @@ Cases (name: TP, PP, dtype, optimizer layout), all SwiGLU + GQA + RMSNorm + RoPE
   distributed fully_reshardable), tp2dp2_bf16_dp (2, 1 x DP2, bf16, distributed dp_reshardable;
   the same state also saved fully_reshardable as tp2dp2_bf16_dp_asfull).
 Each trains 2 steps, saves, records reference logits (PP=1) and trains 2 more steps (the losses a
-resumed job must reproduce). The cache key hashes these scripts and the versions.
+resumed job must reproduce).
+
+Export: tp2 and tp2pp2_bf16 are imported (padding rows kept) and written back by export_megatron
+(x_tp2, x_tp2pp2_bf16); Megatron then resumes 2 steps from each export and from its own checkpoint
+at other layouts (RESUMES: name -> (tp, pp, dtype, checkpoint)). The cache key hashes these
+scripts, the importer / exporter modules and the versions.
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ JOBS2 = ["tp2:2:1:fp32:plain"]
 JOBS4 = ["tp2pp2_bf16:2:2:bf16:plain", "tp2dp2_full:2:1:fp32:full", "tp2dp2_bf16_dp:2:1:bf16:dp"]
 CASES = [j.split(":")[0] for j in JOBS2 + JOBS4]
 HEADS, VOCAB = 4, 60  # the script's HEADS and TRUE_VOCAB
+EXPORTS = {"x_tp2": ("tp2", "fp32"), "x_tp2pp2_bf16": ("tp2pp2_bf16", "bf16")}
+RESUMES = {  # name: (tp, pp, dtype, checkpoint folder); own_* load Megatron's own checkpoint
+    "own_tp2_at_tp1": (1, 1, "fp32", "tp2"), "ours_tp2_at_tp1": (1, 1, "fp32", "x_tp2"),
+    "own_bf16_at_tp1": (1, 1, "bf16", "tp2pp2_bf16"),
+    "ours_bf16_at_tp1": (1, 1, "bf16", "x_tp2pp2_bf16"),
+    "own_tp2_at_tp2pp2": (2, 2, "fp32", "tp2"), "ours_tp2_at_tp2pp2": (2, 2, "fp32", "x_tp2"),
+}  # fmt: skip
+_SOURCES = ("megatron.py", "megatron_buckets.py", "megatron_export.py")
 
 
 @dataclasses.dataclass
@@ -75,8 +88,10 @@ def cache_key(extra: tuple[str, ...] = ()) -> str:
     from importlib.metadata import version
 
     h = hashlib.sha256()
-    for f in ("train_mcore.py", "fixtures.py", *extra):
-        with open(os.path.join(HERE, f), "rb") as fh:
+    lib = os.path.join(HERE, "..", "..", "ucp_jax", "_src", "torch")
+    paths = [os.path.join(HERE, f) for f in ("train_mcore.py", "fixtures.py", *extra)]
+    for f in paths + [os.path.join(lib, f) for f in _SOURCES]:
+        with open(f, "rb") as fh:
             h.update(fh.read())
     h.update(f"{version('torch')} {version('megatron-core')}".encode())
     return h.hexdigest()[:16]
@@ -89,12 +104,22 @@ def build(root: str) -> dict:
     t0 = time.time()
     torchrun(2, ["--root", root, *JOBS2], root)
     torchrun(4, ["--root", root, *JOBS4], root)
-    results = {}
     for name in [*CASES, "tp2dp2_bf16_dp_asfull"]:
         dcp_to_torch_save(os.path.join(root, name), os.path.join(root, name + ".pt"))
-        if os.path.isfile(os.path.join(root, name + ".json")):
-            with open(os.path.join(root, name + ".json")) as f:
-                results[name] = json.load(f)
+    from ucp_jax._src.torch.megatron import import_megatron
+    from ucp_jax._src.torch.megatron_export import export_megatron
+
+    for x, (src, dtype) in EXPORTS.items():
+        u = import_megatron(os.path.join(root, src), os.path.join(root, "u_" + x), heads=HEADS)
+        export_megatron(u, os.path.join(root, x), dtype=dtype)
+    for nproc in (1, 4):
+        jobs = [f"{n}:{tp}:{pp}:{dt}:plain:{os.path.join(root, c)}"
+                for n, (tp, pp, dt, c) in RESUMES.items() if tp * pp == nproc]  # fmt: skip
+        torchrun(nproc, ["--root", root, *jobs], root)
+    results = {}
+    for name in [*CASES, *RESUMES]:
+        with open(os.path.join(root, name + ".json")) as f:
+            results[name] = json.load(f)
     results["_build_seconds"] = time.time() - t0
     return results
 

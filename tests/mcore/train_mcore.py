@@ -8,9 +8,9 @@ optimizer, no distributed optimizer), `full` (distributed optimizer, `fully_resh
 OUT/<name>_asfull). For each job: train STEPS steps, save with
 `dist_checkpointing.save` to OUT/<name>, and write OUT/<name>.json with the losses, the next
 RESUME steps' losses (after the save, for resume comparisons), and reference logits of a fixed
-batch (gathered over TP; on the last pipeline stage). With `--load DIR --name NAME`, a job instead
-loads DIR at its own TP/PP (the model, and the optimizer), trains RESUME steps and writes the losses
-to OUT/NAME.json.
+batch (gathered over TP; on the last pipeline stage). A job `name:tp:pp:dtype:optim:DIR` instead
+loads DIR at its own TP/PP (the model and the optimizer), trains RESUME steps and writes the losses
+to OUT/<name>.json.
 
 The CPU shims below stand in for CUDA only in this script; Megatron itself is unchanged.
 """
@@ -239,8 +239,6 @@ def sharded_sd(model, opt, optim: str, loading: bool = False):  # type: ignore[n
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
-    ap.add_argument("--load", default=None)
-    ap.add_argument("--name", default=None)
     ap.add_argument("jobs", nargs="+")
     a = ap.parse_args()
     torch.distributed.init_process_group("gloo")
@@ -254,10 +252,10 @@ def main() -> None:
 
     with _CudaToCpu():
         for job in a.jobs:
-            name, tp, pp, dtype, optim = job.split(":")
+            name, tp, pp, dtype, optim, *load = job.split(":")
             model, opt = build(int(tp), int(pp), dtype, optim)
             out: dict = {}
-            if a.load is None:
+            if not load:
                 out["losses"] = train(model, opt, list(range(STEPS)))
                 path = os.path.join(a.root, name)
                 os.makedirs(path, exist_ok=True)
@@ -267,21 +265,19 @@ def main() -> None:
                     dist_checkpointing.save(sharded_sd(model, opt, "full"), path + "_asfull")
                 out["logits"] = reference_logits(model)
                 out["resumed"] = train(model, opt, list(range(STEPS, STEPS + RESUME)))
-                out_name = name
             else:
                 sd = sharded_sd(model, opt, optim, loading=True)
-                state = dist_checkpointing.load(sd, a.load)
+                state = dist_checkpointing.load(sd, load[0])
                 model.module.load_state_dict(state["model"])
                 with torch.no_grad():
                     opt.load_state_dict(state["optimizer"])
                 out["resumed"] = train(model, opt, list(range(STEPS, STEPS + RESUME)))
                 out["logits"] = None
-                out_name = a.name or name
             gathered: list = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, out.get("logits"))
             out["logits"] = next((x for x in gathered if x is not None), None)
             if rank == 0:
-                with open(os.path.join(a.root, out_name + ".json"), "w") as f:
+                with open(os.path.join(a.root, name + ".json"), "w") as f:
                     json.dump(out, f)
             torch.distributed.barrier()
     with contextlib.suppress(Exception):
