@@ -105,6 +105,11 @@ HIDDEN, HEADS, GROUPS, FFN, LAYERS = 32, 4, 2, 48, 4
 SEQ, MICRO, MICROBATCHES = 16, 2, 2
 STEPS, RESUME = 2, 2
 EPS, ROPE_BASE = 1e-5, 10000
+if os.environ.get(
+    "MCORE_DIMS"
+):  # the benchmark's larger model: "vocab,hidden,heads,groups,ffn,layers"
+    VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS = map(int, os.environ["MCORE_DIMS"].split(","))
+    TRUE_VOCAB = VOCAB
 
 
 def batch(step: int, dp_rank: int, micro: int) -> torch.Tensor:
