@@ -44,6 +44,10 @@ RESUMES = {  # name: (tp, pp, dtype, checkpoint folder); own_* load Megatron's o
     "ours_bf16_at_tp1": (1, 1, "bf16", "x_tp2pp2_bf16"),
     "own_tp2_at_tp2pp2": (2, 2, "fp32", "tp2"), "ours_tp2_at_tp2pp2": (2, 2, "fp32", "x_tp2"),
 }  # fmt: skip
+# megatron-core 0.16.1 (the Makefile installs it beside the venv's packages) writes the legacy
+# layout: common.pt and two files per rank; the case v016_tp2 is built with it.
+LEGACY = os.path.join(sys.prefix, "mcore-0.16.1")
+LEGACY_CASE = "v016_tp2"
 _SOURCES = ("megatron.py", "megatron_buckets.py", "megatron_export.py")
 
 
@@ -66,9 +70,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, args: list[str], cwd: str, timeout: int = 600) -> None:
+def torchrun(
+    nproc: int, args: list[str], cwd: str, timeout: int = 600, path: str | None = None
+) -> None:
     """Run train_mcore.py under torchrun; raise with its output on failure (retried once)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if path:  # another megatron-core, ahead of the venv's
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
     env.pop("XLA_FLAGS", None)
     first = ""
     for _ in range(2):  # gloo on a loaded CPU host occasionally aborts a rank: retry once
@@ -93,7 +101,7 @@ def cache_key(extra: tuple[str, ...] = ()) -> str:
     for f in paths + [os.path.join(lib, f) for f in _SOURCES]:
         with open(f, "rb") as fh:
             h.update(fh.read())
-    h.update(f"{version('torch')} {version('megatron-core')}".encode())
+    h.update(f"{version('torch')} {version('megatron-core')} {os.path.isdir(LEGACY)}".encode())
     return h.hexdigest()[:16]
 
 
@@ -104,7 +112,10 @@ def build(root: str) -> dict:
     t0 = time.time()
     torchrun(2, ["--root", root, *JOBS2], root)
     torchrun(4, ["--root", root, *JOBS4], root)
-    for name in [*CASES, "tp2dp2_bf16_dp_asfull"]:
+    legacy = os.path.isdir(os.path.join(LEGACY, "megatron"))
+    if legacy:
+        torchrun(2, ["--root", root, f"{LEGACY_CASE}:2:1:fp32:plain"], root, path=LEGACY)
+    for name in [*CASES, "tp2dp2_bf16_dp_asfull", *([LEGACY_CASE] if legacy else [])]:
         dcp_to_torch_save(os.path.join(root, name), os.path.join(root, name + ".pt"))
     from ucp_jax._src.torch.megatron import import_megatron
     from ucp_jax._src.torch.megatron_export import export_megatron
@@ -117,7 +128,7 @@ def build(root: str) -> dict:
                 for n, (tp, pp, dt, c) in RESUMES.items() if tp * pp == nproc]  # fmt: skip
         torchrun(nproc, ["--root", root, *jobs], root)
     results = {}
-    for name in [*CASES, *RESUMES]:
+    for name in [*CASES, *RESUMES, *([LEGACY_CASE] if legacy else [])]:
         with open(os.path.join(root, name + ".json")) as f:
             results[name] = json.load(f)
     results["_build_seconds"] = time.time() - t0
