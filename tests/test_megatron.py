@@ -221,3 +221,31 @@ def test_export_cli_and_refusals(mcore_ckpts, tmp_path):  # noqa: F811
         export_megatron(u, tmp_path / "x", dtype="fp16")
     with pytest.raises(FileExistsError):
         export_megatron(u, tmp_path / "m")
+
+
+def test_refuses_unsafe_pickles_and_other_models(mcore_ckpts, tmp_path):  # noqa: F811
+    """A pickle naming a global outside the allow-list is refused before anything runs; a
+    tensor the Llama mapping does not know (here a bias) is refused by name."""
+    import fractions
+    import shutil
+
+    from ucp_jax.torch import UnsafePickleError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(mcore_ckpts.path("tp2"), bad)
+    torch.save(
+        {"iteration": fractions.Fraction(1, 3)}, bad / "common.pt"
+    )  # the legacy common state
+    with pytest.raises(UnsafePickleError, match=r"fractions\.Fraction"):
+        import_megatron(str(bad), tmp_path / "u", heads=HEADS)
+    assert not os.path.exists(tmp_path / "u")
+
+    import torch.distributed.checkpoint as dcp
+
+    sd = torch.load(mcore_ckpts.torch_save("tp2"), weights_only=False)
+    sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    sd["decoder.layers.self_attention.linear_qkv.bias"] = torch.zeros(4, 64)
+    dcp.save(sd, checkpoint_id=str(tmp_path / "bias"), no_dist=True)
+    (tmp_path / "bias" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    with pytest.raises(MegatronFormatError, match=r"linear_qkv\.bias"):
+        import_megatron(str(tmp_path / "bias"), tmp_path / "v", heads=HEADS)
