@@ -29,6 +29,7 @@ there is one, is the atom's value (slot ``fp32``); the moments are slots ``exp_a
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -187,6 +188,20 @@ def layer_maps(cfg: LlamaConfig) -> dict[str, Callable[[torch.Tensor], torch.Ten
     }
 
 
+def write_rows(w: AtomWriter, name: str, slot: str, m: torch.Tensor) -> None:
+    """Write `m` (often a transposed view) into a slot in whole-shard row blocks: one block is
+    copied contiguous at a time, so memory holds the source and one shard, not a second copy."""
+    w.array(name, slot, to_numpy(torch.empty((), dtype=m.dtype)).dtype)
+    shape = tuple(m.shape)
+    fb = w.flat_block(name, slot)
+    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
+    step = max(1, fb // inner) if fb and len(shape) > 1 else max(1, shape[0] if shape else 1)
+    for r0 in range(0, shape[0] if shape else 1, step):
+        block = (m[r0 : r0 + step] if shape else m).contiguous()
+        box = ((r0, r0 + block.shape[0]), *((0, d) for d in shape[1:])) if shape else ()
+        w.write(name, slot, box, to_numpy(block), keep=block)
+
+
 def fused_of(cfg: LlamaConfig, how: str) -> list[FusedMark]:
     if how == "qkv":
         return [FusedMark(cfg.qkv_sizes, 1)]
@@ -296,9 +311,9 @@ def import_megatron(
                 parts = [(f"blocks.{i}.{atom}", t[i]) for i in range(t.shape[0])] if stacked else [
                     (atom, t)]  # fmt: skip
                 for name, part in parts:
-                    a = to_numpy(maps[how](part).contiguous())
-                    w.atom(name, a.shape, fused=fused_of(cfg, how))
-                    w.write(name, slot, tuple((0, d) for d in a.shape), a)
+                    m = maps[how](part)  # a view, but for qkv's regrouping
+                    w.atom(name, m.shape, fused=fused_of(cfg, how))
+                    write_rows(w, name, slot, m)
                 del t, parts
             w.flush()
         if step is None:
