@@ -249,3 +249,20 @@ def test_refuses_unsafe_pickles_and_other_models(mcore_ckpts, tmp_path):  # noqa
     (tmp_path / "bias" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     with pytest.raises(MegatronFormatError, match=r"linear_qkv\.bias"):
         import_megatron(str(tmp_path / "bias"), tmp_path / "v", heads=HEADS)
+
+
+def test_dp_reshardable_refuses_several_buckets(mcore_ckpts):  # noqa: F811
+    """Several buckets per buffer are refused by name (their saved windows lose elements)."""
+    from ucp_jax._src.torch.dcp import read_metadata
+    from ucp_jax._src.torch.megatron import TENSORS, read_objects
+    from ucp_jax._src.torch.megatron_buckets import bucket_tensors
+
+    folder = mcore_ckpts.path("tp2dp2_bf16_dp")
+    md = read_metadata(folder)
+    objects = read_objects(folder, md)
+    key = "optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded"
+    ((dtypes, sizes),) = objects[key][0].items()
+    objects[key] = [{dtypes: [sizes[0] - 64, 64]}]
+    shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    with pytest.raises(MegatronFormatError, match="2 buckets"):
+        bucket_tensors(folder, md, objects, shapes, TENSORS)

@@ -5,7 +5,8 @@ of each (the referee of the import).
 Cases (name: TP, PP, dtype, optimizer layout), all SwiGLU + GQA + RMSNorm + RoPE, no biases:
   tp2 (2, 1, fp32, plain), tp2pp2_bf16 (2, 2, bf16, plain), tp2dp2_full (2, 1 x DP2, fp32,
   distributed fully_reshardable), tp2dp2_bf16_dp (2, 1 x DP2, bf16, distributed dp_reshardable;
-  the same state also saved fully_reshardable as tp2dp2_bf16_dp_asfull).
+  the same state also saved fully_reshardable as tp2dp2_bf16_dp_asfull), pp2dp2_dp (1, 2 x DP2,
+  fp32, dp_reshardable, and pp2dp2_dp_asfull).
 Each trains 2 steps, saves, records reference logits (PP=1) and trains 2 more steps (the losses a
 resumed job must reproduce).
 
@@ -34,7 +35,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS2 = ["tp2:2:1:fp32:plain"]
-JOBS4 = ["tp2pp2_bf16:2:2:bf16:plain", "tp2dp2_full:2:1:fp32:full", "tp2dp2_bf16_dp:2:1:bf16:dp"]
+JOBS4 = ["tp2pp2_bf16:2:2:bf16:plain", "tp2dp2_full:2:1:fp32:full", "tp2dp2_bf16_dp:2:1:bf16:dp",
+         "pp2dp2_dp:1:2:fp32:dp"]  # fmt: skip
 CASES = [j.split(":")[0] for j in JOBS2 + JOBS4]
 HEADS, VOCAB = 4, 60  # the script's HEADS and TRUE_VOCAB
 EXPORTS = {"x_tp2": ("tp2", "fp32"), "x_tp2pp2_bf16": ("tp2pp2_bf16", "bf16")}
@@ -115,7 +117,8 @@ def build(root: str) -> dict:
     legacy = os.path.isdir(os.path.join(LEGACY, "megatron"))
     if legacy:
         torchrun(2, ["--root", root, f"{LEGACY_CASE}:2:1:fp32:plain"], root, path=LEGACY)
-    for name in [*CASES, "tp2dp2_bf16_dp_asfull", *([LEGACY_CASE] if legacy else [])]:
+    asfull = [c + "_asfull" for c in CASES if c.endswith("_dp")]
+    for name in [*CASES, *asfull, *([LEGACY_CASE] if legacy else [])]:
         dcp_to_torch_save(os.path.join(root, name), os.path.join(root, name + ".pt"))
     from ucp_jax._src.torch.megatron import import_megatron
     from ucp_jax._src.torch.megatron_export import export_megatron

@@ -135,6 +135,15 @@ def bucket_tensors(
                 "expected one gradient buffer's {dtypes: [numel per bucket]} map"
             )
         sizes = next(iter(numel[0].values()))
+        if len(sizes) != 1:
+            # Seen with megatron-core 0.19.2 (overlap_grad_reduce, several buckets): each saved
+            # bucket tensor is offset by the padding of the buckets before it and lacks its
+            # last elements, so the moments cannot all be recovered from this layout.
+            raise _error(
+                f"{folder}: dp_group_idx_{g}: the dp_reshardable optimizer state has "
+                f"{len(sizes)} buckets per buffer; only one bucket per buffer is supported. "
+                "Save with the fully_reshardable layout (distrib_optim_sharding_type) instead"
+            )
         # walk the parameters backwards, as the buffer lays them out
         order = list(reversed(params))
         pos, bucket, start_of_bucket = 0, 0, 0
