@@ -254,7 +254,7 @@ def test_refuses_unsafe_pickles_and_other_models(mcore_ckpts, tmp_path):  # noqa
 def test_dp_reshardable_refuses_several_buckets(mcore_ckpts):  # noqa: F811
     """Several buckets per buffer are refused by name (their saved windows lose elements)."""
     from ucp_jax._src.torch.dcp import read_metadata
-    from ucp_jax._src.torch.megatron import TENSORS, read_objects
+    from ucp_jax._src.torch.megatron import read_objects
     from ucp_jax._src.torch.megatron_buckets import bucket_tensors
 
     folder = mcore_ckpts.path("tp2dp2_bf16_dp")
@@ -265,4 +265,4 @@ def test_dp_reshardable_refuses_several_buckets(mcore_ckpts):  # noqa: F811
     objects[key] = [{dtypes: [sizes[0] - 64, 64]}]
     shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
     with pytest.raises(MegatronFormatError, match="2 buckets"):
-        bucket_tensors(folder, md, objects, shapes, TENSORS)
+        bucket_tensors(folder, md, objects, shapes)

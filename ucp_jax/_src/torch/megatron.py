@@ -287,7 +287,7 @@ def import_megatron(
             f"{folder}: tensor {extra_tensors[0]!r} is not part of a Llama-like GPT (untied "
             "embeddings, RMSNorm, SwiGLU, no biases, no MoE); this importer does not map it"
         )
-    flat = bucket_tensors(folder, md, objects, shapes, TENSORS)  # dp_reshardable, or {}
+    flat = bucket_tensors(folder, md, objects, shapes)  # dp_reshardable, or {}
     maps = layer_maps(cfg)
 
     def tensor(key: str, slot: str) -> torch.Tensor | None:

@@ -95,7 +95,6 @@ def bucket_tensors(
     md: Any,
     objects: dict[str, Any],
     shapes: dict[str, tuple[int, ...]],
-    known: dict[str, Any],
 ) -> dict[tuple[str, str], torch.Tensor]:
     """(global tensor name, slot) -> global tensor, from dp_reshardable buffers ({} if none).
 
@@ -112,7 +111,6 @@ def bucket_tensors(
     if not buffers:
         return {}
     ngroups = len(buffers)
-    emb = shapes["embedding.word_embeddings.weight"]
     layers = shapes[_L + "self_attention.linear_qkv.weight"][0]
     # TP from the embedding's chunks (the vocab rows split over TP), PP from the group count
     n_chunks = len(md.state_dict_metadata["embedding.word_embeddings.weight"].chunks)
@@ -123,7 +121,6 @@ def bucket_tensors(
             f"{folder}: {ngroups} distributed-optimizer groups do not match TP={tp} (the "
             f"embedding's chunks) times a pipeline size dividing {layers} layers"
         )
-    del emb
     out: dict[tuple[str, str], torch.Tensor] = {}
     for g in sorted(buffers):
         t, p = g % tp, g // tp
@@ -176,7 +173,6 @@ def bucket_tensors(
                 pos = start_of_bucket = 0  # each bucket is its own tensor
                 bucket += 1
                 fields = {}
-    del known
     return out
 
 
