@@ -16,6 +16,9 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# megatron-core 0.19.2 (tests/mcore) declares Python>=3.12 but runs on 3.11; its deps come with deepspeed
+	$(BIN)/python -m pip install -q --no-deps --ignore-requires-python --only-binary=:all: --python-version 3.12 --upgrade --target "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" megatron-core==0.19.2
+	$(BIN)/python -m pip install -q --no-deps --only-binary=:all: --upgrade --target $(VENV)/mcore-0.16.1 megatron-core==0.16.1  # the legacy layout (tests/mcore)
 	touch $(STAMP)
 
 demo: $(STAMP)

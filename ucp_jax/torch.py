@@ -26,6 +26,10 @@ from ._src.torch.export import export_deepspeed_universal as export_deepspeed_un
 from ._src.torch.hf import hf_mapping as hf_mapping
 from ._src.torch.hf import import_hf as import_hf
 from ._src.torch.hf_export import export_hf as export_hf
+from ._src.torch.megatron import MegatronFormatError as MegatronFormatError
+from ._src.torch.megatron import import_megatron as import_megatron
+from ._src.torch.megatron_export import MegatronExportError as MegatronExportError
+from ._src.torch.megatron_export import export_megatron as export_megatron
 from ._src.torch.safetensors import PRESETS as PRESETS
 from ._src.torch.safetensors import AtomFrom as AtomFrom
 from ._src.torch.safetensors import SafetensorsError as SafetensorsError
@@ -38,15 +42,19 @@ __all__ = [
     "AtomFrom",
     "DCPFormatError",
     "DeepSpeedFormatError",
+    "MegatronExportError",
+    "MegatronFormatError",
     "SafetensorsError",
     "UnsafePickleError",
     "export_deepspeed_universal",
     "export_hf",
+    "export_megatron",
     "hf_mapping",
     "import_dcp",
     "import_deepspeed",
     "import_deepspeed_universal",
     "import_hf",
+    "import_megatron",
     "import_safetensors",
     "load_weights_only",
 ]

@@ -111,7 +111,7 @@ def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
 
 
 def _add_torch_commands(sub: Any) -> None:
-    """`ucp convert deepspeed|safetensors|hf|dcp|orbax SRC DST`; `ucp export deepspeed-universal|hf SRC DST`."""
+    """`ucp convert deepspeed|safetensors|hf|dcp|megatron|orbax SRC DST`; `ucp export deepspeed-universal|hf|megatron SRC DST`."""
     conv = sub.add_parser("convert", help="import a PyTorch checkpoint as a universal checkpoint")
     kinds = conv.add_subparsers(dest="kind", required=True)
     p = kinds.add_parser(
@@ -128,6 +128,15 @@ def _add_torch_commands(sub: Any) -> None:
     p = kinds.add_parser("dcp", help="a torch.distributed.checkpoint folder (e.g. FSDP2)")
     p.add_argument("--model-prefix", default="model.", help="prefix stripped from model entries")
     p = kinds.add_parser(
+        "megatron", help="a Megatron-Core torch_dist checkpoint of a Llama-like GPT"
+    )
+    p.add_argument("--heads", type=int, default=None, help="attention heads (if not recorded)")
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="true vocabulary (drops TP padding)"
+    )
+    p.add_argument("--norm-eps", type=float, default=1e-5, help="RMSNorm epsilon")
+    p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base")
+    p = kinds.add_parser(
         "orbax", help="an Orbax checkpoint: item folder, CheckpointManager step folder or root"
     )
     p.add_argument("--item", default=None, help="only this item of a step folder (e.g. state)")
@@ -140,6 +149,9 @@ def _add_torch_commands(sub: Any) -> None:
     p = ekinds.add_parser("hf", help="a Hugging Face model folder (from_pretrained loads it)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per shard (default 5GB)")
     p.add_argument("--dtype", default=None, help="write weights in this dtype (default: as stored)")
+    p = ekinds.add_parser("megatron", help="a Megatron-Core torch_dist folder (any TP/PP loads it)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="model dtype")
+    p.add_argument("--padded-vocab", type=int, default=None, help="vocabulary rows Megatron holds")
     for parser in (*kinds.choices.values(), *ekinds.choices.values()):
         parser.add_argument("src")
         parser.add_argument("dst")
@@ -161,9 +173,9 @@ def _run_torch_command(args: Any) -> int:
     import time
 
     modules = {"deepspeed": ("deepspeed", "deepspeed_universal"), "safetensors": ("safetensors",),
-               "dcp": ("dcp",), "hf": ("hf",)}.get(args.kind, ("export",))  # fmt: skip
-    if args.cmd == "export" and args.kind == "hf":
-        modules = ("hf_export",)
+               "dcp": ("dcp",), "hf": ("hf",), "megatron": ("megatron",)}.get(args.kind, ("export",))  # fmt: skip
+    if args.cmd == "export" and args.kind in ("hf", "megatron"):
+        modules = (f"{args.kind}_export",)
     try:  # DeepSpeed and safetensors imports need no torch; DCP and the export do
         mods = [importlib.import_module(f"ucp_jax._src.torch.{m}") for m in modules]
         mod = mods[0]
@@ -183,6 +195,13 @@ def _run_torch_command(args: Any) -> int:
             overwrite=args.overwrite, progress=progress,
         )  # fmt: skip
         print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (from_pretrained loads it)")
+        return 0
+    if args.cmd == "export" and args.kind == "megatron":
+        out = mod.export_megatron(
+            args.src, args.dst, dtype=args.dtype, padded_vocab=args.padded_vocab,
+            overwrite=args.overwrite,
+        )  # fmt: skip
+        print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (dist_checkpointing.load loads it)")
         return 0
     if args.cmd == "export":
         out = mod.export_deepspeed_universal(
@@ -204,6 +223,11 @@ def _run_torch_command(args: Any) -> int:
         out = mod.import_safetensors(
             args.src, args.dst, preset=args.preset, dtype=args.dtype, overwrite=args.overwrite
         )
+    elif args.kind == "megatron":
+        out = mod.import_megatron(
+            args.src, args.dst, heads=args.heads, vocab_size=args.vocab_size,
+            norm_eps=args.norm_eps, rope_theta=args.rope_theta, overwrite=args.overwrite,
+        )  # fmt: skip
     else:
         out = mod.import_dcp(
             args.src, args.dst, model_prefix=args.model_prefix, overwrite=args.overwrite,

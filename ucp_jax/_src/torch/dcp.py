@@ -40,10 +40,11 @@ class DCPFormatError(UcpError, ValueError):
 
 
 def _metadata_globals() -> dict[str, Any]:
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem, metadata, planner
 
     out = torch_value_globals()
-    for mod in (metadata, filesystem):
+    # planner: Megatron-Core's save caches torch's own SavePlan / WriteItem dataclasses in it
+    for mod in (metadata, filesystem, planner):
         for name in dir(mod):
             obj = getattr(mod, name)
             data = isinstance(obj, type) and (

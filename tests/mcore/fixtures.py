@@ -1,0 +1,183 @@
+"""Session fixture: real Megatron-Core torch_dist checkpoints of a tiny Llama-like GPT, built once
+with `torchrun` (gloo, CPU) and cached under .pytest_cache, with torch's own `dcp_to_torch_save`
+of each (the referee of the import).
+
+Cases (name: TP, PP, dtype, optimizer layout), all SwiGLU + GQA + RMSNorm + RoPE, no biases:
+  tp2 (2, 1, fp32, plain), tp2pp2_bf16 (2, 2, bf16, plain), tp2dp2_full (2, 1 x DP2, fp32,
+  distributed fully_reshardable), tp2dp2_bf16_dp (2, 1 x DP2, bf16, distributed dp_reshardable;
+  the same state also saved fully_reshardable as tp2dp2_bf16_dp_asfull), pp2dp2_dp (1, 2 x DP2,
+  fp32, dp_reshardable, and pp2dp2_dp_asfull).
+Each trains 2 steps, saves, records reference logits (PP=1) and trains 2 more steps (the losses a
+resumed job must reproduce).
+
+Export: tp2 and tp2pp2_bf16 are imported (padding rows kept) and written back by export_megatron
+(x_tp2, x_tp2pp2_bf16); Megatron then resumes 2 steps from each export and from its own checkpoint
+at other layouts (RESUMES: name -> (tp, pp, dtype, checkpoint)). The cache key hashes these
+scripts, the importer / exporter modules and the versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOBS2 = ["tp2:2:1:fp32:plain"]
+JOBS4 = ["tp2pp2_bf16:2:2:bf16:plain", "tp2dp2_full:2:1:fp32:full", "tp2dp2_bf16_dp:2:1:bf16:dp",
+         "pp2dp2_dp:1:2:fp32:dp"]  # fmt: skip
+CASES = [j.split(":")[0] for j in JOBS2 + JOBS4]
+HEADS, VOCAB = 4, 60  # the script's HEADS and TRUE_VOCAB
+EXPORTS = {"x_tp2": ("tp2", "fp32"), "x_tp2pp2_bf16": ("tp2pp2_bf16", "bf16")}
+RESUMES = {  # name: (tp, pp, dtype, checkpoint folder); own_* load Megatron's own checkpoint
+    "own_tp2_at_tp1": (1, 1, "fp32", "tp2"), "ours_tp2_at_tp1": (1, 1, "fp32", "x_tp2"),
+    "own_bf16_at_tp1": (1, 1, "bf16", "tp2pp2_bf16"),
+    "ours_bf16_at_tp1": (1, 1, "bf16", "x_tp2pp2_bf16"),
+    "own_tp2_at_tp2pp2": (2, 2, "fp32", "tp2"), "ours_tp2_at_tp2pp2": (2, 2, "fp32", "x_tp2"),
+}  # fmt: skip
+# megatron-core 0.16.1 (the Makefile installs it beside the venv's packages) writes the legacy
+# layout: common.pt and two files per rank; the case v016_tp2 is built with it.
+LEGACY = os.path.join(sys.prefix, "mcore-0.16.1")
+LEGACY_CASE = "v016_tp2"
+_SOURCES = ("megatron.py", "megatron_buckets.py", "megatron_export.py")
+
+
+@dataclasses.dataclass
+class MegatronCheckpoints:
+    root: str
+    results: dict
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def torch_save(self, name: str) -> str:
+        """torch's dcp_to_torch_save of the checkpoint (one .pt of global tensors)."""
+        return os.path.join(self.root, name + ".pt")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(
+    nproc: int, args: list[str], cwd: str, timeout: int = 600, path: str | None = None
+) -> None:
+    """Run train_mcore.py under torchrun; raise with its output on failure (retried once)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if path:  # another megatron-core, ahead of the venv's
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
+    env.pop("XLA_FLAGS", None)
+    first = ""
+    for _ in range(2):  # gloo on a loaded CPU host occasionally aborts a rank: retry once
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", os.path.join(HERE, "train_mcore.py"), *args]  # fmt: skip
+        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        if p.returncode == 0:
+            return
+        first = first or p.stderr[-4000:]
+    raise RuntimeError(
+        f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+        f"\n--- first attempt ---\n{first}"
+    )
+
+
+def cache_key(extra: tuple[str, ...] = ()) -> str:
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    lib = os.path.join(HERE, "..", "..", "ucp_jax", "_src", "torch")
+    paths = [os.path.join(HERE, f) for f in ("train_mcore.py", "fixtures.py", *extra)]
+    for f in paths + [os.path.join(lib, f) for f in _SOURCES]:
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    h.update(f"{version('torch')} {version('megatron-core')} {os.path.isdir(LEGACY)}".encode())
+    return h.hexdigest()[:16]
+
+
+def build(root: str) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    os.makedirs(root, exist_ok=True)
+    t0 = time.time()
+    torchrun(2, ["--root", root, *JOBS2], root)
+    torchrun(4, ["--root", root, *JOBS4], root)
+    legacy = os.path.isdir(os.path.join(LEGACY, "megatron"))
+    if legacy:
+        torchrun(2, ["--root", root, f"{LEGACY_CASE}:2:1:fp32:plain"], root, path=LEGACY)
+    asfull = [c + "_asfull" for c in CASES if c.endswith("_dp")]
+    for name in [*CASES, *asfull, *([LEGACY_CASE] if legacy else [])]:
+        dcp_to_torch_save(os.path.join(root, name), os.path.join(root, name + ".pt"))
+    from ucp_jax._src.torch.megatron import import_megatron
+    from ucp_jax._src.torch.megatron_export import export_megatron
+
+    for x, (src, dtype) in EXPORTS.items():
+        u = import_megatron(os.path.join(root, src), os.path.join(root, "u_" + x), heads=HEADS)
+        export_megatron(u, os.path.join(root, x), dtype=dtype)
+    for nproc in (1, 4):
+        jobs = [f"{n}:{tp}:{pp}:{dt}:plain:{os.path.join(root, c)}"
+                for n, (tp, pp, dt, c) in RESUMES.items() if tp * pp == nproc]  # fmt: skip
+        torchrun(nproc, ["--root", root, *jobs], root)
+    results = {}
+    for name in [*CASES, *RESUMES, *([LEGACY_CASE] if legacy else [])]:
+        with open(os.path.join(root, name + ".json")) as f:
+            results[name] = json.load(f)
+    results["_build_seconds"] = time.time() - t0
+    return results
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def get(cache_dir: str) -> MegatronCheckpoints:
+    """The cached checkpoints, built on first use (process-safe)."""
+    final = os.path.join(cache_dir, cache_key())
+    os.makedirs(cache_dir, exist_ok=True)
+    with _locked(os.path.join(cache_dir, ".lock")):
+        done = os.path.join(final, "DONE.json")
+        if not os.path.isfile(done):
+            for old in os.listdir(cache_dir):
+                if old != ".lock":
+                    shutil.rmtree(os.path.join(cache_dir, old), ignore_errors=True)
+            tmp = final + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            results = build(tmp)
+            with open(os.path.join(tmp, "DONE.json"), "w") as f:
+                json.dump(results, f)
+            os.rename(tmp, final)
+        with open(done) as f:
+            return MegatronCheckpoints(final, json.load(f))
+
+
+def megatron_available() -> bool:
+    return importlib.util.find_spec("megatron.core") is not None
+
+
+@pytest.fixture(scope="session")
+def mcore_ckpts(request: pytest.FixtureRequest) -> MegatronCheckpoints:
+    """Real Megatron-Core checkpoints (and torch's dcp_to_torch_save of each), cached."""
+    pytest.importorskip("torch")
+    if not megatron_available():
+        if os.environ.get("CI"):  # CI installs it (Makefile): a skip there would pass wrongly
+            raise RuntimeError("CI needs megatron-core 0.19.2 installed (make test does it)")
+        pytest.skip("megatron-core is not installed (see the Makefile's install step)")
+    return get(str(request.config.cache.mkdir("mcore_ckpts")))
