@@ -105,6 +105,7 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+    from orbax_tiers import OrbaxEmergency, OrbaxLocal
 
     import ucp_jax as ucp
     from ucp_jax.memory import SnapshotManager
@@ -173,11 +174,44 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         mgr.snapshot(i, params, opt_state)
         jax.block_until_ready(params)
     mgr.wait()
+    # Orbax, same job and state: async CheckpointManager into /dev/shm; the emergency manager
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            {"params": params, "opt_state": opt_state})  # fmt: skip
+    tiers, orbax_errors = [], {}
+    port = cfg["addr"].split(":")[1]
+    shm = Path(cfg["shm_dir"] or "/dev/shm")
+    for name in cfg["orbax"]:
+        tier = (
+            OrbaxLocal(shm / f"orbax-local-{port}", abstract, mesh)
+            if name == "local"  # (one folder: both processes are on this machine)
+            else OrbaxEmergency(
+                shm / f"orbax-em-{port}" / f"host{pid}",
+                abstract,
+                mesh,
+                Path(cfg["work"]) / "orbax-em-persist",
+            )
+        )
+        try:
+            tier.start()
+            for _ in range(2):  # compile, and a first save of each kind
+                i += 1
+                params, opt_state = step_fn(params, opt_state, batch(i))
+                tier.save(i, {"params": params, "opt_state": opt_state})
+                jax.block_until_ready(params)
+            tier.wait()
+            tiers.append(tier)
+        except Exception as e:  # recorded and printed: why that tier is absent
+            orbax_errors[tier.name] = f"{type(e).__name__}: {e}"
+            print(f"process {pid}: {tier.name} does not run: {orbax_errors[tier.name]}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            sync(f"orbax-failed-{name}")
+    times.update({t.name: [] for t in tiers})
     block = max(1, cfg["steps"] // 4)
     sync("start")
     load = [os.getloadavg()[0]]
+    by_name = {t.name: t for t in tiers}
     while len(times["snap"]) < cfg["steps"]:
-        for mode in ("base", "snap"):
+        for mode in times:
             for _ in range(block):
                 i += 1
                 t0 = time.perf_counter()
@@ -186,12 +220,16 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
                     t1 = time.perf_counter()
                     mgr.snapshot(i, params, opt_state)
                     dispatch.append(time.perf_counter() - t1)
+                elif mode in by_name:
+                    by_name[mode].save(i, {"params": params, "opt_state": opt_state})
                 jax.block_until_ready((params, opt_state))
                 times[mode].append(time.perf_counter() - t0)
                 if mode == "snap" and mgr.stats.step == i - 1:
                     copy_s.append(mgr.stats.copy_s)
                     copied.append(mgr.stats.copied_bytes)
             mgr.wait()  # the last snapshot of the block lands before the next baseline block
+            for t in tiers:
+                t.wait()
     load.append(os.getloadavg()[0])
     # end-to-end snapshot with training idle
     e2e = []
@@ -239,7 +277,13 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
     p_t = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                        (params, opt_state))  # fmt: skip
     disk = Path(cfg["disk"] or cfg["work"]) / f"ckpt-{cfg['addr'].split(':')[1]}"
+    sync("disk-save")
+    t0 = time.perf_counter()
     ucp.save(disk, params, opt_state, step=last)
+    disk_save_s = gather_max(time.perf_counter() - t0)
+    for t in tiers:  # each Orbax tier's copy of the same step
+        t.save(last, {"params": params, "opt_state": opt_state})
+        t.wait()
     del params, opt_state
     sync("saved")
 
@@ -247,8 +291,19 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expect)):
             assert np.asarray(a.addressable_shards[0].data).tobytes() == b.tobytes()
 
-    rec = {"memory": [], "disk_cold": [], "disk_warm": []}
+    rec: dict[str, list[float]] = {"memory": [], "disk_cold": [], "disk_warm": []}
+    rec.update({t.name: [] for t in tiers})
     for r in range(cfg["repeats"]):
+        for t in tiers:  # a fresh Orbax manager (as a restarted job) restores the latest step
+            sync(f"{t.name}{r}")
+            t0 = time.perf_counter()
+            got_step, got = t.restore()
+            jax.block_until_ready(got)
+            rec[t.name].append(gather_max(time.perf_counter() - t0))
+            assert got_step == last, (t.name, got_step, last)
+            if r == 0:
+                check((got["params"], got["opt_state"]))
+            del got
         sync(f"mem{r}")
         t0 = time.perf_counter()
         got = mgr.restore(*p_t)
@@ -275,6 +330,8 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         rec["disk_warm"].append(gather_max(time.perf_counter() - t0))
         del got
     mgr.free(all_nodes=True)
+    for t in tiers:
+        t.close()
     sync("done")
     if pid != 0:
         return
@@ -318,9 +375,16 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
     result["recovery_speedup_warm"] = (
         result["recovery_s"]["disk_warm"] / result["recovery_s"]["memory"]
     )
+    result["disk_save_s"] = disk_save_s
+    result["orbax"] = orbax_summary(result, [t.name for t in tiers], orbax_errors)
     result["targets"] = {
         "step_overhead<=3%": slow <= STEP_TARGET,
         "recovery>=10x (cold)": rec_ratio >= RECOVERY_TARGET,
+        **{
+            f"{k} vs {name}": v
+            for name, o in result["orbax"]["tiers"].items()
+            for k, v in o["ucp_wins"].items()
+        },
     }
     result["machine"] = {
         "cpus": os.cpu_count(),
@@ -328,6 +392,30 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         "loadavg_1min_during_steps": load,  # other work on the machine skews step times
     }
     Path(cfg["work"], "result.json").write_text(json.dumps(result, indent=1))
+
+
+def orbax_summary(r: dict[str, Any], names: list[str], errors: dict[str, str]) -> dict[str, Any]:
+    """Each Orbax tier's step overhead and recovery, as ratios against ucp's in-memory tier and
+    the disk (`ucp.restore` of the universal format, cold); and why a tier did not run."""
+    st, rec = r["step_s"], r["recovery_s"]
+    base = st["base"]["median"]
+    ucp_extra = st["snap"]["median"] - base
+    tiers = {}
+    for name in names:
+        extra = st[name]["median"] - base
+        tiers[name] = {
+            "step_overhead": extra / base,
+            "extra_step_s": extra,
+            "extra_step_vs_ucp": extra / ucp_extra if ucp_extra > 0 else None,
+            "recovery_s": rec[name],
+            "recovery_vs_ucp_memory": rec[name] / rec["memory"],  # x slower than ucp's memory
+            "recovery_speedup_vs_disk_cold": rec["disk_cold"] / rec[name],
+            "ucp_wins": {
+                "less step overhead": ucp_extra < extra,
+                "faster recovery": rec["memory"] < rec[name],
+            },
+        }
+    return {"tiers": tiers, "errors": errors}
 
 
 def _evict(path: Path) -> bool:
@@ -407,7 +495,26 @@ def table(r: dict[str, Any]) -> str:
         + ("" if r["evicted_pages_ok"] else " [page eviction failed: warm]"),
         f"  ucp.restore from disk, warm: {r['recovery_s']['disk_warm']:.3f} s "
         f"({r['recovery_speedup_warm']:.1f}x slower)",
+        f"  (ucp.save of the same state to disk: {r['disk_save_s']:.3f} s)",
     ]
+    orb = r.get("orbax", {})
+    if orb.get("tiers"):
+        lines += ["", "Orbax, same job, state and steps (saving every step):",
+                  f"{'':18}{'step median':>12}{'overhead':>10}{'x ucp extra':>12}"
+                  f"{'recovery':>10}{'x ucp mem':>10}{'disk/it':>9}"]  # fmt: skip
+        ucp_o = r["step_overhead"]
+        lines.append(f"{'ucp memory':18}{st['snap']['median']:>11.3f}s{100 * ucp_o:>+9.1f}%"
+                     f"{1:>12.2f}{r['recovery_s']['memory']:>9.3f}s{1:>10.1f}"
+                     f"{r['recovery_speedup_cold']:>8.1f}x")  # fmt: skip
+        for name, o in orb["tiers"].items():
+            x = o["extra_step_vs_ucp"]
+            lines.append(
+                f"{name:18}{st[name]['median']:>11.3f}s{100 * o['step_overhead']:>+9.1f}%"
+                f"{'-' if x is None else f'{x:.2f}':>12}{o['recovery_s']:>9.3f}s"
+                f"{o['recovery_vs_ucp_memory']:>10.1f}{o['recovery_speedup_vs_disk_cold']:>8.1f}x"
+            )
+    for name, err in orb.get("errors", {}).items():
+        lines.append(f"{name}: does not run here: {err[:600]}")
     return "\n".join(lines)
 
 
@@ -428,6 +535,11 @@ def main() -> None:
         help="train without donating the state; the manager holds references (donation_safe=False)",
     )
     ap.add_argument("--shm-dir", default=None, help="shared-memory folder (default /dev/shm)")
+    ap.add_argument(
+        "--orbax",
+        default="local,emergency",
+        help="Orbax tiers to run beside it, comma-separated (local, emergency; '' none)",
+    )
     ap.add_argument("--disk", default=None, help="folder for the on-disk checkpoint")
     ap.add_argument("--out", default="bench_out/snapshot.json", help="JSON results file")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -436,6 +548,7 @@ def main() -> None:
     if args.worker is not None:
         worker(args.worker, json.loads(args.config))
         return
+    args.orbax = [t for t in args.orbax.split(",") if t]
     result = launch(args)
     print(table(result))
     out = Path(args.out)
