@@ -15,7 +15,12 @@ references instead of device copies). In one run it measures:
   pre-faulted /dev/shm mapping), measured on every process at once;
 * recovery time: `SnapshotManager.restore` from shared memory vs `ucp.restore` of the same state
   from a universal checkpoint on disk, cold (the checkpoint's pages evicted from the page cache
-  with posix_fadvise(DONTNEED)) and warm; both onto the training shardings, checked bit-exact.
+  with posix_fadvise(DONTNEED)) and warm; both onto the training shardings, checked bit-exact;
+* the same for what Orbax offers (`--orbax`, `benchmarks/orbax_tiers.py`): an async
+  `CheckpointManager` saving every step into the same shared memory (what the emergency
+  manager's local tier does on each host), and the emergency `CheckpointManager` itself (local
+  tier every step); step time in the same interleaved blocks, recovery by a fresh manager
+  restoring the latest step (checked bit-exact), as ratios against ucp's tier and the disk.
 
 Shared memory is `--shm-dir` (default /dev/shm). Recovery maps the snapshot's pages: on a tmpfs
 with 2 MiB pages that is ~100x less page-table work than with 4 KiB pages, e.g.::
