@@ -14,6 +14,7 @@ Both run inside the benchmark's jax.distributed job; every process calls every m
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -114,6 +115,8 @@ class OrbaxEmergency(OrbaxLocal):
     def close(self) -> None:
         super().close()
         shutil.rmtree(self.persist, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.directory.parent.rmdir()  # the per-host folders' parent, once both are gone
 
 
 def timed(fn: Any) -> tuple[float, Any]:
