@@ -123,3 +123,52 @@ def timed(fn: Any) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
+
+
+def orbax_summary(r: dict[str, Any], names: list[str], errors: dict[str, str]) -> dict[str, Any]:
+    """Each Orbax tier's step overhead and recovery, as ratios against ucp's in-memory tier and
+    the disk (`ucp.restore` of the universal format, cold); and why a tier did not run."""
+    st, rec = r["step_s"], r["recovery_s"]
+    base = st["base"]["median"]
+    ucp_extra = st["snap"]["median"] - base
+    tiers = {}
+    for name in names:
+        extra = st[name]["median"] - base
+        tiers[name] = {
+            "step_overhead": extra / base,
+            "extra_step_s": extra,
+            "extra_step_vs_ucp": extra / ucp_extra if ucp_extra > 0 else None,
+            "recovery_s": rec[name],
+            "recovery_vs_ucp_memory": rec[name] / rec["memory"],  # x slower than ucp's memory
+            "recovery_speedup_vs_disk_cold": rec["disk_cold"] / rec[name],
+            "ucp_wins": {
+                "less step overhead": ucp_extra < extra,
+                "faster recovery": rec["memory"] < rec[name],
+            },
+        }
+    return {"tiers": tiers, "errors": errors}
+
+
+def orbax_table(r: dict[str, Any]) -> list[str]:
+    """The report's Orbax lines: each tier beside ucp's, and why a tier did not run."""
+    st = r["step_s"]
+    lines: list[str] = []
+    orb = r.get("orbax", {})
+    if orb.get("tiers"):
+        lines += ["", "Orbax, same job, state and steps (saving every step):",
+                  f"{'':18}{'step median':>12}{'overhead':>10}{'x ucp extra':>12}"
+                  f"{'recovery':>10}{'x ucp mem':>10}{'disk/it':>9}"]  # fmt: skip
+        ucp_o = r["step_overhead"]
+        lines.append(f"{'ucp memory':18}{st['snap']['median']:>11.3f}s{100 * ucp_o:>+9.1f}%"
+                     f"{1:>12.2f}{r['recovery_s']['memory']:>9.3f}s{1:>10.1f}"
+                     f"{r['recovery_speedup_cold']:>8.1f}x")  # fmt: skip
+        for name, o in orb["tiers"].items():
+            x = o["extra_step_vs_ucp"]
+            lines.append(
+                f"{name:18}{st[name]['median']:>11.3f}s{100 * o['step_overhead']:>+9.1f}%"
+                f"{'-' if x is None else f'{x:.2f}':>12}{o['recovery_s']:>9.3f}s"
+                f"{o['recovery_vs_ucp_memory']:>10.1f}{o['recovery_speedup_vs_disk_cold']:>8.1f}x"
+            )
+    for name, err in orb.get("errors", {}).items():
+        lines.append(f"{name}: does not run here: {err[:600]}")
+    return lines

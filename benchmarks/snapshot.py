@@ -51,6 +51,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from orbax_tiers import orbax_table
+
 STEP_TARGET = 0.03  # one snapshot per step: at most 3% slower (median)
 RECOVERY_TARGET = 10.0  # recovery from memory at least 10x faster than from disk
 GB = 1e9
@@ -110,7 +112,7 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    from orbax_tiers import OrbaxEmergency, OrbaxLocal
+    from orbax_tiers import OrbaxEmergency, OrbaxLocal, orbax_summary
 
     import ucp_jax as ucp
     from ucp_jax.memory import SnapshotManager
@@ -399,30 +401,6 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
     Path(cfg["work"], "result.json").write_text(json.dumps(result, indent=1))
 
 
-def orbax_summary(r: dict[str, Any], names: list[str], errors: dict[str, str]) -> dict[str, Any]:
-    """Each Orbax tier's step overhead and recovery, as ratios against ucp's in-memory tier and
-    the disk (`ucp.restore` of the universal format, cold); and why a tier did not run."""
-    st, rec = r["step_s"], r["recovery_s"]
-    base = st["base"]["median"]
-    ucp_extra = st["snap"]["median"] - base
-    tiers = {}
-    for name in names:
-        extra = st[name]["median"] - base
-        tiers[name] = {
-            "step_overhead": extra / base,
-            "extra_step_s": extra,
-            "extra_step_vs_ucp": extra / ucp_extra if ucp_extra > 0 else None,
-            "recovery_s": rec[name],
-            "recovery_vs_ucp_memory": rec[name] / rec["memory"],  # x slower than ucp's memory
-            "recovery_speedup_vs_disk_cold": rec["disk_cold"] / rec[name],
-            "ucp_wins": {
-                "less step overhead": ucp_extra < extra,
-                "faster recovery": rec["memory"] < rec[name],
-            },
-        }
-    return {"tiers": tiers, "errors": errors}
-
-
 def _evict(path: Path) -> bool:
     """Drop a checkpoint's pages from the page cache (so that the restore reads the disk)."""
     os.sync()
@@ -502,24 +480,7 @@ def table(r: dict[str, Any]) -> str:
         f"({r['recovery_speedup_warm']:.1f}x slower)",
         f"  (ucp.save of the same state to disk: {r['disk_save_s']:.3f} s)",
     ]
-    orb = r.get("orbax", {})
-    if orb.get("tiers"):
-        lines += ["", "Orbax, same job, state and steps (saving every step):",
-                  f"{'':18}{'step median':>12}{'overhead':>10}{'x ucp extra':>12}"
-                  f"{'recovery':>10}{'x ucp mem':>10}{'disk/it':>9}"]  # fmt: skip
-        ucp_o = r["step_overhead"]
-        lines.append(f"{'ucp memory':18}{st['snap']['median']:>11.3f}s{100 * ucp_o:>+9.1f}%"
-                     f"{1:>12.2f}{r['recovery_s']['memory']:>9.3f}s{1:>10.1f}"
-                     f"{r['recovery_speedup_cold']:>8.1f}x")  # fmt: skip
-        for name, o in orb["tiers"].items():
-            x = o["extra_step_vs_ucp"]
-            lines.append(
-                f"{name:18}{st[name]['median']:>11.3f}s{100 * o['step_overhead']:>+9.1f}%"
-                f"{'-' if x is None else f'{x:.2f}':>12}{o['recovery_s']:>9.3f}s"
-                f"{o['recovery_vs_ucp_memory']:>10.1f}{o['recovery_speedup_vs_disk_cold']:>8.1f}x"
-            )
-    for name, err in orb.get("errors", {}).items():
-        lines.append(f"{name}: does not run here: {err[:600]}")
+    lines += orbax_table(r)
     return "\n".join(lines)
 
 
