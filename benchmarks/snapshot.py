@@ -15,7 +15,12 @@ references instead of device copies). In one run it measures:
   pre-faulted /dev/shm mapping), measured on every process at once;
 * recovery time: `SnapshotManager.restore` from shared memory vs `ucp.restore` of the same state
   from a universal checkpoint on disk, cold (the checkpoint's pages evicted from the page cache
-  with posix_fadvise(DONTNEED)) and warm; both onto the training shardings, checked bit-exact.
+  with posix_fadvise(DONTNEED)) and warm; both onto the training shardings, checked bit-exact;
+* the same for what Orbax offers (`--orbax`, `benchmarks/orbax_tiers.py`): an async
+  `CheckpointManager` saving every step into the same shared memory (what the emergency
+  manager's local tier does on each host), and the emergency `CheckpointManager` itself (local
+  tier every step); step time in the same interleaved blocks, recovery by a fresh manager
+  restoring the latest step (checked bit-exact), as ratios against ucp's tier and the disk.
 
 Shared memory is `--shm-dir` (default /dev/shm). Recovery maps the snapshot's pages: on a tmpfs
 with 2 MiB pages that is ~100x less page-table work than with 4 KiB pages, e.g.::
@@ -45,6 +50,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from orbax_tiers import orbax_table
 
 STEP_TARGET = 0.03  # one snapshot per step: at most 3% slower (median)
 RECOVERY_TARGET = 10.0  # recovery from memory at least 10x faster than from disk
@@ -105,6 +112,7 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+    from orbax_tiers import OrbaxEmergency, OrbaxLocal, orbax_summary
 
     import ucp_jax as ucp
     from ucp_jax.memory import SnapshotManager
@@ -173,11 +181,44 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         mgr.snapshot(i, params, opt_state)
         jax.block_until_ready(params)
     mgr.wait()
+    # Orbax, same job and state: async CheckpointManager into /dev/shm; the emergency manager
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            {"params": params, "opt_state": opt_state})  # fmt: skip
+    tiers, orbax_errors = [], {}
+    port = cfg["addr"].split(":")[1]
+    shm = Path(cfg["shm_dir"] or "/dev/shm")
+    for name in cfg["orbax"]:
+        tier = (
+            OrbaxLocal(shm / f"orbax-local-{port}", abstract, mesh)
+            if name == "local"  # (one folder: both processes are on this machine)
+            else OrbaxEmergency(
+                shm / f"orbax-em-{port}" / f"host{pid}",
+                abstract,
+                mesh,
+                Path(cfg["work"]) / "orbax-em-persist",
+            )
+        )
+        try:
+            tier.start()
+            for _ in range(2):  # compile, and a first save of each kind
+                i += 1
+                params, opt_state = step_fn(params, opt_state, batch(i))
+                tier.save(i, {"params": params, "opt_state": opt_state})
+                jax.block_until_ready(params)
+            tier.wait()
+            tiers.append(tier)
+        except Exception as e:  # recorded and printed: why that tier is absent
+            orbax_errors[tier.name] = f"{type(e).__name__}: {e}"
+            print(f"process {pid}: {tier.name} does not run: {orbax_errors[tier.name]}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            sync(f"orbax-failed-{name}")
+    times.update({t.name: [] for t in tiers})
     block = max(1, cfg["steps"] // 4)
     sync("start")
     load = [os.getloadavg()[0]]
+    by_name = {t.name: t for t in tiers}
     while len(times["snap"]) < cfg["steps"]:
-        for mode in ("base", "snap"):
+        for mode in times:
             for _ in range(block):
                 i += 1
                 t0 = time.perf_counter()
@@ -186,12 +227,16 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
                     t1 = time.perf_counter()
                     mgr.snapshot(i, params, opt_state)
                     dispatch.append(time.perf_counter() - t1)
+                elif mode in by_name:
+                    by_name[mode].save(i, {"params": params, "opt_state": opt_state})
                 jax.block_until_ready((params, opt_state))
                 times[mode].append(time.perf_counter() - t0)
                 if mode == "snap" and mgr.stats.step == i - 1:
                     copy_s.append(mgr.stats.copy_s)
                     copied.append(mgr.stats.copied_bytes)
             mgr.wait()  # the last snapshot of the block lands before the next baseline block
+            for t in tiers:
+                t.wait()
     load.append(os.getloadavg()[0])
     # end-to-end snapshot with training idle
     e2e = []
@@ -239,7 +284,13 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
     p_t = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                        (params, opt_state))  # fmt: skip
     disk = Path(cfg["disk"] or cfg["work"]) / f"ckpt-{cfg['addr'].split(':')[1]}"
+    sync("disk-save")
+    t0 = time.perf_counter()
     ucp.save(disk, params, opt_state, step=last)
+    disk_save_s = gather_max(time.perf_counter() - t0)
+    for t in tiers:  # each Orbax tier's copy of the same step
+        t.save(last, {"params": params, "opt_state": opt_state})
+        t.wait()
     del params, opt_state
     sync("saved")
 
@@ -247,8 +298,19 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expect)):
             assert np.asarray(a.addressable_shards[0].data).tobytes() == b.tobytes()
 
-    rec = {"memory": [], "disk_cold": [], "disk_warm": []}
+    rec: dict[str, list[float]] = {"memory": [], "disk_cold": [], "disk_warm": []}
+    rec.update({t.name: [] for t in tiers})
     for r in range(cfg["repeats"]):
+        for t in tiers:  # a fresh Orbax manager (as a restarted job) restores the latest step
+            sync(f"{t.name}{r}")
+            t0 = time.perf_counter()
+            got_step, got = t.restore()
+            jax.block_until_ready(got)
+            rec[t.name].append(gather_max(time.perf_counter() - t0))
+            assert got_step == last, (t.name, got_step, last)
+            if r == 0:
+                check((got["params"], got["opt_state"]))
+            del got
         sync(f"mem{r}")
         t0 = time.perf_counter()
         got = mgr.restore(*p_t)
@@ -275,6 +337,8 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         rec["disk_warm"].append(gather_max(time.perf_counter() - t0))
         del got
     mgr.free(all_nodes=True)
+    for t in tiers:
+        t.close()
     sync("done")
     if pid != 0:
         return
@@ -318,9 +382,16 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
     result["recovery_speedup_warm"] = (
         result["recovery_s"]["disk_warm"] / result["recovery_s"]["memory"]
     )
+    result["disk_save_s"] = disk_save_s
+    result["orbax"] = orbax_summary(result, [t.name for t in tiers], orbax_errors)
     result["targets"] = {
         "step_overhead<=3%": slow <= STEP_TARGET,
         "recovery>=10x (cold)": rec_ratio >= RECOVERY_TARGET,
+        **{
+            f"{k} vs {name}": v
+            for name, o in result["orbax"]["tiers"].items()
+            for k, v in o["ucp_wins"].items()
+        },
     }
     result["machine"] = {
         "cpus": os.cpu_count(),
@@ -407,7 +478,9 @@ def table(r: dict[str, Any]) -> str:
         + ("" if r["evicted_pages_ok"] else " [page eviction failed: warm]"),
         f"  ucp.restore from disk, warm: {r['recovery_s']['disk_warm']:.3f} s "
         f"({r['recovery_speedup_warm']:.1f}x slower)",
+        f"  (ucp.save of the same state to disk: {r['disk_save_s']:.3f} s)",
     ]
+    lines += orbax_table(r)
     return "\n".join(lines)
 
 
@@ -428,6 +501,11 @@ def main() -> None:
         help="train without donating the state; the manager holds references (donation_safe=False)",
     )
     ap.add_argument("--shm-dir", default=None, help="shared-memory folder (default /dev/shm)")
+    ap.add_argument(
+        "--orbax",
+        default="local,emergency",
+        help="Orbax tiers to run beside it, comma-separated (local, emergency; '' none)",
+    )
     ap.add_argument("--disk", default=None, help="folder for the on-disk checkpoint")
     ap.add_argument("--out", default="bench_out/snapshot.json", help="JSON results file")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -436,6 +514,7 @@ def main() -> None:
     if args.worker is not None:
         worker(args.worker, json.loads(args.config))
         return
+    args.orbax = [t for t in args.orbax.split(",") if t]
     result = launch(args)
     print(table(result))
     out = Path(args.out)

@@ -2,10 +2,13 @@
 
 JSON-able data and bytes (a data loader's own state), from shared memory, and from the persisted
 universal checkpoint (its manifest's `extra` holds every process's) when memory is gone.
-Single process here; the 2-process SIGKILL job is in test_memory_multiprocess.py when it runs.
+Single process here, and each scheme's rebuild of a lost node's extra; the 2- and 4-process
+SIGKILL jobs (memory, replica, XOR parity, persisted) are in test_memory_multiprocess.py.
 """
 
 from __future__ import annotations
+
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -62,3 +65,32 @@ def test_no_extra_and_bad_extra(tmp_path):
             mgr.snapshot(2, state, extra={"loader": object()})
     finally:
         mgr.free(all_nodes=True)
+
+
+@pytest.mark.parametrize("name", ["replica", "xor"])
+def test_a_lost_nodes_extra_is_rebuilt_by_its_scheme(name):
+    """Each node keeps what its scheme says of its peers' serialised extras (different lengths);
+    any one lost node of a group is rebuilt from what the others keep and their own extras."""
+    from types import SimpleNamespace
+
+    from ucp_jax._src.memory import extra as extras
+    from ucp_jax._src.memory.schemes import scheme_for
+
+    scheme = scheme_for(name)
+    group = [0, 1, 2]
+    layout = SimpleNamespace(group_of={n: group for n in group})
+    own = {n: extras.serial(extras.encode({"loader": bytes([n]) * (5 + 7 * n), "n": n}))
+           for n in group}  # fmt: skip
+    kept = {
+        n: scheme.keep_extras(layout, n, {s: own[s] for s in scheme.extra_sources(layout, n)})
+        for n in group
+    }
+    for lost in group:
+        left = [n for n in group if n != lost]
+        got = scheme.rebuild_extra(layout, lost, {n: kept[n] for n in left},
+                                   {n: own[n] for n in left})  # fmt: skip
+        assert got == own[lost]
+        assert extras.decode(json.loads(got)) == {"loader": bytes([lost]) * (5 + 7 * lost),
+                                                  "n": lost}  # fmt: skip
+    # two lost nodes of a group of three: replica and xor give up (None), never a wrong extra
+    assert scheme.rebuild_extra(layout, 0, {2: kept[2]}, {2: own[2]}) is None

@@ -1,5 +1,10 @@
 """In-memory fault tolerance across real jax.distributed jobs (localhost, gloo, CPU devices).
 
+Every snapshot carries each process's data-loader state (`extra`: bytes inside JSON data, different
+per process and step); every restore below checks that each process gets its own back, of the
+step restored: from memory, rebuilt from the replica or the XOR parity when its node is lost, and
+from the persisted manifest.
+
 Replica: a 2-process x 4-device job trains 5 steps (donated buffers) with a snapshot per step and
 a universal checkpoint every 2; one process is SIGKILLed and the job dies. New jobs with the same
 namespace then resume bit for bit: from memory (2 processes, and 1 process with 4 devices), after
@@ -35,6 +40,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from mp.mem_worker import loader_state
 from mp.runner import free_port, worker_env
 
 WORKER = Path(__file__).parent / "mp" / "mem_worker.py"
@@ -185,10 +191,14 @@ def replica(tmp_path_factory):
 
 
 def _check(reports, train, step, source):
+    """Every process restored `step` from `source`, bit-exact, with its own data-loader state of
+    that step (snapshot extra: from its node's memory, rebuilt from its peers', or from the
+    persisted manifest)."""
     digests = train[0]["digests"]
     assert all(d == train[0]["digests"] for d in (t["digests"] for t in train))
     for r in reports:
         assert (r["step"], r["source"]) == (step, source), r
+        assert r["extra"] == repr(loader_state(r["pid"], step)), "wrong data-loader state"
         assert r["digest"] == digests[str(step)], "restored state differs from the trained one"
         if "next_digest" in r:
             assert r["next_digest"] == digests[str(step + 1)], "training did not go on bit-exact"

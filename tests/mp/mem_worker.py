@@ -8,11 +8,13 @@ CONFIG: {"mode": "train"|"resume", "pid", "nprocs", "addr", "report", "ckpt", "n
 its shared memory in <machines>/m<i>/ and sees no other's, as on a cluster. Each process has 8 // nprocs CPU devices (XLA_FLAGS is set
 by the caller); the training mesh is (nprocs, 8 // nprocs) with axes ('data', 'model').
 
-- train: trains `steps` steps (params and adamw state donated each step), snapshotting every step,
-  then computes one more step without a snapshot; writes the crc32 of every leaf of the global
+- train: trains `steps` steps (params and adamw state donated each step), snapshotting every step
+  with this process's data-loader state as `extra` (`loader_state`: bytes, as grain's
+  `get_state()`, inside JSON data; different per process and step), then computes one more step
+  without a snapshot; writes the crc32 of every leaf of the global
   state after each step to the report, prints `SNAPSHOTS DONE` and waits to be killed.
 - resume: builds targets on its own mesh (any process count), restores with the manager, writes
-  the restored step, its source and the state's crc32s to the report, trains one more step (only
+  the restored step, its source, its extra (repr) and the state's crc32s to the report, trains one more step (only
   on the training mesh: same mesh, same bits) and records that too.
 """
 
@@ -76,6 +78,12 @@ def make_step(mesh: jax.sharding.Mesh, params: Any, opt_state: Any) -> Any:
 def batch(step: int, mesh: jax.sharding.Mesh) -> jax.Array:
     ref = np.random.default_rng(1000 + step).standard_normal((16, 32)).astype(np.float32)
     return jax.make_array_from_callback(ref.shape, NamedSharding(mesh, P()), lambda i: ref[i])
+
+
+def loader_state(pid: int, step: int) -> dict[str, Any]:
+    """Process `pid`'s data-loader state after `step`: an opaque iterator state and its position."""
+    blob = json.dumps({"shard": pid, "next_index": step * 16 + pid}).encode() + bytes([pid, 255])
+    return {"epoch": step // 4, "iterator": blob, "seen": step * 16}  # keys sorted: as restored
 
 
 def digest(tree: Any) -> dict[str, str]:
@@ -147,7 +155,7 @@ def main() -> None:
             timing[f"step{step}"] = time.perf_counter() - t
             t = time.perf_counter()
             if step <= cfg["steps"]:
-                mgr.snapshot(step, params, opt_state)
+                mgr.snapshot(step, params, opt_state, extra=loader_state(cfg["pid"], step))
             timing[f"snap{step}"] = time.perf_counter() - t
             t = time.perf_counter()
             report["digests"][step] = digest((params, opt_state))
@@ -165,7 +173,8 @@ def main() -> None:
     report["restore_s"] = time.perf_counter() - t0
     info = mgr.restored
     report.update(step=info.step, source=info.source, lost=info.lost, path=info.path,
-                  fetched_bytes=info.fetched_bytes, copied_bytes=info.copied_bytes)  # fmt: skip
+                  fetched_bytes=info.fetched_bytes, copied_bytes=info.copied_bytes,
+                  extra=repr(info.extra))  # fmt: skip
     report["digest"] = digest((params, opt_state))
     if cfg.get("continue"):
         step_fn = make_step(mesh, params, opt_state)

@@ -174,6 +174,8 @@ class SnapshotManager:
         self._closed = False
         self._restores = 0
         self._extra: Any = None
+        self._peers = extras.PeerExchange(f"ucp-memory/{self.namespace}/{self.run}/extra")
+        self._extra_seq: int | None = None
 
     # ------------------------------------------------------------------------------- snapshot
 
@@ -201,6 +203,7 @@ class SnapshotManager:
         t0 = time.perf_counter()
         leaves = data_leaves(params) + data_leaves(opt_state)  # typed PRNG keys: their data
         prep = self._prepare(params, opt_state, leaves)
+        self._extra_seq = self._peers.publish(prep.layout, self.node, self._extra)
         rolled: dict[tuple[int, int], jax.Array] = {}
         for shift, lis in prep.rolls.items():
             rolled.update(
@@ -337,6 +340,9 @@ class SnapshotManager:
         """Background: commit a filled blob, retire old snapshots, maybe persist."""
         t0 = time.perf_counter()
         try:
+            if self._extra_seq is not None:  # the peers' extras this node keeps redundancy for
+                writer.index["extra_kept"] = self._peers.kept(prep.layout, self.node,
+                                                              self._extra_seq)  # fmt: skip
             with self._lock:
                 entry = writer.commit()
         finally:

@@ -1,11 +1,14 @@
 """Non-tensor state of a snapshot (a data loader's position, metrics, ...), kept per process.
 
 `SnapshotManager.snapshot(step, params, opt_state, extra=...)` takes JSON-able data or bytes
-(e.g. grain's `get_state()`), which may differ per process. Each node keeps its own in its
-snapshot's `index.json` (committed with it, so it always belongs to that step); a persisted
-universal checkpoint gathers every process's into its manifest's `extra`
-(`{"source": "ucp.memory", "process_extra": [per process]}`). A restore gives each process
-its own back as `mgr.restored.extra`, from memory or from the persisted checkpoint.
+(e.g. grain's `get_state()`; also nested in JSON data), which may differ per process. Each node
+keeps its own in its snapshot's `index.json` (committed with it, so it always belongs to that
+step), and, as its redundancy scheme says, what it takes to rebuild its peers' (`extra_kept`:
+replica keeps the previous node's, xor the parity of its group's; exchanged through the
+coordination service in the background); a persisted universal checkpoint gathers every
+process's into its manifest's `extra` (`{"source": "ucp.memory", "process_extra": [per
+process]}`). A restore gives each process its own back as `mgr.restored.extra`: from its node's
+snapshot, rebuilt from its peers' when its node was lost, or from the persisted checkpoint.
 """
 
 from __future__ import annotations
@@ -19,44 +22,141 @@ _BYTES = "__ucp_bytes__"
 
 
 def encode(extra: Any) -> Any:
-    """`extra` as JSON data (bytes as base64), checked to serialise.
+    """`extra` as plain JSON data (bytes, also nested, as base64), checked to serialise.
 
-    >>> encode(b"\\x00\\x01"), encode({"epoch": 1})
-    ({'__ucp_bytes__': 'AAE='}, {'epoch': 1})
+    >>> encode(b"\\x00\\x01"), encode({"epoch": 1, "loader": b"\\x02"})
+    ({'__ucp_bytes__': 'AAE='}, {'epoch': 1, 'loader': {'__ucp_bytes__': 'Ag=='}})
     """
-    if isinstance(extra, bytes | bytearray | memoryview):
-        return {_BYTES: base64.b64encode(bytes(extra)).decode()}
+    if extra is None:
+        return None
     try:
-        json.dumps(extra)
+        return json.loads(json.dumps(extra, default=_bytes))  # plain: str keys, lists
     except (TypeError, ValueError) as e:
         raise TypeError(
             f"snapshot: extra must be JSON-serialisable or bytes ({e}); pass plain data, or "
             "the bytes of a data loader's state"
         ) from e
-    return extra
+
+
+def _bytes(obj: Any) -> Any:
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return {_BYTES: base64.b64encode(bytes(obj)).decode()}
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
 
 
 def decode(obj: Any) -> Any:
     """The inverse of `encode`.
 
-    >>> decode(encode(b"state"))
-    b'state'
+    >>> decode(encode(b"state")), decode(encode({"pos": [1, b"x"]}))
+    (b'state', {'pos': [1, b'x']})
     """
-    if isinstance(obj, dict) and set(obj) == {_BYTES}:
-        return base64.b64decode(obj[_BYTES])
+    if isinstance(obj, dict):
+        if set(obj) == {_BYTES}:
+            return base64.b64decode(obj[_BYTES])
+        return {k: decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode(v) for v in obj]
     return obj
 
 
-def from_snapshot(path: Path | None) -> Any:
-    """This node's extra of a committed snapshot folder (None when it has none)."""
-    if path is None:
-        return None
+def serial(encoded: Any) -> bytes:
+    """The bytes an encoded extra travels (and is rebuilt) as: canonical JSON."""
+    return json.dumps(encoded, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _record(path: Path) -> dict[str, Any] | None:
+    """A committed snapshot's extra and what it keeps of its peers' (None: unreadable)."""
     from .shm import INDEX
 
     try:
-        return decode(json.loads((path / INDEX).read_bytes()).get("extra"))
-    except (OSError, ValueError, AttributeError):
+        d = json.loads((path / INDEX).read_bytes())
+    except (OSError, ValueError):
         return None
+    return {"extra": d.get("extra"), "kept": d.get("extra_kept")} if isinstance(d, dict) else None
+
+
+def restored(cand: Any, tag: str) -> Any:
+    """This process's extra of the step a restore chose (a collective when some process cannot
+    see its node's snapshot: every process sends the records it sees).
+
+    Its node's own when its snapshot is seen, else rebuilt by the layout's redundancy scheme from
+    the others' records (`extra_kept` and their own extras); None when the node gave none, or
+    this process has no node in that step.
+    """
+    import jax
+
+    from .exchange import allgather_json
+
+    lay = cand.layout
+    me, nprocs = jax.process_index(), jax.process_count()
+    records = {n: r for n, e in cand.entries.items() if (r := _record(e.path)) is not None}
+    unseen = [p for p in range(min(nprocs, lay.nodes)) if p not in cand.present.get(p, [])]
+    if nprocs > 1 and unseen:  # every process computes the same `unseen` from the inventory
+        for got in allgather_json({str(n): r for n, r in records.items()}, f"{tag}/extras"):
+            for n, r in got.items():
+                records.setdefault(int(n), r)
+    if me >= lay.nodes:
+        return None
+    if me in records:
+        return decode(records[me]["extra"])
+    if lay.scheme is None:
+        return None
+    raw = lay.scheme.rebuild_extra(
+        lay, me, {n: r["kept"] for n, r in records.items()},
+        {n: serial(r["extra"]) for n, r in records.items()},
+    )  # fmt: skip
+    return None if raw is None else decode(json.loads(raw))
+
+
+class PeerExchange:
+    """Moves each process's serialised extra, per snapshot, to the nodes that keep redundancy for
+    it (the coordination service's key-value store; a few hundred bytes per process).
+
+    `publish` runs on the training thread when a snapshot starts; `kept` in the background before
+    the snapshot commits (it waits for its sources to publish the same snapshot). A process
+    deletes its own keys once they are `LAG` snapshots old (its readers, one collective step
+    behind at most, have read them).
+    """
+
+    LAG = 4
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix, self.seq = prefix, 0
+        self._mine: list[str] = []
+
+    @staticmethod
+    def active(layout: Any) -> bool:
+        """Whether snapshots of `layout` exchange extras (a scheme, several processes)."""
+        import jax
+
+        return layout.scheme is not None and jax.process_count() == layout.nodes > 1
+
+    def publish(self, layout: Any, node: int, encoded: Any) -> int | None:
+        """Publish this node's extra of the next snapshot; its sequence number (None: inactive)."""
+        if not self.active(layout):
+            return None
+        from ..util.sync import coordination_client
+
+        self.seq += 1
+        key = f"{self.prefix}/{self.seq}/{node}"
+        client = coordination_client()
+        client.key_value_set(key, serial(encoded).decode(), allow_overwrite=True)
+        self._mine.append(key)
+        while len(self._mine) > self.LAG:
+            client.key_value_delete(self._mine.pop(0))
+        return self.seq
+
+    def kept(self, layout: Any, node: int, seq: int) -> Any:
+        """What `node` keeps of its sources' extras of snapshot `seq` (waits for them)."""
+        from ..util import config
+        from ..util.sync import coordination_client
+
+        client, timeout_ms = coordination_client(), int(config.barrier_timeout_s() * 1000)
+        raws = {
+            s: client.blocking_key_value_get(f"{self.prefix}/{seq}/{s}", timeout_ms).encode()
+            for s in layout.scheme.extra_sources(layout, node)
+        }
+        return layout.scheme.keep_extras(layout, node, raws)
 
 
 def manifest_extra(encoded: list[Any]) -> dict[str, Any]:
@@ -75,4 +175,12 @@ def from_manifest(extra: Any, node: int) -> Any:
     return decode(per[node])
 
 
-__all__ = ["decode", "encode", "from_manifest", "from_snapshot", "manifest_extra"]
+__all__ = [
+    "PeerExchange",
+    "decode",
+    "encode",
+    "from_manifest",
+    "manifest_extra",
+    "restored",
+    "serial",
+]

@@ -70,8 +70,8 @@ class RestoreInfo:
             machines it cannot see).
         copied_bytes: bytes this process copied to assemble regions; the rest of what it
             restored maps the snapshot's pages (on CPU devices: no copy at all).
-        extra: this process's `extra` of the step restored (`snapshot(..., extra=...)`), None
-            when it gave none (or its node's snapshot was lost and decoded from redundancy).
+        extra: this process's `extra` of the step restored (`snapshot(..., extra=...)`; rebuilt
+            from its peers' when its node was lost), None when it gave none.
     """
 
     step: int | None
@@ -240,8 +240,7 @@ def recover(
         info = RestoreInfo(chosen.step, source, str(root), chosen.lost, time.perf_counter() - t0)
         info.files = [str(f) for f in blobs.files]
         info.fetched_bytes, info.copied_bytes = fetched, blobs.copied
-        mine = chosen.entries.get(jax.process_index())
-        info.extra = extra_mod.from_snapshot(None if mine is None else mine.path)
+        info.extra = extra_mod.restored(chosen, tag)
         detail = f", node(s) {chosen.lost} decoded from {chosen.layout.redundancy}" * bool(
             chosen.lost
         )

@@ -9,7 +9,11 @@ else in the package branches on the scheme's name:
 - what each node fetches to fill them (`needs`: byte ranges of other nodes' pieces, copied or
   XORed into place); `redundancy.plan_fetches` turns them into device copies or rolls;
 - whether a lost node can be rebuilt from the nodes that are left (`decodable`), which bytes
-  that reads (`decode_ranges`) and the rebuild itself (`decode`).
+  that reads (`decode_ranges`) and the rebuild itself (`decode`);
+- the same for each process's `extra` (small serialised bytes, exchanged through the
+  coordination service): whose a node keeps redundancy for (`extra_sources`), what it keeps
+  (`keep_extras`, JSON in its snapshot's index) and the rebuild of a lost node's
+  (`rebuild_extra`).
 
 A new scheme is one subclass here, registered in `SCHEMES` (or with `register_scheme`); then
 `SnapshotManager(redundancy="<name>")` uses it.
@@ -17,6 +21,7 @@ A new scheme is one subclass here, registered in `SCHEMES` (or with `register_sc
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -75,6 +80,21 @@ class RedundancyScheme:
         """
         raise ValueError(f"node {lost} is lost and the snapshot has no redundancy")
 
+    def extra_sources(self, layout: SnapshotLayout, node: int) -> list[int]:
+        """Nodes whose serialised `extra` `node` keeps redundancy for."""
+        return []
+
+    def keep_extras(self, layout: SnapshotLayout, node: int, raws: Mapping[int, bytes]) -> Any:
+        """What `node` keeps of the extras of `extra_sources` (`raws`: node -> bytes), as JSON."""
+        return None
+
+    def rebuild_extra(
+        self, layout: SnapshotLayout, lost: int, kept: Mapping[int, Any], raws: Mapping[int, bytes]
+    ) -> bytes | None:
+        """The serialised extra of `lost`, from what the present nodes keep (`kept`, node ->
+        `keep_extras` record) and their own extras (`raws`); None when it cannot be rebuilt."""
+        return None
+
 
 class Replica(RedundancyScheme):
     """Each node also keeps a copy of the previous node of its group's pieces.
@@ -116,6 +136,21 @@ class Replica(RedundancyScheme):
         for p in layout.by_node[lost]:
             out[p.offset : p.offset + p.nbytes] = blobs[h].view(layout.copy_offset(p, h), p.nbytes)
         return out
+
+    def extra_sources(self, layout: SnapshotLayout, node: int) -> list[int]:
+        return [self.backup_of(layout, node)] if len(layout.group_of[node]) > 1 else []
+
+    def keep_extras(self, layout: SnapshotLayout, node: int, raws: Mapping[int, bytes]) -> Any:
+        (b,) = raws
+        return {"of": b, "data": base64.b64encode(raws[b]).decode()}
+
+    def rebuild_extra(
+        self, layout: SnapshotLayout, lost: int, kept: Mapping[int, Any], raws: Mapping[int, bytes]
+    ) -> bytes | None:
+        rec = kept.get(self.holder_of(layout, lost))
+        if not isinstance(rec, dict) or rec.get("of") != lost:
+            return None
+        return base64.b64decode(rec["data"])
 
 
 class Xor(RedundancyScheme):
@@ -198,6 +233,36 @@ class Xor(RedundancyScheme):
                 np.bitwise_xor(lane[:n], blobs[i].view(c, n), out=lane[:n])
             out[a:b] = lane
         return out
+
+    def extra_sources(self, layout: SnapshotLayout, node: int) -> list[int]:
+        return [m for m in layout.group_of[node] if m != node]
+
+    def keep_extras(self, layout: SnapshotLayout, node: int, raws: Mapping[int, bytes]) -> Any:
+        """The XOR of the other members' extras (zero-padded to the longest) and their lengths."""
+        if not raws:
+            return None
+        parity = np.zeros(max(len(r) for r in raws.values()), np.uint8)
+        for r in raws.values():
+            parity[: len(r)] ^= np.frombuffer(r, np.uint8)
+        lengths = {str(m): len(r) for m, r in sorted(raws.items())}
+        return {"lengths": lengths, "parity": base64.b64encode(parity.tobytes()).decode()}
+
+    def rebuild_extra(
+        self, layout: SnapshotLayout, lost: int, kept: Mapping[int, Any], raws: Mapping[int, bytes]
+    ) -> bytes | None:
+        """Any other member's parity XOR the extras of the members other than it and `lost`."""
+        for k in layout.group_of[lost]:
+            rec = kept.get(k)
+            if k == lost or not isinstance(rec, dict) or str(lost) not in rec.get("lengths", {}):
+                continue
+            others = [int(m) for m in rec["lengths"] if int(m) != lost]
+            if any(m not in raws for m in others):
+                continue
+            out = np.frombuffer(base64.b64decode(rec["parity"]), np.uint8).copy()
+            for m in others:
+                out[: len(raws[m])] ^= np.frombuffer(raws[m], np.uint8)
+            return out[: rec["lengths"][str(lost)]].tobytes()
+        return None
 
 
 SCHEMES: dict[str, RedundancyScheme] = {s.name: s for s in (Replica(), Xor())}

@@ -3,7 +3,8 @@
     <shm_dir>/ucp-<namespace>/<node>/          node = jax.process_index() of the job that wrote it
         plans/<hash>.json      the snapshot layout (every node keeps the whole job's layout)
         step_<n>/data.bin      this node's bytes: its own pieces, then its redundancy bytes
-        step_<n>/index.json    {"format", "step", "run", "plan", "node", "nbytes"}
+        step_<n>/index.json    {"format", "step", "run", "plan", "node", "nbytes"[, "extra",
+                               "extra_kept"]} (its extra, what it keeps of its peers')
         step_<n>/COMMIT        written last (holds the crc32 of index.json); without it the
                                folder is a torn snapshot and is ignored
         .free/                 retired blobs kept for the next snapshot (no fresh page faults)
