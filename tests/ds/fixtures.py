@@ -9,20 +9,17 @@ writes <root>/u_<name>/global_step3. The cache key hashes these scripts and the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
-import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from fixture_cache import built_once, source_key
+from fixture_cache import torchrun as run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DP2 = ["z1_fp32:1:fp32", "z2_bf16:2:bf16", "z3_bf16:3:bf16"]
@@ -48,31 +45,11 @@ class DSCheckpoints:
         return os.path.join(self.root, f"u_{name}", TAG)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(
     nproc: int, args: list[str], cwd: str, timeout: int = 600, script: str = "train_ds.py"
 ) -> None:
     """Run a tests/ds script (train_ds.py) under torchrun; raise with its output on failure."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", os.path.join(HERE, script), *args]  # fmt: skip
-    first = ""
-    for _ in range(2):  # gloo on a loaded CPU host occasionally aborts a rank: retry once
-        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        if p.returncode == 0:
-            return
-        first = first or p.stderr[-4000:]
-        cmd[4] = f"--master_port={free_port()}"
-    raise RuntimeError(
-        f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-        f"\n--- first attempt ---\n{first}"
-    )
+    run_script(os.path.join(HERE, script), nproc, args, cwd, timeout=timeout)
 
 
 def to_universal(pairs: list[tuple[str, str]], cwd: str) -> None:
@@ -87,12 +64,9 @@ def to_universal(pairs: list[tuple[str, str]], cwd: str) -> None:
 def cache_key() -> str:
     from importlib.metadata import version
 
-    h = hashlib.sha256()
-    for f in ("tiny_model.py", "train_ds.py", "to_universal.py", "fixtures.py"):
-        with open(os.path.join(HERE, f), "rb") as fh:
-            h.update(fh.read())
-    h.update(f"{version('torch')} {version('deepspeed')}".encode())
-    return h.hexdigest()[:16]
+    files = ("tiny_model.py", "train_ds.py", "to_universal.py", "fixtures.py")
+    versions = f"{version('torch')} {version('deepspeed')}"
+    return source_key([os.path.join(HERE, f) for f in files], versions)
 
 
 def build(root: str) -> dict:
@@ -112,35 +86,9 @@ def build(root: str) -> dict:
     return losses
 
 
-@contextlib.contextmanager
-def _locked(path: str):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def get(cache_dir: str) -> DSCheckpoints:
     """The cached checkpoints, built on first use (process-safe)."""
-    key = cache_key()
-    final = os.path.join(cache_dir, key)
-    os.makedirs(cache_dir, exist_ok=True)
-    with _locked(os.path.join(cache_dir, ".lock")):
-        done = os.path.join(final, "DONE.json")
-        if not os.path.isfile(done):
-            for old in os.listdir(cache_dir):
-                if old != ".lock":
-                    shutil.rmtree(os.path.join(cache_dir, old), ignore_errors=True)
-            tmp = final + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            losses = build(tmp)
-            with open(os.path.join(tmp, "DONE.json"), "w") as f:
-                json.dump(losses, f)
-            os.rename(tmp, final)
-        with open(done) as f:
-            return DSCheckpoints(final, json.load(f))
+    return DSCheckpoints(*built_once(cache_dir, cache_key(), build))
 
 
 @pytest.fixture(scope="session")

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import time
 
 import pytest
+from fixture_cache import built_once, source_key
 
-from .fixtures import _locked, torchrun
+from .fixtures import torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS = {4: ["m_z1_fp32:1:fp32:2", "m_z2_bf16:2:bf16:2"], 3: ["m_z1_fp32_dp3:1:fp32:1"]}
@@ -57,12 +56,9 @@ class MoECheckpoints:
 def cache_key() -> str:
     from importlib.metadata import version
 
-    h = hashlib.sha256()
-    for f in ("moe_model.py", "train_moe.py", "moe_fixtures.py"):
-        with open(os.path.join(HERE, f), "rb") as fh:
-            h.update(fh.read())
-    h.update(f"{version('torch')} {version('deepspeed')}".encode())
-    return h.hexdigest()[:16]
+    files = ("moe_model.py", "train_moe.py", "moe_fixtures.py")
+    versions = f"{version('torch')} {version('deepspeed')}"
+    return source_key([os.path.join(HERE, f) for f in files], versions)
 
 
 def build(root: str) -> dict:
@@ -81,23 +77,7 @@ def build(root: str) -> dict:
 
 def get(cache_dir: str) -> MoECheckpoints:
     """The cached checkpoints, built on first use (process-safe)."""
-    key = cache_key()
-    final = os.path.join(cache_dir, key)
-    os.makedirs(cache_dir, exist_ok=True)
-    with _locked(os.path.join(cache_dir, ".lock")):
-        done = os.path.join(final, "DONE.json")
-        if not os.path.isfile(done):
-            for old in os.listdir(cache_dir):
-                if old != ".lock":
-                    shutil.rmtree(os.path.join(cache_dir, old), ignore_errors=True)
-            tmp = final + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            losses = build(tmp)
-            with open(os.path.join(tmp, "DONE.json"), "w") as f:
-                json.dump(losses, f)
-            os.rename(tmp, final)
-        with open(done) as f:
-            return MoECheckpoints(final, json.load(f))
+    return MoECheckpoints(*built_once(cache_dir, cache_key(), build))
 
 
 @pytest.fixture(scope="session")

@@ -18,20 +18,16 @@ scripts, the importer / exporter modules and the versions.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
-import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
 import time
 
 import pytest
+from fixture_cache import built_once, source_key
+from fixture_cache import torchrun as run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS2 = ["tp2:2:1:fp32:plain"]
@@ -66,45 +62,21 @@ class MegatronCheckpoints:
         return os.path.join(self.root, name + ".pt")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(
     nproc: int, args: list[str], cwd: str, timeout: int = 600, path: str | None = None
 ) -> None:
-    """Run train_mcore.py under torchrun; raise with its output on failure (retried once)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    if path:  # another megatron-core, ahead of the venv's
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
-    env.pop("XLA_FLAGS", None)
-    first = ""
-    for _ in range(2):  # gloo on a loaded CPU host occasionally aborts a rank: retry once
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", os.path.join(HERE, "train_mcore.py"), *args]  # fmt: skip
-        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        if p.returncode == 0:
-            return
-        first = first or p.stderr[-4000:]
-    raise RuntimeError(
-        f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-        f"\n--- first attempt ---\n{first}"
-    )
+    """Run train_mcore.py under torchrun; `path`: another megatron-core, ahead of the venv's."""
+    script = os.path.join(HERE, "train_mcore.py")
+    run_script(script, nproc, args, cwd, timeout=timeout, pythonpath=path)
 
 
 def cache_key(extra: tuple[str, ...] = ()) -> str:
     from importlib.metadata import version
 
-    h = hashlib.sha256()
     lib = os.path.join(HERE, "..", "..", "ucp_jax", "_src", "torch")
     paths = [os.path.join(HERE, f) for f in ("train_mcore.py", "fixtures.py", *extra)]
-    for f in paths + [os.path.join(lib, f) for f in _SOURCES]:
-        with open(f, "rb") as fh:
-            h.update(fh.read())
-    h.update(f"{version('torch')} {version('megatron-core')} {os.path.isdir(LEGACY)}".encode())
-    return h.hexdigest()[:16]
+    versions = f"{version('torch')} {version('megatron-core')} {os.path.isdir(LEGACY)}"
+    return source_key(paths + [os.path.join(lib, f) for f in _SOURCES], versions)
 
 
 def build(root: str) -> dict:
@@ -138,34 +110,9 @@ def build(root: str) -> dict:
     return results
 
 
-@contextlib.contextmanager
-def _locked(path: str):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def get(cache_dir: str) -> MegatronCheckpoints:
     """The cached checkpoints, built on first use (process-safe)."""
-    final = os.path.join(cache_dir, cache_key())
-    os.makedirs(cache_dir, exist_ok=True)
-    with _locked(os.path.join(cache_dir, ".lock")):
-        done = os.path.join(final, "DONE.json")
-        if not os.path.isfile(done):
-            for old in os.listdir(cache_dir):
-                if old != ".lock":
-                    shutil.rmtree(os.path.join(cache_dir, old), ignore_errors=True)
-            tmp = final + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            results = build(tmp)
-            with open(os.path.join(tmp, "DONE.json"), "w") as f:
-                json.dump(results, f)
-            os.rename(tmp, final)
-        with open(done) as f:
-            return MegatronCheckpoints(final, json.load(f))
+    return MegatronCheckpoints(*built_once(cache_dir, cache_key(), build))
 
 
 def megatron_available() -> bool:
