@@ -29,7 +29,7 @@ from .mapping.binding import (
     my_write_tasks,
     write_regions,
 )
-from .mapping.boxes import relative_slices, to_slices
+from .mapping.boxes import Box, box_shape, box_size, relative_slices, to_slices
 from .mapping.patterns import chain_to_json, fused_marks_to_json
 from .mapping.rules import CompiledRules, Rule
 from .util import config
@@ -38,6 +38,7 @@ from .util.sync import barrier
 
 log = logging.getLogger("ucp_jax")
 _SAVE_COUNTER = itertools.count()
+MERGE_BYTES = 64 << 20  # a leaf's local regions are written as one box up to this size
 
 
 class SaveJob:
@@ -80,6 +81,8 @@ class SaveJob:
                 raise TypeError(f"save: leaf {b.name!r} is a ShapeDtypeStruct; save real arrays")
         self.atoms: dict[str, dict[str, Any]] = {}
         self.tasks: list[WriteTask] = []
+        self.merged: dict[int, _Merge] = {}  # id(task) -> the merged write it is part of
+        self._shards: dict[int, dict[Any, Any]] = {}  # id(leaf value) -> device -> its shard
         self.slots: dict[tuple[str, str], tuple[tuple[int, ...], SlotInfo]] = {}
         for b in bindings:
             self._plan_leaf(b)
@@ -146,7 +149,29 @@ class SaveJob:
             info = SlotInfo(dtype_name(b.dtype), f"{atom_dir(atom)}/{b.slot}", chunks, inner)
             entry["slots"][b.slot] = info
             self.slots[(atom, b.slot)] = (shape, info)
-        self.tasks.extend(my_write_tasks(b, regions))
+        tasks = my_write_tasks(b, regions)
+        self._plan_merge(b, tasks)
+        self.tasks.extend(tasks)
+
+    def _plan_merge(self, b: LeafBinding, tasks: list[WriteTask]) -> None:
+        """Merge this leaf's regions into one write when they tile a small box exactly.
+
+        Many small shards of one leaf (many local devices, small arrays) then cost one write of
+        their bounding box instead of one TensorStore write (and its Python overhead) each.
+        """
+        if len(tasks) < 2 or any(t.device is None for t in tasks):
+            return
+        lo = [min(t.box[j][0] for t in tasks) for j in range(len(b.shape))]
+        hi = [max(t.box[j][1] for t in tasks) for j in range(len(b.shape))]
+        bbox = tuple(zip(lo, hi))
+        nbytes = box_size(bbox) * b.dtype.itemsize
+        if nbytes > min(MERGE_BYTES, self.budget // 4) or box_size(bbox) != sum(
+            box_size(t.box) for t in tasks
+        ):
+            return
+        group = _Merge(b, bbox, len(tasks))
+        for t in tasks:
+            self.merged[id(t)] = group
 
     # --------------------------------------------------------------------------- device -> host
 
@@ -154,7 +179,11 @@ class SaveJob:
         """This task's region as an array (device slice, or host value)."""
         if t.device is None:
             return np.asarray(t.binding.value)[to_slices(t.box)]
-        shard = next(s for s in t.binding.value.addressable_shards if s.device == t.device)
+        value = t.binding.value
+        index = self._shards.get(id(value))
+        if index is None:  # index the shards once per leaf, not one search per task
+            index = self._shards[id(value)] = {s.device: s for s in value.addressable_shards}
+        shard = index[t.device]
         local = relative_slices(t.box, t.shard_box)
         if t.box == t.shard_box:
             return shard.data
@@ -192,6 +221,26 @@ class SaveJob:
 
     # --------------------------------------------------------------------------------- writing
 
+    def _write_region(
+        self,
+        arrays: dict[tuple[str, str], Any],
+        b: LeafBinding,
+        box: Box,
+        data: np.ndarray,
+        written: dict[SlotInfo, set[str]],
+    ) -> list[Any]:
+        """Issue the writes of one region of a leaf (`data`) to its atoms; return the futures."""
+        futs = []
+        for p in b.pieces(box):
+            if p.atom is None:
+                continue
+            chunk = p.leaf_to_atom(data[relative_slices(p.leaf_box, box)])
+            key = (p.atom, b.slot)
+            futs.append(arrays[key][to_slices(p.atom_box)].write(chunk))
+            info = self.slots[key][1]
+            written.setdefault(info, set()).update(keys_in_box(p.atom_box, info.chunks))
+        return futs
+
     def write(self, host: Sequence[np.ndarray] | None) -> None:
         """Create arrays (process 0), write this process's share, then commit (process 0)."""
         if jax.process_index() == 0:
@@ -212,17 +261,15 @@ class SaveJob:
         written: dict[SlotInfo, set[str]] = {}  # the chunk files this process writes, per array
         try:
             for t, data in source:
-                futs = []
-                for p in t.binding.pieces(t.box):
-                    if p.atom is None:
+                group = self.merged.get(id(t))
+                if group is not None:
+                    if group.add(t, data):
                         continue
-                    rel = relative_slices(p.leaf_box, t.box)
-                    chunk = p.leaf_to_atom(data[rel])
-                    arr = arrays[(p.atom, t.binding.slot)]
-                    futs.append(arr[to_slices(p.atom_box)].write(chunk))
-                    info = self.slots[(p.atom, t.binding.slot)][1]
-                    written.setdefault(info, set()).update(keys_in_box(p.atom_box, info.chunks))
-                for fs in inflight.push(futs, t.nbytes):
+                    box, data = group.box, group.take()
+                else:
+                    box = t.box
+                futs = self._write_region(arrays, t.binding, box, data, written)
+                for fs in inflight.push(futs, box_size(box) * t.binding.dtype.itemsize):
                     _wait_all(fs)
             for fs in inflight.drain():
                 _wait_all(fs)
@@ -236,6 +283,28 @@ class SaveJob:
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)
         barrier(self.tag + "-committed")
+
+
+class _Merge:
+    """The regions of one leaf written as one box: filled region by region, written when full."""
+
+    def __init__(self, binding: LeafBinding, box: Box, count: int) -> None:
+        self.binding, self.box, self.count = binding, box, count
+        self.buf: np.ndarray | None = None
+        self.seen = 0
+
+    def add(self, t: WriteTask, data: np.ndarray) -> bool:
+        """Copy one region in; True while regions are still missing."""
+        if self.buf is None:
+            self.buf = np.empty(box_shape(self.box), dtype=np.asarray(data).dtype)
+        self.buf[relative_slices(t.box, self.box)] = data
+        self.seen += 1
+        return self.seen < self.count
+
+    def take(self) -> np.ndarray:
+        buf, self.buf, self.seen = self.buf, None, 0
+        assert buf is not None
+        return buf
 
 
 def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:
