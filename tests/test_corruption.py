@@ -206,11 +206,11 @@ def test_manifest_newer_format_version(ckpt):
 
 def test_manifest_newer_format_string(ckpt):
     def edit(m: dict) -> None:
-        m["format"] = "ucp/3"
+        m["format"] = "ucp/4"
         del m["format_version"]
 
     _edit_manifest(ckpt, edit)
-    _assert_refused(ckpt, ucp.FormatVersionError, "version 3 is newer")
+    _assert_refused(ckpt, ucp.FormatVersionError, "version 4 is newer")
 
 
 def test_manifest_of_another_format(ckpt):

@@ -16,10 +16,17 @@ import jax
 import numpy as np
 
 from .errors import MismatchError
-from .format import commit, store
+from .format import aggregate, commit, integrity, store
 from .format.dtypes import dtype_name
 from .format.integrity import keys_in_box
-from .format.manifest import AtomInfo, Manifest, SlotInfo, atom_dir, source_header
+from .format.manifest import (
+    PER_ARRAY_VERSION,
+    AtomInfo,
+    Manifest,
+    SlotInfo,
+    atom_dir,
+    source_header,
+)
 from .mapping.binding import (
     LeafBinding,
     WriteTask,
@@ -56,8 +63,15 @@ class SaveJob:
         overwrite: bool,
         max_inflight_bytes: int | None = None,
         staging: Any = None,
+        layout: str | None = None,
     ) -> None:
         self.loc = store.Location.parse(path)
+        layout = layout or config.save_layout()
+        if layout not in ("aggregated", "per-array"):
+            raise ValueError(f"save: layout must be 'aggregated' or 'per-array', not {layout!r}")
+        # 'aggregated' (format version 3): one OCDBT database per process, merged at commit;
+        # 'per-array' (version 2): one folder per array, one file per chunk (kept for tests).
+        self.aggregated = layout == "aggregated"
         # `staging`: another commit protocol with Staging's interface (check, prepare, target,
         # commit); the Orbax handler passes one that writes in place into Orbax's own tmp folder.
         if staging is None:
@@ -110,6 +124,7 @@ class SaveJob:
                 device_count=jax.device_count(),
             ),
             extra=extra,
+            version=aggregate.AGGREGATED_VERSION if self.aggregated else PER_ARRAY_VERSION,
         )
         self.staging.check()
 
@@ -228,21 +243,33 @@ class SaveJob:
         box: Box,
         data: np.ndarray,
         written: dict[SlotInfo, set[str]],
+        base: dict[tuple[str, str], Any] | None = None,
+        txn: Any = None,
     ) -> list[Any]:
-        """Issue the writes of one region of a leaf (`data`) to its atoms; return the futures."""
+        """Issue the writes of one region of a leaf (`data`) to its atoms; return the futures.
+
+        With `txn`: `arrays` caches `base`'s arrays bound to that transaction.
+        """
         futs = []
         for p in b.pieces(box):
             if p.atom is None:
                 continue
             chunk = p.leaf_to_atom(data[relative_slices(p.leaf_box, box)])
             key = (p.atom, b.slot)
-            futs.append(arrays[key][to_slices(p.atom_box)].write(chunk))
+            arr = arrays.get(key)
+            if arr is None:
+                assert base is not None
+                arr = arrays[key] = base[key].with_transaction(txn)
+            futs.append(arr[to_slices(p.atom_box)].write(chunk))
             info = self.slots[key][1]
             written.setdefault(info, set()).update(keys_in_box(p.atom_box, info.chunks))
         return futs
 
     def write(self, host: Sequence[np.ndarray] | None) -> None:
         """Create arrays (process 0), write this process's share, then commit (process 0)."""
+        if self.aggregated:
+            self._write_aggregated(host)
+            return
         if jax.process_index() == 0:
             self.staging.prepare()
             creating = {
@@ -256,20 +283,12 @@ class SaveJob:
         for key, (shape, info) in self.slots.items():
             if key not in arrays:
                 arrays[key] = store.open_array(self.staging.target, shape, info, write=True)
-        source = zip(self.tasks, host) if host is not None else self._stream()
         inflight: InflightWindow[list[Any]] = InflightWindow(self.budget)
         written: dict[SlotInfo, set[str]] = {}  # the chunk files this process writes, per array
         try:
-            for t, data in source:
-                group = self.merged.get(id(t))
-                if group is not None:
-                    if group.add(t, data):
-                        continue
-                    box, data = group.box, group.take()
-                else:
-                    box = t.box
-                futs = self._write_region(arrays, t.binding, box, data, written)
-                for fs in inflight.push(futs, box_size(box) * t.binding.dtype.itemsize):
+            for b, box, data in self._regions(host):
+                futs = self._write_region(arrays, b, box, data, written)
+                for fs in inflight.push(futs, box_size(box) * b.dtype.itemsize):
                     _wait_all(fs)
             for fs in inflight.drain():
                 _wait_all(fs)
@@ -279,6 +298,57 @@ class SaveJob:
             for fs in inflight.drain():
                 _wait_all(fs, raise_first=False)
         commit.record_fingerprints(self.staging.target, written, f"p{jax.process_index()}")
+        self._commit()
+
+    def _regions(
+        self, host: Sequence[np.ndarray] | None
+    ) -> Iterator[tuple[LeafBinding, Box, np.ndarray]]:
+        """(leaf, box, data) to write, with merged regions assembled into their box."""
+        source = zip(self.tasks, host) if host is not None else self._stream()
+        for t, data in source:
+            group = self.merged.get(id(t))
+            if group is None:
+                yield t.binding, t.box, data
+            elif not group.add(t, data):
+                yield t.binding, group.box, group.take()
+
+    def _write_aggregated(self, host: Sequence[np.ndarray] | None) -> None:
+        """Format version 3: this process's chunks into its own OCDBT database, in a few
+        transactions of at most half the in-flight budget each (a few data files per process)."""
+        import tensorstore as ts
+
+        me = jax.process_index()
+        db = aggregate.process_db(self.staging.target, me)
+        if me == 0:
+            self.staging.prepare()
+            txn = ts.Transaction()
+            futs = [_create(db, shape, info, txn) for shape, info in self.slots.values()]
+            for f in futs:
+                f.result()
+            txn.commit_async().result()
+        barrier(self.tag + "-created")
+        opened = {k: store.open_array_async(db, shape, info, write=True)
+                  for k, (shape, info) in self.slots.items()}  # fmt: skip
+        arrays = {k: f.result() for k, f in opened.items()}
+        written: dict[SlotInfo, set[str]] = {}
+        txn, staged, in_txn = ts.Transaction(), 0, {}
+        try:
+            for b, box, data in self._regions(host):
+                futs = self._write_region(in_txn, b, box, data, written, arrays, txn)
+                for f in futs:
+                    f.copy.result()
+                staged += box_size(box) * b.dtype.itemsize
+                if staged >= self.budget // 2:
+                    txn.commit_async().result()
+                    txn, staged, in_txn = ts.Transaction(), 0, {}
+            txn.commit_async().result()
+        except BaseException:
+            txn.abort()
+            raise
+        integrity.write_process_table(db, written, f"p{me}")
+        self._commit()
+
+    def _commit(self) -> None:
         barrier(self.tag + "-written")
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)
@@ -319,10 +389,11 @@ def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:
         raise first
 
 
-def _create(loc: store.Location, shape: tuple[int, ...], info: SlotInfo) -> Any:
+def _create(loc: store.Location, shape: tuple[int, ...], info: SlotInfo, txn: Any = None) -> Any:
     import tensorstore as ts
 
-    return ts.open(store.array_spec(loc, shape, info), create=True, context=store.CONTEXT)
+    spec = store.array_spec(loc, shape, info)
+    return ts.open(spec, create=True, context=store.CONTEXT, transaction=txn)
 
 
 class SaveHandle:

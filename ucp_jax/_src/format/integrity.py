@@ -276,3 +276,63 @@ def check(
                 f"(fingerprint {got.get(k, 'missing')}, recorded {table[k]}): it was swapped, "
                 "replaced or rewritten; the checkpoint is corrupt: restore an earlier one"
             )
+
+
+# --------------------------------------------------------- format version 3: one table per process
+
+PROCESS_DIGEST_FORMAT = "ucp-digests/2"
+
+
+def write_process_table(db: Any, keys: Mapping[SlotInfo, Iterable[str]], writer: str) -> None:
+    """Format version 3: the fingerprints of every chunk `writer` wrote, all arrays in one object.
+
+    `db` is the writer's database (a `store.Location`); the table goes to `digests/<writer>.json`
+    in it, written even when empty (process 0's merge takes it as the sign the writer finished).
+    """
+    kv = db.kv()
+    arrays: dict[str, dict[str, str]] = {}
+    for info, ks in keys.items():
+        ks = sorted(set(ks))
+        if not ks:
+            continue
+        got = fingerprints(kv, info, [f"{info.path}/{k}" for k in ks])
+        arrays[info.path] = {k: got[f"{info.path}/{k}"] for k in ks if f"{info.path}/{k}" in got}
+    doc = {"format": PROCESS_DIGEST_FORMAT, "writer": writer, "arrays": arrays}
+    kv.write(f"{DIGEST_DIR}/{writer}.json", json.dumps(doc, sort_keys=True).encode()).result()
+
+
+def read_process_tables(kv: ts.KvStore, where: str) -> dict[str, dict[str, str]]:
+    """Format version 3: every process's table, merged: array path -> chunk key -> fingerprint.
+
+    Raises:
+        ChecksumError: a table is unreadable, or two tables disagree on a chunk.
+    """
+    names = [k.decode() for k in kv.list(ts.KvStore.KeyRange(DIGEST_DIR + "/", DIGEST_DIR + "0"))
+             .result()]  # fmt: skip
+    with ts.Batch() as batch:
+        futs = [kv.read(k, batch=batch) for k in names]
+    out: dict[str, dict[str, str]] = {}
+    for name, f in zip(names, futs):
+        try:
+            doc = json.loads(bytes(f.result().value))
+            ok = (
+                isinstance(doc, dict)
+                and doc.get("format") == PROCESS_DIGEST_FORMAT
+                and isinstance(doc.get("arrays"), dict)
+                and all(
+                    isinstance(t, dict) and all(isinstance(v, str) for v in t.values())
+                    for t in doc["arrays"].values()
+                )
+            )
+        except (ValueError, RecursionError) as e:
+            raise ChecksumError(f"{where}: {name} is not a readable fingerprint table ({e})") from e
+        if not ok:
+            raise ChecksumError(f"{where}: {name} is not a readable fingerprint table; damaged")
+        for path, chunks in doc["arrays"].items():
+            table = out.setdefault(path, {})
+            for k, v in chunks.items():
+                if table.setdefault(k, v) != v:
+                    raise ChecksumError(
+                        f"{where}: two fingerprint tables disagree on {path}/{k}; damaged"
+                    )
+    return out

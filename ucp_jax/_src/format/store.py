@@ -19,7 +19,14 @@ from .dtypes import zarr_dtype
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, check_commit
 
 # One context for the whole process, so that `memory://` stores are shared between calls.
-CONTEXT = ts.Context({"file_io_concurrency": {"limit": 64}, "data_copy_concurrency": {}})
+CONTEXT = ts.Context(
+    {
+        "file_io_concurrency": {"limit": 64},
+        "data_copy_concurrency": {},
+        # B-tree nodes of the aggregated layout's OCDBT databases (format/aggregate.py)
+        "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+    }
+)
 # For writers that make their files durable themselves, all at once (see sync_tree): TensorStore
 # then neither fsyncs each file nor waits for it.
 DEFERRED_SYNC_CONTEXT = ts.Context({"file_io_sync": False}, CONTEXT)
