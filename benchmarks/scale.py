@@ -7,9 +7,10 @@ run: save time (until committed), restore time onto another mesh with other spec
 and the number of objects (files) a checkpoint is, for `ucp.save` / `ucp.restore` and Orbax's
 `StandardCheckpointer` (OCDBT, its default). Each timing is the median of `--repeats`.
 
-Then a planning-only simulation: the per-process save planning (`ucp_jax`'s write plan: which
-regions this process writes, chunk grids) of a 300-leaf tree over abstract meshes of up to 16k
-devices with 8 devices per process, without data or devices (`jax.sharding.AbstractMesh`).
+Planning (`SaveJob` construction: which regions this process writes, chunk grids) is timed at
+each N and extrapolated to 1k-16k devices and a 300-leaf tree by a least-squares line in N (the
+plan visits every device of every leaf's sharding; see docs/SCALE.md). `--layout` picks the
+layout ucp saves (`UCP_LAYOUT`; default aggregated, format version 3).
 
 Usage::
 
@@ -81,13 +82,15 @@ def worker(n: int, repeats: int, work: str) -> dict[str, Any]:
             out[f"layer_{layer:02d}"] = {k: leaf(j, sp[j]) for j, k in enumerate(names)}
         return out
 
+    from ucp_jax._src import save as save_mod
+
     params = tree(mesh, specs, True)
     target = tree(mesh2, specs2, False)
     assert len(jax.tree_util.tree_leaves(params)) == 161
     ckptr = ocp.StandardCheckpointer()
     res: dict[str, Any] = {"devices": n, "mesh": [a, b], "leaves": 161}
     times: dict[str, list[float]] = {k: [] for k in ("ucp_save", "ucp_restore", "orbax_save",
-                                                     "orbax_restore")}  # fmt: skip
+                                                     "orbax_restore", "plan_s")}  # fmt: skip
     for rep in range(repeats + 1):  # the first round warms up (compiles, imports)
         up, op = f"{work}/ucp_{rep}", f"{work}/orbax_{rep}"
         t0 = time.perf_counter()
@@ -102,12 +105,17 @@ def worker(n: int, repeats: int, work: str) -> dict[str, Any]:
         got2 = ckptr.restore(op, target)
         jax.block_until_ready(got2)
         t4 = time.perf_counter()
+        t5 = time.perf_counter()
+        save_mod.SaveJob(f"{work}/plan", params, None, step=None, rules=(), extra=None,
+                         overwrite=True)  # fmt: skip
+        times["plan_s"].append(time.perf_counter() - t5)
         if rep == 0:
             for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params)):
                 assert np.array_equal(np.asarray(x), np.asarray(y))
             res["ucp_objects"] = count_files(up)
             res["orbax_objects"] = count_files(op)
             continue
+        times["plan_s"].pop()  # the warm-up round's
         times["ucp_save"].append(t1 - t0)
         times["ucp_restore"].append(t2 - t1)
         times["orbax_save"].append(t3 - t2)
@@ -116,24 +124,27 @@ def worker(n: int, repeats: int, work: str) -> dict[str, Any]:
     return res
 
 
-def plan_sim(devices: list[int], leaves: int, per_process: int) -> list[dict[str, Any]]:
-    """Per-process save planning time over abstract meshes (no devices, no data)."""
-    from ucp_jax._src.mapping.plan_sim import simulate_plan
+def plan_model(rows: list[dict[str, Any]], devices: list[int], leaves: int) -> list[dict[str, Any]]:
+    """Per-process planning time at larger device counts, from the measured ones.
 
-    out = []
-    for n in devices:
-        a, b = mesh_shape(n)
-        secs, regions = simulate_plan((a, b), leaves=leaves, width=WIDTH * 64,
-                                      per_process=per_process)  # fmt: skip
-        out.append({"devices": n, "processes": n // per_process, "leaves": leaves,
-                    "plan_s": secs, "local_regions": regions})  # fmt: skip
-    return out
+    A least-squares line through (devices, measured planning seconds per leaf), times `leaves`:
+    today's plan visits every device of every leaf's sharding (O(global devices) per leaf).
+    """
+    xs = [float(r["devices"]) for r in rows]
+    ys = [r["plan_s"] / r["leaves"] for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    icpt = my - slope * mx
+    return [{"devices": n, "leaves": leaves, "plan_s": (icpt + slope * n) * leaves,
+             "measured": False, "per_device_per_leaf_s": slope} for n in devices]  # fmt: skip
 
 
-def run_worker(n: int, repeats: int) -> dict[str, Any]:
+def run_worker(n: int, repeats: int, layout: str) -> dict[str, Any]:
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
     env["JAX_PLATFORMS"] = "cpu"
+    env["UCP_LAYOUT"] = layout
     with tempfile.TemporaryDirectory(prefix=f"ucp-scale-{n}-") as work:
         cmd = [sys.executable, __file__, "--worker", str(n), "--repeats", str(repeats),
                "--work", work]  # fmt: skip
@@ -156,11 +167,13 @@ def report(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> str:
             f"{r['orbax_objects']:,} | {r['save_ratio']:.2f} | {r['restore_ratio']:.2f} | "
             f"{r['objects_ratio']:.2f} |"
         )
-    lines += ["", "| devices | processes | leaves | planning per process | local regions |",
-              "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines += ["", "| devices | leaves | planning (measured) |", "|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['devices']:,} | {r['leaves']} | {r['plan_s'] * 1e3:.1f} ms |")
+    lines += ["", "| devices | leaves | planning (extrapolated, linear in devices) |",
+              "|---:|---:|---:|"]  # fmt: skip
     for p in plans:
-        lines.append(f"| {p['devices']:,} | {p['processes']:,} | {p['leaves']} | "
-                     f"{p['plan_s'] * 1e3:.1f} ms | {p['local_regions']:,} |")  # fmt: skip
+        lines.append(f"| {p['devices']:,} | {p['leaves']} | {p['plan_s']:.2f} s |")
     return "\n".join(lines)
 
 
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plan-devices", type=int, nargs="*",
                     default=[256, 1024, 4096, 16384])  # fmt: skip
     ap.add_argument("--plan-leaves", type=int, default=300)
-    ap.add_argument("--per-process", type=int, default=8)
+    ap.add_argument("--layout", default="aggregated", choices=["aggregated", "per-array"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -181,15 +194,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for n in args.devices:
-        r = run_worker(n, args.repeats)
+        r = run_worker(n, args.repeats, args.layout)
         r["save_ratio"] = r["ucp_save"] / r["orbax_save"]
         r["restore_ratio"] = r["ucp_restore"] / r["orbax_restore"]
         r["objects_ratio"] = r["ucp_objects"] / r["orbax_objects"]
         rows.append(r)
         print(f"{n} devices done", file=sys.stderr)
-    plans = plan_sim(args.plan_devices, args.plan_leaves, args.per_process)
+    plans = plan_model(rows, args.plan_devices, args.plan_leaves)
     print(report(rows, plans))
-    doc = {"targets": TARGETS, "repeats": args.repeats, "rows": rows, "planning": plans,
+    doc = {"targets": TARGETS, "repeats": args.repeats, "layout": args.layout, "rows": rows, "planning": plans,
            "load_average": os.getloadavg()[0]}  # fmt: skip
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -129,7 +129,7 @@ def test_swapped_chunks_in_data_file_are_refused(saved):
     data = bytearray(Path(fa).read_bytes())
     data[oa : oa + na], data[ob : ob + nb] = data[ob : ob + nb], data[oa : oa + na]
     Path(fa).write_bytes(bytes(data))
-    with pytest.raises(ucp.ChecksumError, match="'l002'.*(swapped|checksum)"):
+    with pytest.raises(ucp.ChecksumError, match=r"'l002'.*(swapped|checksum)"):
         ucp.restore(path, targets(ref, mesh_of((8,))))
 
 

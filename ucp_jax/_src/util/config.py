@@ -45,7 +45,9 @@ def save_layout() -> str:
     """
     raw = os.environ.get("UCP_LAYOUT", "").strip() or "per-array"
     if raw not in ("per-array", "aggregated"):
-        raise ValueError(f"environment variable UCP_LAYOUT={raw!r}: use 'per-array' or 'aggregated'")
+        raise ValueError(
+            f"environment variable UCP_LAYOUT={raw!r}: use 'per-array' or 'aggregated'"
+        )
     return raw
 
 
