@@ -16,9 +16,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import tensorstore as ts
 from conftest import assert_tree_bitexact
-from helpers import mesh_of, place, targets
+from helpers import mesh_of, ocdbt_values, place, targets
 
 import ucp_jax as ucp
 from ucp_jax._src import save as save_mod
@@ -81,23 +80,6 @@ def test_per_array_layout_still_reads(tmp_path):
     assert cli_main(["verify", str(path)]) == 0
 
 
-def _values(path: Path) -> dict[str, tuple[str, int, int]]:
-    """Key -> (data file, offset, length) of every value in the root database of a checkpoint."""
-    base = ts.KvStore.open({"driver": "file", "path": str(path) + "/"}).result()
-    out: dict[str, tuple[str, int, int]] = {}
-    todo = [ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]]
-    while todo:
-        node = ts.ocdbt.dump(base, todo.pop()).result()
-        for e in node["entries"]:
-            if "node" in e:
-                todo.append(e["node"])
-            elif "indirect_value" in e:
-                _, rest = e["indirect_value"].split(":", 1)
-                prefix, name, off, n = rest.split(":")
-                out[e["key"].decode()] = (str(path / (prefix + name)), int(off), int(n))
-    return out
-
-
 @pytest.fixture
 def saved(tmp_path: Path) -> tuple[Path, dict]:
     ref = _tree(3)
@@ -108,7 +90,7 @@ def saved(tmp_path: Path) -> tuple[Path, dict]:
 
 def test_flipped_byte_in_data_file_is_named(saved, capsys):
     path, ref = saved
-    f, off, n = _values(path)["atoms/l001/fp32/c/0/0"]
+    f, off, n = ocdbt_values(path)["atoms/l001/fp32/c/0/0"]
     data = bytearray(Path(f).read_bytes())
     data[off + n // 2] ^= 0x10
     Path(f).write_bytes(bytes(data))
@@ -123,7 +105,7 @@ def test_flipped_byte_in_data_file_is_named(saved, capsys):
 def test_swapped_chunks_in_data_file_are_refused(saved):
     """Two equal-size chunks swapped inside the data file pass crc32c, not the fingerprints."""
     path, ref = saved
-    values = _values(path)
+    values = ocdbt_values(path)
     (fa, oa, na), (fb, ob, nb) = values["atoms/l002/fp32/c/0/0"], values["atoms/l002/fp32/c/1/1"]
     assert fa == fb and na == nb
     data = bytearray(Path(fa).read_bytes())

@@ -307,14 +307,23 @@ def read_process_tables(kv: ts.KvStore, where: str) -> dict[str, dict[str, str]]
     Raises:
         ChecksumError: a table is unreadable, or two tables disagree on a chunk.
     """
-    names = [k.decode() for k in kv.list(ts.KvStore.KeyRange(DIGEST_DIR + "/", DIGEST_DIR + "0"))
-             .result()]  # fmt: skip
+    from .store import wrap_io_error
+
+    try:
+        listed = kv.list(ts.KvStore.KeyRange(DIGEST_DIR + "/", DIGEST_DIR + "0")).result()
+    except ValueError as e:
+        raise wrap_io_error(e, f"{where}: the fingerprint tables") from e
+    names = [k.decode() for k in listed]
     with ts.Batch() as batch:
         futs = [kv.read(k, batch=batch) for k in names]
     out: dict[str, dict[str, str]] = {}
     for name, f in zip(names, futs):
         try:
-            doc = json.loads(bytes(f.result().value))
+            r = f.result()
+        except ValueError as e:
+            raise wrap_io_error(e, f"{where}: {name}") from e
+        try:
+            doc = json.loads(bytes(r.value))
             ok = (
                 isinstance(doc, dict)
                 and doc.get("format") == PROCESS_DIGEST_FORMAT

@@ -268,11 +268,19 @@ def wrap_io_error(e: Exception, where: str) -> Exception:
     """
     msg = str(e)
     # "Not enough data": a truncated chunk file (tensorstore says FAILED_PRECONDITION, not DATA_LOSS)
+    # OUT_OF_RANGE: a value or byte range past the end of its (truncated, swapped) data file;
+    # in an OCDBT database (format version 3) a missing data file or an undecodable B-tree node
+    # means the same (network errors say UNAVAILABLE, DEADLINE_EXCEEDED, ...: not these).
+    ocdbt = "OCDBT" in msg or "ocdbt" in msg
     if (
         "Digest mismatch" in msg
         or "checksum" in msg.lower()
         or "DATA_LOSS" in msg
         or "Not enough data" in msg
+        or "OUT_OF_RANGE" in msg
+        or (ocdbt and any(c in msg for c in ("NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARG")))
+        or "Error decoding" in msg  # an OCDBT manifest or B-tree node that does not decode
+        or ("NOT_FOUND" in msg and "Byte range" in msg)  # a data file a B-tree node names
     ):
         return ChecksumError(
             f"{where}: stored bytes fail their crc32c checksum ({msg}); the checkpoint is "

@@ -37,13 +37,14 @@ def inflight_bytes() -> int:
 
 
 def save_layout() -> str:
-    """The layout saves write (`UCP_LAYOUT`): 'per-array' (format version 2, one file per chunk;
-    the default for now) or 'aggregated' (format version 3, one OCDBT database per process).
+    """The layout saves write (`UCP_LAYOUT`): 'aggregated' (the default: format version 3, one
+    OCDBT database per process, merged at commit) or 'per-array' (format version 2, one file per
+    chunk).
 
     >>> save_layout() in ("per-array", "aggregated")
     True
     """
-    raw = os.environ.get("UCP_LAYOUT", "").strip() or "per-array"
+    raw = os.environ.get("UCP_LAYOUT", "").strip() or "aggregated"
     if raw not in ("per-array", "aggregated"):
         raise ValueError(
             f"environment variable UCP_LAYOUT={raw!r}: use 'per-array' or 'aggregated'"
