@@ -34,6 +34,7 @@ from .mapping.binding import (
     bind_state,
     describe_leaf,
     my_write_tasks,
+    plan_on_grid,
     write_regions,
 )
 from .mapping.boxes import Box, box_shape, box_size, relative_slices, to_slices
@@ -129,8 +130,13 @@ class SaveJob:
         self.staging.check()
 
     def _plan_leaf(self, b: LeafBinding) -> None:
-        regions = write_regions(b)
-        cuts = atom_boundaries(b, regions)
+        fast = plan_on_grid(b)
+        if fast is None:
+            regions = write_regions(b)
+            cuts = atom_boundaries(b, regions)
+            tasks = my_write_tasks(b, regions)
+        else:
+            tasks, cuts = fast
         for atom, (shape, fused) in b.atoms().items():
             entry = self.atoms.setdefault(
                 atom,
@@ -164,7 +170,6 @@ class SaveJob:
             info = SlotInfo(dtype_name(b.dtype), f"{atom_dir(atom)}/{b.slot}", chunks, inner)
             entry["slots"][b.slot] = info
             self.slots[(atom, b.slot)] = (shape, info)
-        tasks = my_write_tasks(b, regions)
         self._plan_merge(b, tasks)
         self.tasks.extend(tasks)
 
