@@ -8,8 +8,8 @@ and the number of objects (files) a checkpoint is, for `ucp.save` / `ucp.restore
 `StandardCheckpointer` (OCDBT, its default). Each timing is the median of `--repeats`.
 
 Planning (`SaveJob` construction: which regions this process writes, chunk grids) is timed at
-each N and extrapolated to 1k-16k devices and a 300-leaf tree by a least-squares line in N (the
-plan visits every device of every leaf's sharding; see docs/SCALE.md). `--layout` picks the
+each N, and simulated for one process of 8 devices in meshes of up to 16k devices (ids only, no
+devices or data) for a 300-leaf tree: the grid planner of `ucp_jax/_src/mapping/grid.py`. `--layout` picks the
 layout ucp saves (`UCP_LAYOUT`; default aggregated, format version 3).
 
 Usage::
@@ -124,20 +124,39 @@ def worker(n: int, repeats: int, work: str) -> dict[str, Any]:
     return res
 
 
-def plan_model(rows: list[dict[str, Any]], devices: list[int], leaves: int) -> list[dict[str, Any]]:
-    """Per-process planning time at larger device counts, from the measured ones.
+def plan_sim(devices: list[int], leaves: int, per_process: int) -> list[dict[str, Any]]:
+    """Per-process save planning over abstract meshes of `devices` (ids only, no data).
 
-    A least-squares line through (devices, measured planning seconds per leaf), times `leaves`:
-    today's plan visits every device of every leaf's sharding (O(global devices) per leaf).
+    Per leaf, what `SaveJob` does for a NamedSharding leaf: its grid (mapping/grid.py, cached
+    per mesh, spec and shape), this process's regions and writers, the writer boundaries and the
+    chunk grid (`store.choose_chunks`). Timed for the last process of the job.
     """
-    xs = [float(r["devices"]) for r in rows]
-    ys = [r["plan_s"] / r["leaves"] for r in rows]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    icpt = my - slope * mx
-    return [{"devices": n, "leaves": leaves, "plan_s": (icpt + slope * n) * leaves,
-             "measured": False, "per_device_per_leaf_s": slope} for n in devices]  # fmt: skip
+    import numpy as np
+
+    from ucp_jax._src.format import store
+    from ucp_jax._src.mapping import grid
+
+    out = []
+    specs = [("data", "model"), ("model", "data"), (None, "model"), ("model", None), ()]
+    for n in devices:
+        a, b = mesh_shape(n)
+        ids = np.arange(n, dtype=np.int64).reshape(a, b)
+        me = n // per_process - 1
+        local = tuple((i, i) for i in range(me * per_process, (me + 1) * per_process))
+        info = grid.MeshInfo((("data", a), ("model", b)), ids, local)
+        grid.grid_plan.cache_clear()
+        t0 = time.perf_counter()
+        regions = 0
+        for leaf in range(leaves):
+            shape = (WIDTH * 64, WIDTH * 64)  # 16384 x 16384 bf16: 512 MiB leaves
+            plan = grid.grid_plan(info, specs[leaf % len(specs)], shape)
+            assert plan is not None
+            regions += len(grid.local_regions(plan, info.local, leaf * 7919, 2))
+            store.choose_chunks(shape, 2, grid.cuts(plan, 2, shape))
+        secs = time.perf_counter() - t0
+        out.append({"devices": n, "processes": n // per_process, "leaves": leaves,
+                    "plan_s": secs, "local_regions": regions})  # fmt: skip
+    return out
 
 
 def run_worker(n: int, repeats: int, layout: str) -> dict[str, Any]:
@@ -170,10 +189,11 @@ def report(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> str:
     lines += ["", "| devices | leaves | planning (measured) |", "|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['devices']:,} | {r['leaves']} | {r['plan_s'] * 1e3:.1f} ms |")
-    lines += ["", "| devices | leaves | planning (extrapolated, linear in devices) |",
-              "|---:|---:|---:|"]  # fmt: skip
+    lines += ["", "| devices | processes | leaves | planning per process (simulated) "
+              "| local regions |", "|---:|---:|---:|---:|---:|"]  # fmt: skip
     for p in plans:
-        lines.append(f"| {p['devices']:,} | {p['leaves']} | {p['plan_s']:.2f} s |")
+        lines.append(f"| {p['devices']:,} | {p['processes']:,} | {p['leaves']} | "
+                     f"{p['plan_s'] * 1e3:.1f} ms | {p['local_regions']:,} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -183,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plan-devices", type=int, nargs="*",
                     default=[256, 1024, 4096, 16384])  # fmt: skip
     ap.add_argument("--plan-leaves", type=int, default=300)
+    ap.add_argument("--per-process", type=int, default=8, help="devices per process (planning)")
     ap.add_argument("--layout", default="aggregated", choices=["aggregated", "per-array"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -200,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         r["objects_ratio"] = r["ucp_objects"] / r["orbax_objects"]
         rows.append(r)
         print(f"{n} devices done", file=sys.stderr)
-    plans = plan_model(rows, args.plan_devices, args.plan_leaves)
+    plans = plan_sim(args.plan_devices, args.plan_leaves, args.per_process)
     print(report(rows, plans))
     doc = {"targets": TARGETS, "repeats": args.repeats, "layout": args.layout, "rows": rows, "planning": plans,
            "load_average": os.getloadavg()[0]}  # fmt: skip

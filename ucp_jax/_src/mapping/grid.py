@@ -124,16 +124,20 @@ def grid_plan(info: MeshInfo, spec: tuple[Any, ...], shape: tuple[int, ...]) -> 
     return GridPlan(tuple(counts), tuple(size), cell, rank, replicas)
 
 
-def split_box(box: Box, parts: int) -> list[Box] | None:
-    """Split a box into `parts` equal slabs along its longest evenly divisible axis."""
+def split_axis(box: Box, parts: int) -> tuple[int, int] | None:
+    """(axis, slab extent) of `binding._split_box(box, parts)`: its longest evenly divisible axis."""
     extents = [b - a for a, b in box]
     axes = [j for j, e in enumerate(extents) if e % parts == 0 and e >= parts]
     if not axes:
         return None
     ax = max(axes, key=lambda j: extents[j])
-    step = extents[ax] // parts
-    a0 = box[ax][0]
-    return [(*box[:ax], (a0 + i * step, a0 + (i + 1) * step), *box[ax + 1 :]) for i in range(parts)]
+    return ax, extents[ax] // parts
+
+
+def slab(box: Box, ax: int, step: int, i: int) -> Box:
+    """Slab `i` of `box` cut along axis `ax` every `step` elements."""
+    a0 = box[ax][0] + i * step
+    return (*box[:ax], (a0, a0 + step), *box[ax + 1 :])
 
 
 def local_regions(plan: GridPlan, local: Sequence[tuple[int, Any]], salt: int, itemsize: int
@@ -145,15 +149,14 @@ def local_regions(plan: GridPlan, local: Sequence[tuple[int, Any]], salt: int, i
     for pos, dev in local:
         k, q = int(plan.cell[pos]), int(plan.rank[pos])
         box = plan.box(k)
-        parts = None
+        split = None
         if r > 1 and math.prod(plan.size) * itemsize >= SPLIT_MIN_BYTES:
-            parts = split_box(box, r)
-        if parts is None:
+            split = split_axis(box, r)
+        if split is None:
             if (salt + k) % r == q:
                 out.append((box, dev, box))
-        else:
-            i = (q - salt - k) % r
-            out.append((parts[i], dev, box))
+        else:  # slab i of its shard is written by the replica of rank (salt + k + i) % r
+            out.append((slab(box, *split, (q - salt - k) % r), dev, box))
     out.sort(key=lambda t: (t[2], t[0]))
     return out
 
@@ -163,9 +166,8 @@ def cuts(plan: GridPlan, itemsize: int, shape: Sequence[int]) -> list[set[int]]:
     out = [set(range(0, int(d) + 1, s)) if s else {0} for d, s in zip(shape, plan.size)]
     r = plan.replicas
     if r > 1 and math.prod(plan.size) * itemsize >= SPLIT_MIN_BYTES:
-        parts = split_box(plan.box(0), r)
-        if parts is not None:
-            ax = next(j for j, (a, b) in enumerate(zip(parts[0], parts[-1])) if a != b)
-            step = parts[0][ax][1] - parts[0][ax][0]
+        split = split_axis(plan.box(0), r)
+        if split is not None:
+            ax, step = split
             out[ax] |= set(range(0, int(shape[ax]) + 1, step))
     return out
