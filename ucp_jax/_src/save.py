@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import logging
@@ -37,7 +38,8 @@ from .mapping.binding import (
     plan_on_grid,
     write_regions,
 )
-from .mapping.boxes import Box, box_shape, box_size, relative_slices, to_slices
+from .mapping.boxes import Box, box_size, relative_slices, to_slices
+from .mapping.merge import MERGE_BYTES, MergedWrite, merge_plan
 from .mapping.patterns import chain_to_json, fused_marks_to_json
 from .mapping.rules import CompiledRules, Rule
 from .util import config
@@ -46,7 +48,6 @@ from .util.sync import barrier
 
 log = logging.getLogger("ucp_jax")
 _SAVE_COUNTER = itertools.count()
-MERGE_BYTES = 64 << 20  # a leaf's local regions are written as one box up to this size
 
 
 class SaveJob:
@@ -96,7 +97,7 @@ class SaveJob:
                 raise TypeError(f"save: leaf {b.name!r} is a ShapeDtypeStruct; save real arrays")
         self.atoms: dict[str, dict[str, Any]] = {}
         self.tasks: list[WriteTask] = []
-        self.merged: dict[int, _Merge] = {}  # id(task) -> the merged write it is part of
+        self.merged: dict[int, MergedWrite] = {}  # id(task) -> the merged write it is part of
         self._shards: dict[int, dict[Any, Any]] = {}  # id(leaf value) -> device -> its shard
         self.slots: dict[tuple[str, str], tuple[tuple[int, ...], SlotInfo]] = {}
         for b in bindings:
@@ -170,28 +171,10 @@ class SaveJob:
             info = SlotInfo(dtype_name(b.dtype), f"{atom_dir(atom)}/{b.slot}", chunks, inner)
             entry["slots"][b.slot] = info
             self.slots[(atom, b.slot)] = (shape, info)
-        self._plan_merge(b, tasks)
+        group = merge_plan(b, tasks, min(MERGE_BYTES, self.budget // 4))
+        if group is not None:
+            self.merged.update((id(t), group) for t in tasks)
         self.tasks.extend(tasks)
-
-    def _plan_merge(self, b: LeafBinding, tasks: list[WriteTask]) -> None:
-        """Merge this leaf's regions into one write when they tile a small box exactly.
-
-        Many small shards of one leaf (many local devices, small arrays) then cost one write of
-        their bounding box instead of one TensorStore write (and its Python overhead) each.
-        """
-        if len(tasks) < 2 or any(t.device is None for t in tasks):
-            return
-        lo = [min(t.box[j][0] for t in tasks) for j in range(len(b.shape))]
-        hi = [max(t.box[j][1] for t in tasks) for j in range(len(b.shape))]
-        bbox = tuple(zip(lo, hi))
-        nbytes = box_size(bbox) * b.dtype.itemsize
-        if nbytes > min(MERGE_BYTES, self.budget // 4) or box_size(bbox) != sum(
-            box_size(t.box) for t in tasks
-        ):
-            return
-        group = _Merge(b, bbox, len(tasks))
-        for t in tasks:
-            self.merged[id(t)] = group
 
     # --------------------------------------------------------------------------- device -> host
 
@@ -336,7 +319,8 @@ class SaveJob:
         arrays = {k: store.open_array(db, shape, info, write=True)
                   for k, (shape, info) in self.slots.items()}  # fmt: skip
         written: dict[SlotInfo, set[str]] = {}
-        txn, staged, in_txn = ts.Transaction(), 0, {}
+        in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
+        txn, staged = ts.Transaction(), 0
         try:
             for b, box, data in self._regions(host):
                 futs = self._write_region(in_txn, b, box, data, written, arrays, txn)
@@ -345,10 +329,14 @@ class SaveJob:
                 staged += box_size(box) * b.dtype.itemsize
                 if staged >= self.budget // 2:
                     txn.commit_async().result()
-                    txn, staged, in_txn = ts.Transaction(), 0, {}
+                    txn, staged = ts.Transaction(), 0
+                    in_txn.clear()
             txn.commit_async().result()
         except BaseException:
-            txn.abort()
+            # Nothing of the open transaction lands; what earlier ones committed stays in this
+            # save's own staging area, which a retry clears (every commit was waited for).
+            with contextlib.suppress(Exception):
+                txn.abort()
             raise
         integrity.write_process_table(db, written, f"p{me}")
         self._commit()
@@ -358,28 +346,6 @@ class SaveJob:
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)
         barrier(self.tag + "-committed")
-
-
-class _Merge:
-    """The regions of one leaf written as one box: filled region by region, written when full."""
-
-    def __init__(self, binding: LeafBinding, box: Box, count: int) -> None:
-        self.binding, self.box, self.count = binding, box, count
-        self.buf: np.ndarray | None = None
-        self.seen = 0
-
-    def add(self, t: WriteTask, data: np.ndarray) -> bool:
-        """Copy one region in; True while regions are still missing."""
-        if self.buf is None:
-            self.buf = np.empty(box_shape(self.box), dtype=np.asarray(data).dtype)
-        self.buf[relative_slices(t.box, self.box)] = data
-        self.seen += 1
-        return self.seen < self.count
-
-    def take(self) -> np.ndarray:
-        buf, self.buf, self.seen = self.buf, None, 0
-        assert buf is not None
-        return buf
 
 
 def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:

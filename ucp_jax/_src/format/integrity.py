@@ -12,6 +12,12 @@ the table, after reading them and before returning any value (the small reads th
 cache); a file that moved, or a table that names another array, is a `ChecksumError` naming the
 atom, slot and chunk.
 
+Format version 3 (the aggregated layout, `aggregate.py`): chunks are values of an OCDBT
+database, and a fingerprint is taken the same way through it (byte-range reads of each value's
+tail); each process records every array it wrote in one table, `digests/p<k>.json` in its own
+database (`{"format": "ucp-digests/2", "writer": "p<k>", "arrays": {path: {key: fingerprint}}}`),
+so the tables are one object per process, not one per array.
+
 What is not covered: a writer who rewrites a chunk *and* its crc32c *and* the table on purpose.
 The checks catch damage and mix-ups, not a forger (that needs signatures, outside this format).
 """
