@@ -153,3 +153,19 @@ def test_async_save_uses_the_aggregated_layout(tmp_path):
     out, _ = ucp.restore(tmp_path / "a", targets(ref, mesh_of((2, 4))))
     assert_tree_bitexact(ref, out)
     assert jax.device_count() == 8
+
+
+def test_overwrite_and_reopen_see_the_new_contents(tmp_path):
+    """OCDBT caches are per save and per opened checkpoint: an overwrite (same staging folder,
+    same final path) never reads or merges through what a cache remembers of the old one."""
+    ref = _tree(4)
+    path = tmp_path / "ck"
+    ucp.save(path, place(ref, mesh_of((2, 4))), step=1)
+    out, _ = ucp.restore(path, targets(ref, mesh_of((8,))))
+    assert_tree_bitexact(ref, out)
+    new = {k: v + 1 for k, v in ref.items()}
+    ucp.save(path, place(new, mesh_of((4, 2))), step=2, overwrite=True)
+    assert ucp.open(path).step == 2
+    out, _ = ucp.restore(path, targets(ref, mesh_of((8,))))
+    assert_tree_bitexact(new, out)
+    assert cli_main(["verify", str(path)]) == 0

@@ -306,7 +306,7 @@ class SaveJob:
         import tensorstore as ts
 
         me = jax.process_index()
-        db = aggregate.process_db(self.staging.target, me)
+        db = aggregate.process_db(self.staging.target, me, aggregate.fresh_context())
         if me == 0:
             self.staging.prepare()
             txn = ts.Transaction()
@@ -364,7 +364,7 @@ def _create(loc: store.Location, shape: tuple[int, ...], info: SlotInfo, txn: An
     import tensorstore as ts
 
     spec = store.array_spec(loc, shape, info)
-    return ts.open(spec, create=True, context=store.CONTEXT, transaction=txn)
+    return ts.open(spec, create=True, context=loc.ctx, transaction=txn)
 
 
 class SaveHandle:

@@ -22,19 +22,31 @@ PROCESS_PREFIX = "ocdbt.p"
 AGGREGATED_VERSION = 3  # the first format version with this layout
 
 
-def _db(folder: Location, sub: str = "") -> Location:
+def fresh_context() -> ts.Context:
+    """A context with its own OCDBT caches (memory stores and thread pools shared with CONTEXT).
+
+    Every save and every opened checkpoint uses its own: a database's manifest and B-tree nodes
+    are cached per context, and a folder saved again (an overwrite, a retried save into the same
+    staging folder) must never be read through the caches of its previous contents.
+    """
+    return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}, CONTEXT)
+
+
+def _db(folder: Location, sub: str, context: ts.Context | None) -> Location:
     base = folder.child(sub).kvstore if sub else dict(folder.kvstore)
-    return Location({"driver": "ocdbt", "base": base, "path": "", "cache_pool": "cache_pool#ocdbt"})
+    spec = {"driver": "ocdbt", "base": base, "path": "", "cache_pool": "cache_pool#ocdbt"}
+    return Location(spec, context if context is not None else fresh_context())
 
 
-def root_db(folder: Location) -> Location:
-    """The merged database of a committed checkpoint (what readers open)."""
-    return _db(folder)
+def root_db(folder: Location, context: ts.Context | None = None) -> Location:
+    """The merged database of a committed checkpoint (what readers open); a fresh context by
+    default."""
+    return _db(folder, "", context)
 
 
-def process_db(folder: Location, process: int) -> Location:
-    """The database process `process` writes into during a save."""
-    return _db(folder, f"{PROCESS_PREFIX}{process}")
+def process_db(folder: Location, process: int, context: ts.Context | None = None) -> Location:
+    """The database process `process` writes into during a save; a fresh context by default."""
+    return _db(folder, f"{PROCESS_PREFIX}{process}", context)
 
 
 def merge(folder: Location, processes: int) -> None:
@@ -43,11 +55,12 @@ def merge(folder: Location, processes: int) -> None:
     Raises:
         FileNotFoundError: a process's database is missing (that process never finished).
     """
-    root = ts.KvStore.open(root_db(folder).kvstore, context=CONTEXT).result()
+    ctx = fresh_context()  # what is on storage now, not what a cache remembers
+    root = root_db(folder, ctx).kv()
     txn = ts.Transaction(atomic=True)
     copies: list[Any] = []
     for k in range(processes):
-        kv = ts.KvStore.open(process_db(folder, k).kvstore, context=CONTEXT).result()
+        kv = process_db(folder, k, ctx).kv()
         if not kv.list(ts.KvStore.KeyRange("digests/", "digests0")).result():
             raise FileNotFoundError(
                 f"{folder.url}/{PROCESS_PREFIX}{k} has no fingerprint table: process {k} did not "

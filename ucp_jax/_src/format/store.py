@@ -44,6 +44,9 @@ class Location:
     """A checkpoint directory as a TensorStore kvstore spec (any URL: file, gs, s3, memory)."""
 
     kvstore: dict[str, Any]
+    # The TensorStore context its kvstores and arrays open in (None: the process-wide CONTEXT).
+    # The aggregated layout gives each save and each opened checkpoint its own (fresh caches).
+    context: ts.Context | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def parse(cls, path: str | os.PathLike[str]) -> Location:
@@ -78,21 +81,25 @@ class Location:
         """A location below this one."""
         spec = dict(self.kvstore)
         spec["path"] = self.kvstore["path"] + rel.strip("/") + "/"
-        return Location(spec)
+        return Location(spec, self.context)
 
     def sibling(self, name: str) -> Location:
         """A location next to this one (same parent)."""
         spec = dict(self.kvstore)
         parent = self.kvstore["path"].rstrip("/").rsplit("/", 1)
         spec["path"] = (parent[0] + "/" if len(parent) == 2 else "") + name + "/"
-        return Location(spec)
+        return Location(spec, self.context)
 
     @property
     def name(self) -> str:
         return self.kvstore["path"].rstrip("/").rsplit("/", 1)[-1]
 
+    @property
+    def ctx(self) -> ts.Context:
+        return CONTEXT if self.context is None else self.context
+
     def kv(self) -> ts.KvStore:
-        return ts.KvStore.open(self.kvstore, context=CONTEXT).result()
+        return ts.KvStore.open(self.kvstore, context=self.ctx).result()
 
     def read(self, key: str) -> bytes | None:
         """The value under `key`, or None when missing."""
@@ -220,8 +227,8 @@ def open_array_async(
     """`open_array` as a future, so that many arrays open concurrently."""
     spec = array_spec(loc, shape, info)
     if write:
-        return ts.open(spec, assume_metadata=True, context=CONTEXT)
-    return ts.open(spec, open=True, context=CONTEXT)
+        return ts.open(spec, assume_metadata=True, context=loc.ctx)
+    return ts.open(spec, open=True, context=loc.ctx)
 
 
 def chunk_key(index: Sequence[int]) -> str:
