@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_tree_bitexact
@@ -168,4 +169,22 @@ def test_overwrite_and_reopen_see_the_new_contents(tmp_path):
     assert ucp.open(path).step == 2
     out, _ = ucp.restore(path, targets(ref, mesh_of((8,))))
     assert_tree_bitexact(new, out)
+    assert cli_main(["verify", str(path)]) == 0
+
+
+def test_version_2_checkpoint_of_the_main_branch_restores():
+    """A committed fixture written by the main branch's code before version 3 (format version 2;
+    tests/data/make_v2_checkpoint.py) restores onto another mesh and verifies."""
+    import optax
+
+    path = Path(__file__).parent / "data" / "v2_checkpoint"
+    ck = ucp.open(path)
+    assert ck.manifest.version == 2 and ck.step == 11
+    params = {"w": np.arange(8 * 6, dtype=np.float32).reshape(8, 6),
+              "e": jnp.asarray(np.linspace(-1, 1, 12).reshape(4, 3), jnp.bfloat16),
+              "s": np.float32(2.5)}  # fmt: skip
+    opt = optax.adam(1e-3).init(params)
+    p, o = ucp.restore(path, targets(params, mesh_of((4, 2))), targets(opt, mesh_of((8,))))
+    assert_tree_bitexact(params, p)
+    assert_tree_bitexact(opt, o)
     assert cli_main(["verify", str(path)]) == 0
