@@ -130,3 +130,38 @@ def trained_state(opt: optax.GradientTransformation, params: Any, steps: int = 2
         updates, state = opt.update(grads, state, params)
         params = optax.apply_updates(params, updates)
     return params, state
+
+
+def save_layout(
+    path: Any, params: Any, opt_state: Any = None, *, layout: str, step: int | None = None
+) -> None:
+    """`ucp.save` in a given layout ('per-array': format version 2, one file per chunk)."""
+    from ucp_jax._src.save import SaveJob
+
+    SaveJob(path, params, opt_state, step=step, rules=(), extra=None, overwrite=False,
+            layout=layout).write(None)  # fmt: skip
+
+
+def ocdbt_values(path: Any) -> dict[str, tuple[str, int, int]]:
+    """Key -> (data file, offset, length) of every value in a version-3 checkpoint's root database."""
+    import os
+
+    import tensorstore as ts
+
+    base = ts.KvStore.open({"driver": "file", "path": os.fspath(path) + "/"}).result()
+    out: dict[str, tuple[str, int, int]] = {}
+    todo = [ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]]
+    while todo:
+        node = ts.ocdbt.dump(base, todo.pop()).result()
+        for e in node["entries"]:
+            if "node" in e:
+                todo.append(e["node"])
+            elif "indirect_value" in e:
+                _, rest = e["indirect_value"].split(":", 1)
+                prefix, name, off, n = rest.split(":")
+                out[e["key"].decode()] = (
+                    os.path.join(os.fspath(path), prefix + name),
+                    int(off),
+                    int(n),
+                )
+    return out

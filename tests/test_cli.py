@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import ocdbt_values, save_layout
 
 import ucp_jax as ucp
 from ucp_jax._src.cli import main
 
 
-def _ckpt(tmp_path):
+def _ckpt(tmp_path, layout: str | None = None):
     params = {
         "layer": {"kernel": jnp.arange(48.0).reshape(8, 6)},
         "bias": jnp.zeros(6, jnp.bfloat16),
     }
-    ucp.save(tmp_path / "ck", params, optax.adam(1e-3).init(params), step=7, extra={"run": "x"})
+    opt = optax.adam(1e-3).init(params)
+    if layout is None:
+        ucp.save(tmp_path / "ck", params, opt, step=7, extra={"run": "x"})
+    else:
+        save_layout(tmp_path / "ck", params, opt, step=7, layout=layout)
     return tmp_path / "ck"
 
 
@@ -43,7 +49,7 @@ def test_inspect_json(tmp_path, capsys):
 
 
 def test_verify_ok_and_missing_chunk(tmp_path, capsys):
-    path = _ckpt(tmp_path)
+    path = _ckpt(tmp_path, "per-array")  # format version 2: one file per chunk
     assert main(["verify", str(path)]) == 0
     assert "all checksums match" in capsys.readouterr().out
     chunk = next((path / "atoms" / "layer.kernel" / "exp_avg" / "c").rglob("*"))
@@ -53,6 +59,18 @@ def test_verify_ok_and_missing_chunk(tmp_path, capsys):
     assert main(["verify", str(path)]) == 1
     out = capsys.readouterr().out
     assert "atom 'layer.kernel' slot 'exp_avg'" in out and "missing" in out
+
+
+def test_verify_ok_and_missing_data_file(tmp_path, capsys):
+    path = _ckpt(tmp_path)  # the aggregated layout: chunks live in the processes' data files
+    assert main(["verify", str(path)]) == 0
+    assert "all checksums match" in capsys.readouterr().out
+    values = ocdbt_values(path)
+    data_file = values["atoms/layer.kernel/exp_avg/c/0/0"][0]
+    os.unlink(data_file)
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "atom 'layer.kernel' slot 'exp_avg'" in out and "FAIL" in out
 
 
 def test_verify_not_a_checkpoint(tmp_path, capsys):

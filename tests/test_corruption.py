@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import assert_tree_bitexact
-from helpers import float_params, mesh_of, place, targets
+from helpers import float_params, mesh_of, place, save_layout, targets
 
 import ucp_jax as ucp
 from ucp_jax._src.cli import main as cli_main
@@ -41,7 +41,9 @@ def _atoms(ref: dict) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("corrupt") / "ck"
-    ucp.save(path, place(_reference(), mesh_of((2,))), step=3)
+    # Format version 2 (one file per chunk): these cases damage chunk files; the aggregated
+    # layout's cases are in test_aggregated.py.
+    save_layout(path, place(_reference(), mesh_of((2,))), step=3, layout="per-array")
     ck = ucp.open(path)
     assert ck.atoms["big"].slots["fp32"].inner_chunks is not None, "big should be sharded"
     assert ck.atoms["dense.kernel"].slots["fp32"].inner_chunks is None
@@ -206,11 +208,11 @@ def test_manifest_newer_format_version(ckpt):
 
 def test_manifest_newer_format_string(ckpt):
     def edit(m: dict) -> None:
-        m["format"] = "ucp/3"
+        m["format"] = "ucp/4"
         del m["format_version"]
 
     _edit_manifest(ckpt, edit)
-    _assert_refused(ckpt, ucp.FormatVersionError, "version 3 is newer")
+    _assert_refused(ckpt, ucp.FormatVersionError, "version 4 is newer")
 
 
 def test_manifest_of_another_format(ckpt):

@@ -173,8 +173,14 @@ def test_open_reads_any_slice(saved):
 
 
 def test_failed_save_lets_issued_writes_land_first(tmp_path, monkeypatch):
-    """A save failing mid-write waits for the writes it issued before raising (regression)."""
+    """A save failing mid-write waits for the writes it issued before raising (regression).
+
+    The per-array layout's write futures; the aggregated layout writes in transactions that it
+    waits for or aborts (test_aggregated.py::test_failed_save_leaves_nothing_and_next_save_succeeds).
+    """
     from ucp_jax._src import save as save_mod
+
+    monkeypatch.setenv("UCP_LAYOUT", "per-array")
     from ucp_jax._src.mapping.patterns import Piece
 
     drained: list[list] = []

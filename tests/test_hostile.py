@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_tree_bitexact
-from helpers import mesh_of, place, targets
+from helpers import mesh_of, ocdbt_values, place, save_layout, targets
 
 import ucp_jax as ucp
 from ucp_jax._src.cli import main as cli_main
@@ -40,7 +40,10 @@ def _state() -> tuple[dict, object]:
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("hostile") / "sandbox" / "ck"
     params, opt = _state()
-    ucp.save(path, place(params, mesh_of((2,))), place(opt, mesh_of((2,))), step=5)
+    # Format version 2 (one file per chunk; still read): the file-level cases below target its
+    # files. The aggregated layout (version 3) has its own randomized cases at the end.
+    save_layout(path, place(params, mesh_of((2,))), place(opt, mesh_of((2,))), step=5,
+                layout="per-array")  # fmt: skip
     return path
 
 
@@ -434,3 +437,109 @@ def test_randomized_corruption(pristine: Path, tmp_path: Path) -> None:
         print(f"  {k[0]:10s} {k[1]:20s} {counts[k]}")
     assert sum(counts.values()) == 300
     assert {k for k, _ in counts} == set(MUTATIONS)
+
+
+# ------------------------------------------- randomized corruption, aggregated layout (version 3)
+
+MUTATIONS_V3 = ("flip", "truncate", "delete", "swap", "append", "manifest", "zarr_json",
+                "table", "value_flip", "value_swap")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pristine_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hostile3") / "sandbox" / "ck"
+    params, opt = _state()
+    save_layout(path, place(params, mesh_of((2,))), place(opt, mesh_of((2,))), step=5,
+                layout="aggregated")  # fmt: skip
+    assert ucp.open(path).manifest.version == 3
+    return path
+
+
+def _flip_range(f: Path, off: int, n: int, rng: random.Random) -> None:
+    data = bytearray(f.read_bytes())
+    for _ in range(rng.randint(1, 3)):
+        i = off + rng.randrange(n)
+        data[i] ^= 1 << rng.randrange(8)
+    f.write_bytes(bytes(data))
+
+
+def _mutate_v3(ck: Path, values: dict[str, tuple[str, int, int]], rng: random.Random) -> str:
+    """One mutation of a version-3 checkpoint: of its files (data files, B-tree nodes, the
+    databases' manifests, manifest.json) or of one stored value inside a data file."""
+    files = sorted(p for p in ck.rglob("*") if p.is_file() and p.name != "COMMIT")
+    kind = rng.choice(MUTATIONS_V3)
+    if kind in ("zarr_json", "table", "value_flip"):
+        want = {"zarr_json": "/zarr.json", "table": "digests/", "value_flip": "/c"}[kind]
+        key = rng.choice(sorted(k for k in values if want in k))
+        f, off, n = values[key]
+        _flip_range(Path(f), off, n, rng)
+        return kind
+    if kind == "value_swap":  # two stored chunks of one size exchanged inside their data files
+        by_size: dict[int, list[str]] = {}
+        for k, (_, _, n) in values.items():
+            if "/c" in k:
+                by_size.setdefault(n, []).append(k)
+        pairs = sorted(ks for ks in by_size.values() if len(ks) > 1)
+        a, b = rng.sample(rng.choice(pairs), 2)
+        (fa, oa, n), (fb, ob, _) = values[a], values[b]
+        da, db = Path(fa).read_bytes()[oa : oa + n], Path(fb).read_bytes()[ob : ob + n]
+        for f, off, d in ((fa, oa, db), (fb, ob, da)):
+            buf = bytearray(Path(f).read_bytes())
+            buf[off : off + n] = d
+            Path(f).write_bytes(bytes(buf))
+        return kind
+    f = ck / "manifest.json" if kind == "manifest" else rng.choice(files)
+    data = bytearray(f.read_bytes())
+    if kind in ("flip", "manifest") and data:
+        _flip_range(f, 0, len(data), rng)
+    elif kind == "truncate":
+        f.write_bytes(bytes(data[: rng.randrange(len(data) + 1)]))
+    elif kind == "delete":
+        f.unlink()
+    elif kind == "append":
+        f.write_bytes(bytes(data) + rng.randbytes(rng.randint(1, 64)))
+    elif kind == "swap":
+        g = rng.choice([p for p in files if p != f])
+        other = g.read_bytes()
+        g.write_bytes(bytes(data))
+        f.write_bytes(other)
+    return kind
+
+
+def test_randomized_corruption_aggregated(pristine_v3: Path, tmp_path: Path) -> None:
+    """300 seeded mutations of a version-3 checkpoint: bit-exact values or a UcpError, never
+    another exception or a wrong value; counts printed."""
+    params, _ = _state()
+    ref = {}
+    c = ucp.open(pristine_v3)
+    for name in c.atoms:
+        for slot in c.atoms[name].slots:
+            ref[(name, slot)] = c.read(name, slot).tobytes()
+    values = {k: (os.path.relpath(f, pristine_v3), o, n)
+              for k, (f, o, n) in ocdbt_values(pristine_v3).items()}  # fmt: skip
+    rng = random.Random(20261123)
+    counts: Counter[tuple[str, str]] = Counter()
+    for i in range(300):
+        ck = tmp_path / f"m{i}"
+        shutil.copytree(pristine_v3, ck)
+        kind = _mutate_v3(ck, {k: (str(ck / f), o, n) for k, (f, o, n) in values.items()}, rng)
+        try:
+            c = ucp.open(ck)
+            for (name, slot), want in ref.items():
+                assert c.read(name, slot).tobytes() == want, (kind, name, slot)
+            outcome = "exact"
+        except ucp.UcpError as e:
+            outcome = type(e).__name__
+        if i % 10 == 0:
+            try:
+                p, _ = ucp.restore(ck, targets(params, mesh_of((4,))))
+                assert_tree_bitexact(params, p)
+            except ucp.UcpError:
+                pass
+        counts[(kind, outcome)] += 1
+        shutil.rmtree(ck)
+    print("\nrandomized corruption, version 3 (mutation, outcome): count")
+    for k in sorted(counts):
+        print(f"  {k[0]:10s} {k[1]:20s} {counts[k]}")
+    assert sum(counts.values()) == 300
+    assert {k for k, _ in counts} == set(MUTATIONS_V3)

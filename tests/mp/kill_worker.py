@@ -45,14 +45,23 @@ def is_chunk_file(name: str) -> bool:
     return name != "zarr.json" and not name.endswith(".__lock")
 
 
+def wrote_data(folder: Path) -> bool:
+    """Whether chunk data has landed under a save's folder: a chunk file (format version 2), or
+    in the aggregated layout (version 3) a data file beyond the one of process 0's metadata
+    transaction in its database (`ocdbt.p0/d/`)."""
+    for _, _, files in os.walk(folder / "atoms"):
+        if any(is_chunk_file(f) for f in files):
+            return True
+    d = folder / "ocdbt.p0" / "d"
+    return d.is_dir() and len([f for f in os.listdir(d) if not f.endswith(".__lock")]) >= 2
+
+
 def _watch_staging(staging: Path) -> None:
-    """Say `KILL ME` once a chunk data file exists under the staging folder."""
+    """Say `KILL ME` once chunk data exists under the staging folder."""
     while True:
-        if staging.is_dir():
-            for _, _, files in os.walk(staging / "atoms"):
-                if any(is_chunk_file(f) for f in files):
-                    _say("KILL ME")
-                    return
+        if staging.is_dir() and wrote_data(staging):
+            _say("KILL ME")
+            return
         time.sleep(0.002)
 
 

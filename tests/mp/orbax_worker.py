@@ -88,7 +88,9 @@ def _watch_for_chunks(root: Path) -> None:
         for tmp in root.glob("2.orbax-checkpoint-tmp*"):
             for where, _, files in os.walk(tmp):
                 chunk_dir = f"{os.sep}c{os.sep}" in where + os.sep  # atoms/<atom>/<slot>/c/...
-                if chunk_dir and any(not f.endswith("__lock") for f in files):
+                data_dir = where.endswith(f"ocdbt.p0{os.sep}d")  # the aggregated layout
+                done = [f for f in files if not f.endswith("__lock")]
+                if (chunk_dir and done) or (data_dir and len(done) >= 2):
                     _say("KILL ME")
                     return
         time.sleep(0.002)

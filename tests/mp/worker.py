@@ -40,6 +40,9 @@ class _RecordingArray:
 
         return _Region()
 
+    def with_transaction(self, txn: Any) -> Any:  # the aggregated layout writes in transactions
+        return _RecordingArray(self._arr.with_transaction(txn), self._path)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._arr, name)
 
@@ -62,8 +65,8 @@ def _instrument() -> None:
         def result(self) -> Any:
             return _RecordingArray(self._fut.result(), self._path)
 
-    def recording_create(loc: Any, shape: Any, info: Any) -> Any:
-        return _Future(create(loc, shape, info), info.path)
+    def recording_create(loc: Any, shape: Any, info: Any, txn: Any = None) -> Any:
+        return _Future(create(loc, shape, info, txn), info.path)
 
     store_mod.open_array = recording_open
     save_mod._create = recording_create

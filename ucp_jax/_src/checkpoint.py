@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ChecksumError, MismatchError, UcpError
-from .format import integrity, paths, store
+from .format import aggregate, integrity, paths, store
 from .format.manifest import AtomInfo, Manifest
 
 
@@ -36,6 +36,14 @@ class Checkpoint:
         self.loc = store.Location.parse(path)
         self.path = self.loc.url
         self.manifest: Manifest = store.load_manifest(self.loc)
+        # Where the arrays are: the checkpoint folder (format version 2), or the root OCDBT
+        # database in it (version 3, see format/aggregate.py).
+        self.data = self.loc
+        self._all_tables: dict[str, dict[str, str]] | None = None
+        if self.manifest.version >= aggregate.AGGREGATED_VERSION:
+            if self.loc.local_path is not None:
+                paths.check_tree(self.loc.local_path, "checkpoint folder")
+            self.data = aggregate.root_db(self.loc)
         self._arrays: dict[tuple[str, str], Any] = {}
         self._tables: dict[tuple[str, str], dict[str, str]] = {}  # fingerprints (version 2)
         self._checked: dict[tuple[str, str], set[str]] = {}  # chunk files found in place
@@ -104,11 +112,11 @@ class Checkpoint:
             todo.append((name, slot, shape, si))
         started = []
         for _name, _slot, shape, si in todo:
-            if self.loc.local_path is not None:
-                paths.refuse_symlinks(self.loc.local_path, si.path, "array folder")
-                paths.check_tree(os.path.join(self.loc.local_path, si.path), "array folder")
-            kv = self.loc.child(si.path).kv()
-            opening = store.open_array_async(self.loc, shape, si)
+            if self.data.local_path is not None:
+                paths.refuse_symlinks(self.data.local_path, si.path, "array folder")
+                paths.check_tree(os.path.join(self.data.local_path, si.path), "array folder")
+            kv = self.data.child(si.path).kv()
+            opening = store.open_array_async(self.data, shape, si)
             started.append((kv, kv.list(), kv.read("zarr.json"), opening))
         for (name, slot, shape, si), (kv, listing, meta, opening) in zip(todo, started):
             where = f"{self.path}: atom {name!r} slot {slot!r}"
@@ -121,13 +129,21 @@ class Checkpoint:
                         f"{where} is missing {len(missing)} chunk file(s) (e.g. {missing[0]!r}); "
                         "the checkpoint is incomplete: copy it again or restore an earlier one"
                     )
-                if self.manifest.version >= 2:
+                if self.manifest.version >= aggregate.AGGREGATED_VERSION:
+                    self._tables[(name, slot)] = self._process_tables().get(si.path, {})
+                elif self.manifest.version >= 2:
                     self._tables[(name, slot)] = integrity.read_table(kv, si, present, where)
                 self._arrays[(name, slot)] = opening.result()
             except ValueError as e:
                 if isinstance(e, UcpError):
                     raise
                 raise store.wrap_io_error(e, where) from e
+
+    def _process_tables(self) -> dict[str, dict[str, str]]:
+        """Format version 3: every process's fingerprint table (read once)."""
+        if self._all_tables is None:
+            self._all_tables = integrity.read_process_tables(self.data.kv(), self.path)
+        return self._all_tables
 
     def check_sizes(self, regions: Sequence[tuple[str, str, Any]]) -> None:
         """Before reading: the chunk files holding these regions have the sizes they need.
@@ -141,12 +157,12 @@ class Checkpoint:
         Raises:
             ChecksumError: a chunk file is truncated, padded or of another array.
         """
-        if self.loc.local_path is None:
+        if self.data.local_path is None:
             return
         for (name, slot), keys in self._todo(regions, self._sized).items():
             si = self.atoms[name].slots[slot]
             where = f"{self.path}: atom {name!r} slot {slot!r}"
-            folder = os.path.join(self.loc.local_path, si.path)
+            folder = os.path.join(self.data.local_path, si.path)
             _check_file_sizes(folder, si, sorted(keys), where)
             self._sized[(name, slot)].update(keys)
 
@@ -168,7 +184,7 @@ class Checkpoint:
             si = self.atoms[name].slots[slot]
             where = f"{self.path}: atom {name!r} slot {slot!r}"
             self.array(name, slot)  # opened, so its table is loaded
-            kv = self.loc.child(si.path).kv()
+            kv = self.data.child(si.path).kv()
             integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where)
             self._checked[(name, slot)].update(keys)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import logging
@@ -16,10 +17,17 @@ import jax
 import numpy as np
 
 from .errors import MismatchError
-from .format import commit, remote, store
+from .format import aggregate, commit, integrity, remote, store
 from .format.dtypes import dtype_name
 from .format.integrity import keys_in_box
-from .format.manifest import AtomInfo, Manifest, SlotInfo, atom_dir, source_header
+from .format.manifest import (
+    PER_ARRAY_VERSION,
+    AtomInfo,
+    Manifest,
+    SlotInfo,
+    atom_dir,
+    source_header,
+)
 from .mapping.binding import (
     LeafBinding,
     WriteTask,
@@ -27,9 +35,11 @@ from .mapping.binding import (
     bind_state,
     describe_leaf,
     my_write_tasks,
+    plan_on_grid,
     write_regions,
 )
-from .mapping.boxes import relative_slices, to_slices
+from .mapping.boxes import Box, box_size, relative_slices, to_slices
+from .mapping.merge import MERGE_BYTES, MergedWrite, merge_plan
 from .mapping.patterns import chain_to_json, fused_marks_to_json
 from .mapping.rules import CompiledRules, Rule
 from .util import config
@@ -55,8 +65,15 @@ class SaveJob:
         overwrite: bool,
         max_inflight_bytes: int | None = None,
         staging: Any = None,
+        layout: str | None = None,
     ) -> None:
         self.loc = store.Location.parse(path)
+        layout = layout or config.save_layout()
+        if layout not in ("aggregated", "per-array"):
+            raise ValueError(f"save: layout must be 'aggregated' or 'per-array', not {layout!r}")
+        # 'aggregated' (format version 3): one OCDBT database per process, merged at commit;
+        # 'per-array' (version 2): one folder per array, one file per chunk (kept for tests).
+        self.aggregated = layout == "aggregated"
         # `staging`: another commit protocol with Staging's interface (check, prepare, target,
         # commit); the Orbax handler passes one that writes in place into Orbax's own tmp folder.
         if staging is None:
@@ -80,6 +97,8 @@ class SaveJob:
                 raise TypeError(f"save: leaf {b.name!r} is a ShapeDtypeStruct; save real arrays")
         self.atoms: dict[str, dict[str, Any]] = {}
         self.tasks: list[WriteTask] = []
+        self.merged: dict[int, MergedWrite] = {}  # id(task) -> the merged write it is part of
+        self._shards: dict[int, dict[Any, Any]] = {}  # id(leaf value) -> device -> its shard
         self.slots: dict[tuple[str, str], tuple[tuple[int, ...], SlotInfo]] = {}
         for b in bindings:
             self._plan_leaf(b)
@@ -107,12 +126,18 @@ class SaveJob:
                 device_count=jax.device_count(),
             ),
             extra=extra,
+            version=aggregate.AGGREGATED_VERSION if self.aggregated else PER_ARRAY_VERSION,
         )
         self.staging.check()
 
     def _plan_leaf(self, b: LeafBinding) -> None:
-        regions = write_regions(b)
-        cuts = atom_boundaries(b, regions)
+        fast = plan_on_grid(b)
+        if fast is None:
+            regions = write_regions(b)
+            cuts = atom_boundaries(b, regions)
+            tasks = my_write_tasks(b, regions)
+        else:
+            tasks, cuts = fast
         for atom, (shape, fused) in b.atoms().items():
             entry = self.atoms.setdefault(
                 atom,
@@ -146,7 +171,10 @@ class SaveJob:
             info = SlotInfo(dtype_name(b.dtype), f"{atom_dir(atom)}/{b.slot}", chunks, inner)
             entry["slots"][b.slot] = info
             self.slots[(atom, b.slot)] = (shape, info)
-        self.tasks.extend(my_write_tasks(b, regions))
+        group = merge_plan(b, tasks, min(MERGE_BYTES, self.budget // 4))
+        if group is not None:
+            self.merged.update((id(t), group) for t in tasks)
+        self.tasks.extend(tasks)
 
     # --------------------------------------------------------------------------- device -> host
 
@@ -154,7 +182,11 @@ class SaveJob:
         """This task's region as an array (device slice, or host value)."""
         if t.device is None:
             return np.asarray(t.binding.value)[to_slices(t.box)]
-        shard = next(s for s in t.binding.value.addressable_shards if s.device == t.device)
+        value = t.binding.value
+        index = self._shards.get(id(value))
+        if index is None:  # index the shards once per leaf, not one search per task
+            index = self._shards[id(value)] = {s.device: s for s in value.addressable_shards}
+        shard = index[t.device]
         local = relative_slices(t.box, t.shard_box)
         if t.box == t.shard_box:
             return shard.data
@@ -192,8 +224,40 @@ class SaveJob:
 
     # --------------------------------------------------------------------------------- writing
 
+    def _write_region(
+        self,
+        arrays: dict[tuple[str, str], Any],
+        b: LeafBinding,
+        box: Box,
+        data: np.ndarray,
+        written: dict[SlotInfo, set[str]],
+        base: dict[tuple[str, str], Any] | None = None,
+        txn: Any = None,
+    ) -> list[Any]:
+        """Issue the writes of one region of a leaf (`data`) to its atoms; return the futures.
+
+        With `txn`: `arrays` caches `base`'s arrays bound to that transaction.
+        """
+        futs = []
+        for p in b.pieces(box):
+            if p.atom is None:
+                continue
+            chunk = p.leaf_to_atom(data[relative_slices(p.leaf_box, box)])
+            key = (p.atom, b.slot)
+            arr = arrays.get(key)
+            if arr is None:
+                assert base is not None
+                arr = arrays[key] = base[key].with_transaction(txn)
+            futs.append(arr[to_slices(p.atom_box)].write(chunk))
+            info = self.slots[key][1]
+            written.setdefault(info, set()).update(keys_in_box(p.atom_box, info.chunks))
+        return futs
+
     def write(self, host: Sequence[np.ndarray] | None) -> None:
         """Create arrays (process 0), write this process's share, then commit (process 0)."""
+        if self.aggregated:
+            self._write_aggregated(host)
+            return
         if jax.process_index() == 0:
             self.staging.prepare()
             creating = {
@@ -207,22 +271,12 @@ class SaveJob:
         for key, (shape, info) in self.slots.items():
             if key not in arrays:
                 arrays[key] = store.open_array(self.staging.target, shape, info, write=True)
-        source = zip(self.tasks, host) if host is not None else self._stream()
         inflight: InflightWindow[list[Any]] = InflightWindow(self.budget)
         written: dict[SlotInfo, set[str]] = {}  # the chunk files this process writes, per array
         try:
-            for t, data in source:
-                futs = []
-                for p in t.binding.pieces(t.box):
-                    if p.atom is None:
-                        continue
-                    rel = relative_slices(p.leaf_box, t.box)
-                    chunk = p.leaf_to_atom(data[rel])
-                    arr = arrays[(p.atom, t.binding.slot)]
-                    futs.append(arr[to_slices(p.atom_box)].write(chunk))
-                    info = self.slots[(p.atom, t.binding.slot)][1]
-                    written.setdefault(info, set()).update(keys_in_box(p.atom_box, info.chunks))
-                for fs in inflight.push(futs, t.nbytes):
+            for b, box, data in self._regions(host):
+                futs = self._write_region(arrays, b, box, data, written)
+                for fs in inflight.push(futs, box_size(box) * b.dtype.itemsize):
                     _wait_all(fs)
             for fs in inflight.drain():
                 _wait_all(fs)
@@ -232,6 +286,62 @@ class SaveJob:
             for fs in inflight.drain():
                 _wait_all(fs, raise_first=False)
         commit.record_fingerprints(self.staging.target, written, f"p{jax.process_index()}")
+        self._commit()
+
+    def _regions(
+        self, host: Sequence[np.ndarray] | None
+    ) -> Iterator[tuple[LeafBinding, Box, np.ndarray]]:
+        """(leaf, box, data) to write, with merged regions assembled into their box."""
+        source = zip(self.tasks, host) if host is not None else self._stream()
+        for t, data in source:
+            group = self.merged.get(id(t))
+            if group is None:
+                yield t.binding, t.box, data
+            elif not group.add(t, data):
+                yield t.binding, group.box, group.take()
+
+    def _write_aggregated(self, host: Sequence[np.ndarray] | None) -> None:
+        """Format version 3: this process's chunks into its own OCDBT database, in a few
+        transactions of at most half the in-flight budget each (a few data files per process)."""
+        import tensorstore as ts
+
+        me = jax.process_index()
+        db = aggregate.process_db(self.staging.target, me, aggregate.fresh_context())
+        if me == 0:
+            self.staging.prepare()
+            txn = ts.Transaction()
+            futs = [_create(db, shape, info, txn) for shape, info in self.slots.values()]
+            for f in futs:
+                f.result()
+            txn.commit_async().result()
+        barrier(self.tag + "-created")
+        # Opening for writing trusts the manifest's metadata: no read, nothing to wait for.
+        arrays = {k: store.open_array(db, shape, info, write=True)
+                  for k, (shape, info) in self.slots.items()}  # fmt: skip
+        written: dict[SlotInfo, set[str]] = {}
+        in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
+        txn, staged = ts.Transaction(), 0
+        try:
+            for b, box, data in self._regions(host):
+                futs = self._write_region(in_txn, b, box, data, written, arrays, txn)
+                for f in futs:
+                    f.copy.result()
+                staged += box_size(box) * b.dtype.itemsize
+                if staged >= self.budget // 2:
+                    txn.commit_async().result()
+                    txn, staged = ts.Transaction(), 0
+                    in_txn.clear()
+            txn.commit_async().result()
+        except BaseException:
+            # Nothing of the open transaction lands; what earlier ones committed stays in this
+            # save's own staging area, which a retry clears (every commit was waited for).
+            with contextlib.suppress(Exception):
+                txn.abort()
+            raise
+        integrity.write_process_table(db, written, f"p{me}")
+        self._commit()
+
+    def _commit(self) -> None:
         barrier(self.tag + "-written")
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)
@@ -250,10 +360,11 @@ def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:
         raise first
 
 
-def _create(loc: store.Location, shape: tuple[int, ...], info: SlotInfo) -> Any:
+def _create(loc: store.Location, shape: tuple[int, ...], info: SlotInfo, txn: Any = None) -> Any:
     import tensorstore as ts
 
-    return ts.open(store.array_spec(loc, shape, info), create=True, context=store.CONTEXT)
+    spec = store.array_spec(loc, shape, info)
+    return ts.open(spec, create=True, context=loc.ctx, transaction=txn)
 
 
 class SaveHandle:

@@ -15,7 +15,7 @@ import uuid
 
 import tensorstore as ts
 
-from . import integrity
+from . import aggregate, integrity
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, commit_marker
 from .store import Location, fsync_dir, listdir
 
@@ -28,10 +28,14 @@ def write_commit(loc: Location, manifest_bytes: bytes) -> None:
 def seal(target: Location, manifest: Manifest) -> bytes:
     """Record the sha256 of every array's `zarr.json` in `manifest`; return the manifest's bytes.
 
-    Process 0 calls it at commit, after every array exists (format version 2).
+    Process 0 calls it at commit, after every array exists (format version 2). Format version
+    3: it first merges every process's database into the root one (`aggregate.merge`).
     """
     import hashlib
 
+    if manifest.version >= aggregate.AGGREGATED_VERSION:
+        aggregate.merge(target, int(manifest.source.get("process_count", 1)))
+        target = aggregate.root_db(target)
     kv = target.kv()
     items = [(a, slot, info) for a in manifest.atoms.values() for slot, info in a.slots.items()]
     with ts.Batch() as batch:

@@ -12,6 +12,12 @@ the table, after reading them and before returning any value (the small reads th
 cache); a file that moved, or a table that names another array, is a `ChecksumError` naming the
 atom, slot and chunk.
 
+Format version 3 (the aggregated layout, `aggregate.py`): chunks are values of an OCDBT
+database, and a fingerprint is taken the same way through it (byte-range reads of each value's
+tail); each process records every array it wrote in one table, `digests/p<k>.json` in its own
+database (`{"format": "ucp-digests/2", "writer": "p<k>", "arrays": {path: {key: fingerprint}}}`),
+so the tables are one object per process, not one per array.
+
 What is not covered: a writer who rewrites a chunk *and* its crc32c *and* the table on purpose.
 The checks catch damage and mix-ups, not a forger (that needs signatures, outside this format).
 """
@@ -276,3 +282,72 @@ def check(
                 f"(fingerprint {got.get(k, 'missing')}, recorded {table[k]}): it was swapped, "
                 "replaced or rewritten; the checkpoint is corrupt: restore an earlier one"
             )
+
+
+# --------------------------------------------------------- format version 3: one table per process
+
+PROCESS_DIGEST_FORMAT = "ucp-digests/2"
+
+
+def write_process_table(db: Any, keys: Mapping[SlotInfo, Iterable[str]], writer: str) -> None:
+    """Format version 3: the fingerprints of every chunk `writer` wrote, all arrays in one object.
+
+    `db` is the writer's database (a `store.Location`); the table goes to `digests/<writer>.json`
+    in it, written even when empty (process 0's merge takes it as the sign the writer finished).
+    """
+    kv = db.kv()
+    arrays: dict[str, dict[str, str]] = {}
+    for info, ks in keys.items():
+        ks = sorted(set(ks))
+        if not ks:
+            continue
+        got = fingerprints(kv, info, [f"{info.path}/{k}" for k in ks])
+        arrays[info.path] = {k: got[f"{info.path}/{k}"] for k in ks if f"{info.path}/{k}" in got}
+    doc = {"format": PROCESS_DIGEST_FORMAT, "writer": writer, "arrays": arrays}
+    kv.write(f"{DIGEST_DIR}/{writer}.json", json.dumps(doc, sort_keys=True).encode()).result()
+
+
+def read_process_tables(kv: ts.KvStore, where: str) -> dict[str, dict[str, str]]:
+    """Format version 3: every process's table, merged: array path -> chunk key -> fingerprint.
+
+    Raises:
+        ChecksumError: a table is unreadable, or two tables disagree on a chunk.
+    """
+    from .store import wrap_io_error
+
+    try:
+        listed = kv.list(ts.KvStore.KeyRange(DIGEST_DIR + "/", DIGEST_DIR + "0")).result()
+    except ValueError as e:
+        raise wrap_io_error(e, f"{where}: the fingerprint tables") from e
+    names = [k.decode() for k in listed]
+    with ts.Batch() as batch:
+        futs = [kv.read(k, batch=batch) for k in names]
+    out: dict[str, dict[str, str]] = {}
+    for name, f in zip(names, futs):
+        try:
+            r = f.result()
+        except ValueError as e:
+            raise wrap_io_error(e, f"{where}: {name}") from e
+        try:
+            doc = json.loads(bytes(r.value))
+            ok = (
+                isinstance(doc, dict)
+                and doc.get("format") == PROCESS_DIGEST_FORMAT
+                and isinstance(doc.get("arrays"), dict)
+                and all(
+                    isinstance(t, dict) and all(isinstance(v, str) for v in t.values())
+                    for t in doc["arrays"].values()
+                )
+            )
+        except (ValueError, RecursionError) as e:
+            raise ChecksumError(f"{where}: {name} is not a readable fingerprint table ({e})") from e
+        if not ok:
+            raise ChecksumError(f"{where}: {name} is not a readable fingerprint table; damaged")
+        for path, chunks in doc["arrays"].items():
+            table = out.setdefault(path, {})
+            for k, v in chunks.items():
+                if table.setdefault(k, v) != v:
+                    raise ChecksumError(
+                        f"{where}: two fingerprint tables disagree on {path}/{k}; damaged"
+                    )
+    return out

@@ -15,7 +15,8 @@ from .version import __version__
 FORMAT = "ucp/1"
 # 1: arrays, manifest, COMMIT. 2 (written now): + the sha256 of manifest.json in COMMIT, of each
 # zarr.json in the manifest, and a fingerprint table per array (see integrity.py). Both are read.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # the newest this ucp_jax reads and writes (3: the aggregated layout)
+PER_ARRAY_VERSION = 2  # one folder per array, one file per chunk (importers; older saves)
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT"
 
@@ -176,12 +177,12 @@ class Manifest:
     source: dict[str, Any] = dataclasses.field(default_factory=dict)
     extra: Any = None
     format: str = FORMAT
-    version: int = FORMAT_VERSION
+    version: int = PER_ARRAY_VERSION
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.version,
             "step": self.step,
             "atoms": {k: v.to_json() for k, v in self.atoms.items()},
             "leaves": self.leaves,

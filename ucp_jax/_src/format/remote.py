@@ -86,7 +86,11 @@ def is_remote(spec: dict[str, Any]) -> bool:
 
     >>> is_remote({"driver": "s3", "bucket": "b"}), is_remote({"driver": "file", "path": "/x"})
     (True, False)
+    >>> is_remote({"driver": "ocdbt", "base": {"driver": "s3", "bucket": "b"}})
+    True
     """
+    if isinstance(spec.get("base"), dict):  # ocdbt and other adapters: where their bytes live
+        return is_remote(spec["base"])
     return spec.get("driver") in REMOTE_DRIVERS
 
 
@@ -215,6 +219,8 @@ def describe(spec: dict[str, Any]) -> str:
     >>> describe({"driver": "s3", "bucket": "b", "path": "run/", "endpoint": "http://h:9"})
     's3://b/run (endpoint http://h:9)'
     """
+    if isinstance(spec.get("base"), dict):  # an OCDBT database: name the store it lives in
+        return describe(spec["base"])
     scheme = {"gcs": "gs", "gcs_grpc": "gs"}.get(spec.get("driver", ""), spec.get("driver", ""))
     bucket = spec.get("bucket", "")
     url = f"{scheme}://{bucket}{'/' if bucket else ''}{spec.get('path', '').rstrip('/')}"
@@ -302,6 +308,8 @@ def probe(kv: Any, spec: dict[str, Any]) -> None:
     Later requests (array writes, listings) run without a deadline of their own, bounded by the
     retry policy; this first one makes an unreachable store fail fast and clearly.
     """
+    while isinstance(spec.get("base"), dict):
+        spec = spec["base"]
     endpoint = spec.get("endpoint")
     if spec.get("driver") == "gcs":
         endpoint = os.environ.get("TENSORSTORE_GCS_HTTP_URL")

@@ -20,7 +20,14 @@ from .dtypes import zarr_dtype
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, check_commit
 
 # One context for the whole process, so that `memory://` stores are shared between calls.
-CONTEXT = ts.Context({"file_io_concurrency": {"limit": 64}, "data_copy_concurrency": {}})
+CONTEXT = ts.Context(
+    {
+        "file_io_concurrency": {"limit": 64},
+        "data_copy_concurrency": {},
+        # B-tree nodes of the aggregated layout's OCDBT databases (format/aggregate.py)
+        "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+    }
+)
 # For writers that make their files durable themselves, all at once (see sync_tree): TensorStore
 # then neither fsyncs each file nor waits for it.
 DEFERRED_SYNC_CONTEXT = ts.Context({"file_io_sync": False}, CONTEXT)
@@ -43,6 +50,9 @@ class Location:
     """
 
     kvstore: dict[str, Any]
+    # The TensorStore context its kvstores and arrays open in (None: the process-wide CONTEXT).
+    # The aggregated layout gives each save and each opened checkpoint its own (fresh caches).
+    context: ts.Context | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def parse(cls, path: Any) -> Location:
@@ -82,6 +92,8 @@ class Location:
         if self.local_path is not None:
             return self.local_path
         d = self.kvstore
+        if isinstance(d.get("base"), dict):  # an OCDBT database: the folder it lives in
+            return Location(d["base"]).url
         host = d.get("bucket", "")
         scheme = {"gcs": "gs", "gcs_grpc": "gs"}.get(d["driver"], d["driver"])
         return f"{scheme}://{host}{'/' if host else ''}{d['path'].rstrip('/')}"
@@ -93,18 +105,22 @@ class Location:
         """A location below this one."""
         spec = dict(self.kvstore)
         spec["path"] = self.kvstore["path"] + rel.strip("/") + "/"
-        return Location(spec)
+        return Location(spec, self.context)
 
     def sibling(self, name: str) -> Location:
         """A location next to this one (same parent)."""
         spec = dict(self.kvstore)
         parent = self.kvstore["path"].rstrip("/").rsplit("/", 1)
         spec["path"] = (parent[0] + "/" if len(parent) == 2 else "") + name + "/"
-        return Location(spec)
+        return Location(spec, self.context)
 
     @property
     def name(self) -> str:
         return self.kvstore["path"].rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def ctx(self) -> ts.Context:
+        return CONTEXT if self.context is None else self.context
 
     def kv(self) -> ts.KvStore:
         """The open kvstore; a remote one answers a first request within `UCP_STORE_TIMEOUT_S`.
@@ -112,7 +128,7 @@ class Location:
         Raises:
             StoreUnreachableError: a remote store that does not answer.
         """
-        opening = ts.KvStore.open(self.kvstore, context=CONTEXT)
+        opening = ts.KvStore.open(self.kvstore, context=self.ctx)
         if not self.remote:
             return opening.result()
         kv = remote.wait(opening, self.kvstore, "the opening of its kvstore")
@@ -266,8 +282,8 @@ def open_array_async(
     """`open_array` as a future, so that many arrays open concurrently."""
     spec = array_spec(loc, shape, info)
     if write:
-        return ts.open(spec, assume_metadata=True, context=CONTEXT)
-    return ts.open(spec, open=True, context=CONTEXT)
+        return ts.open(spec, assume_metadata=True, context=loc.ctx)
+    return ts.open(spec, open=True, context=loc.ctx)
 
 
 def chunk_key(index: Sequence[int]) -> str:
@@ -314,11 +330,19 @@ def wrap_io_error(e: Exception, where: str) -> Exception:
     """
     msg = str(e)
     # "Not enough data": a truncated chunk file (tensorstore says FAILED_PRECONDITION, not DATA_LOSS)
+    # OUT_OF_RANGE: a value or byte range past the end of its (truncated, swapped) data file;
+    # in an OCDBT database (format version 3) a missing data file or an undecodable B-tree node
+    # means the same (network errors say UNAVAILABLE, DEADLINE_EXCEEDED, ...: not these).
+    ocdbt = "OCDBT" in msg or "ocdbt" in msg
     if (
         "Digest mismatch" in msg
         or "checksum" in msg.lower()
         or "DATA_LOSS" in msg
         or "Not enough data" in msg
+        or "OUT_OF_RANGE" in msg
+        or (ocdbt and any(c in msg for c in ("NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARG")))
+        or "Error decoding" in msg  # an OCDBT manifest or B-tree node that does not decode
+        or ("NOT_FOUND" in msg and "Byte range" in msg)  # a data file a B-tree node names
     ):
         return ChecksumError(
             f"{where}: stored bytes fail their crc32c checksum ({msg}); the checkpoint is "

@@ -220,6 +220,35 @@ def my_write_tasks(b: LeafBinding, regions: Sequence[tuple[Box, Any, Box]]) -> l
     return out
 
 
+def plan_on_grid(b: LeafBinding) -> tuple[list[WriteTask], dict[str, list[set[int]]]] | None:
+    """This process's write tasks and the atom's writer boundaries, from the mesh and spec alone.
+
+    O(local devices) per leaf (see grid.py); the same answer as `my_write_tasks(b,
+    write_regions(b))` and `atom_boundaries`. None where it does not apply (a pattern chain, a
+    host value, another sharding, uneven shards): use those then.
+    """
+    from . import grid
+
+    sh = b.sharding
+    if (
+        b.chain
+        or not isinstance(b.value, jax.Array)
+        or not isinstance(sh, jax.sharding.NamedSharding)
+    ):
+        return None
+    if not isinstance(sh.mesh, jax.sharding.Mesh):
+        return None
+    info = grid.mesh_info(sh.mesh, jax.process_index())
+    plan = grid.grid_plan(info, tuple(sh.spec), tuple(b.shape))
+    if plan is None:
+        return None
+    salt = zlib.crc32(b.name.encode())
+    regions = grid.local_regions(plan, info.local, salt, b.dtype.itemsize)
+    tasks = [WriteTask(b, box, dev, shard_box) for box, dev, shard_box in regions]
+    cuts = grid.cuts(plan, b.dtype.itemsize, b.shape)
+    return tasks, {atom: [set(c) for c in cuts] for atom in b.atoms()}
+
+
 def atom_boundaries(
     b: LeafBinding, regions: Sequence[tuple[Box, Any, Box]]
 ) -> dict[str, list[set[int]]]:

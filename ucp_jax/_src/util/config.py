@@ -36,6 +36,22 @@ def inflight_bytes() -> int:
     return int(_number("UCP_INFLIGHT_BYTES", GIB, int, "bytes"))
 
 
+def save_layout() -> str:
+    """The layout saves write (`UCP_LAYOUT`): 'aggregated' (the default: format version 3, one
+    OCDBT database per process, merged at commit) or 'per-array' (format version 2, one file per
+    chunk).
+
+    >>> save_layout() in ("per-array", "aggregated")
+    True
+    """
+    raw = os.environ.get("UCP_LAYOUT", "").strip() or "aggregated"
+    if raw not in ("per-array", "aggregated"):
+        raise ValueError(
+            f"environment variable UCP_LAYOUT={raw!r}: use 'per-array' or 'aggregated'"
+        )
+    return raw
+
+
 def import_inflight_bytes() -> int:
     """Bytes an importer keeps in flight, reads ahead and writes (`UCP_IMPORT_INFLIGHT_BYTES`,
     default 64 MiB: imports stream whole rank files and want a small resident set).

@@ -1,0 +1,235 @@
+"""Scale benchmark: cost per save as the device count grows, ucp_jax against Orbax.
+
+The same tree (161 bf16 leaves: an embedding and 32 layers of 5 matrices, tiny data, 2-D
+shardings over a ('data', 'model') mesh) is saved by one process holding N forced CPU devices,
+N = 8, 64, 256 (each N in its own subprocess: XLA_FLAGS is fixed when jax starts). Per N, in one
+run: save time (until committed), restore time onto another mesh with other specs (a reshard),
+and the number of objects (files) a checkpoint is, for `ucp.save` / `ucp.restore` and Orbax's
+`StandardCheckpointer` (OCDBT, its default). Each timing is the median of `--repeats`.
+
+Planning (`SaveJob` construction: which regions this process writes, chunk grids) is timed at
+each N, and simulated for one process of 8 devices in meshes of up to 16k devices (ids only, no
+devices or data) for a 300-leaf tree: the grid planner of `ucp_jax/_src/mapping/grid.py`. `--layout` picks the
+layout ucp saves (`UCP_LAYOUT`; default aggregated, format version 3).
+
+Usage::
+
+    python benchmarks/scale.py --out bench_out/scale.json
+    python benchmarks/scale.py --devices 8 64 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+LAYERS = 32
+WIDTH = 256  # every matrix is WIDTH x WIDTH (bf16: 128 KiB)
+TARGETS = {"save": 1.0, "restore": 0.5, "objects": 2.0, "plan_s": 1.0}
+
+
+def mesh_shape(n: int) -> tuple[int, int]:
+    """A near-square 2-D mesh of n devices: (data, model)."""
+    a = 1
+    while a * a * 4 <= n:
+        a *= 2
+    return a, n // a
+
+
+def count_files(path: str) -> int:
+    return sum(len(fs) for _, _, fs in os.walk(path))
+
+
+def worker(n: int, repeats: int, work: str) -> dict[str, Any]:
+    """One device count: ucp and Orbax save / reshard restore / objects (runs in a subprocess)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import ucp_jax as ucp
+
+    assert jax.device_count() == n, (jax.device_count(), n)
+    a, b = mesh_shape(n)
+    mesh = Mesh(np.array(jax.devices()).reshape(a, b), ("data", "model"))
+    mesh2 = Mesh(np.array(jax.devices()).reshape(b, a), ("data", "model"))
+    specs = [P("data", "model"), P("model", "data"), P(None, "model"), P("model", None), P()]
+    specs2 = [P("model", "data"), P("data", "model"), P("model", None), P(None, "data"), P()]
+
+    def tree(m: Mesh, sp: list[Any], real: bool) -> dict[str, Any]:
+        rng = np.random.default_rng(0)
+        out: dict[str, Any] = {}
+
+        def leaf(i: int, spec: Any) -> Any:
+            sh = NamedSharding(m, spec)
+            if not real:
+                return jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.bfloat16, sharding=sh)
+            x = rng.standard_normal((WIDTH, WIDTH), dtype=np.float32).astype(jnp.bfloat16)
+            return jax.device_put(x, sh)
+
+        out["embed"] = leaf(0, sp[0])
+        names = ("wq", "wk", "wv", "wo", "mlp")
+        for layer in range(LAYERS):
+            out[f"layer_{layer:02d}"] = {k: leaf(j, sp[j]) for j, k in enumerate(names)}
+        return out
+
+    from ucp_jax._src import save as save_mod
+
+    params = tree(mesh, specs, True)
+    target = tree(mesh2, specs2, False)
+    assert len(jax.tree_util.tree_leaves(params)) == 161
+    ckptr = ocp.StandardCheckpointer()
+    res: dict[str, Any] = {"devices": n, "mesh": [a, b], "leaves": 161}
+    times: dict[str, list[float]] = {k: [] for k in ("ucp_save", "ucp_restore", "orbax_save",
+                                                     "orbax_restore", "plan_s")}  # fmt: skip
+    for rep in range(repeats + 1):  # the first round warms up (compiles, imports)
+        up, op = f"{work}/ucp_{rep}", f"{work}/orbax_{rep}"
+        t0 = time.perf_counter()
+        ucp.save(up, params)
+        t1 = time.perf_counter()
+        got = ucp.restore(up, target)
+        jax.block_until_ready(got)
+        t2 = time.perf_counter()
+        ckptr.save(op, params)
+        ckptr.wait_until_finished()
+        t3 = time.perf_counter()
+        got2 = ckptr.restore(op, target)
+        jax.block_until_ready(got2)
+        t4 = time.perf_counter()
+        t5 = time.perf_counter()
+        save_mod.SaveJob(f"{work}/plan", params, None, step=None, rules=(), extra=None,
+                         overwrite=True)  # fmt: skip
+        times["plan_s"].append(time.perf_counter() - t5)
+        if rep == 0:
+            for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params)):
+                assert np.array_equal(np.asarray(x), np.asarray(y))
+            res["ucp_objects"] = count_files(up)
+            res["orbax_objects"] = count_files(op)
+            continue
+        times["plan_s"].pop()  # the warm-up round's
+        times["ucp_save"].append(t1 - t0)
+        times["ucp_restore"].append(t2 - t1)
+        times["orbax_save"].append(t3 - t2)
+        times["orbax_restore"].append(t4 - t3)
+    res.update({k: statistics.median(v) for k, v in times.items()})
+    return res
+
+
+def plan_sim(devices: list[int], leaves: int, per_process: int) -> list[dict[str, Any]]:
+    """Per-process save planning over abstract meshes of `devices` (ids only, no data).
+
+    Per leaf, what `SaveJob` does for a NamedSharding leaf: its grid (mapping/grid.py, cached
+    per mesh, spec and shape), this process's regions and writers, the writer boundaries and the
+    chunk grid (`store.choose_chunks`). Timed for the last process of the job.
+    """
+    import numpy as np
+
+    from ucp_jax._src.format import store
+    from ucp_jax._src.mapping import grid
+
+    out = []
+    specs = [("data", "model"), ("model", "data"), (None, "model"), ("model", None), ()]
+    for n in devices:
+        a, b = mesh_shape(n)
+        ids = np.arange(n, dtype=np.int64).reshape(a, b)
+        me = n // per_process - 1
+        local = tuple((i, i) for i in range(me * per_process, (me + 1) * per_process))
+        info = grid.MeshInfo((("data", a), ("model", b)), ids, local)
+        grid.grid_plan.cache_clear()
+        t0 = time.perf_counter()
+        regions = 0
+        for leaf in range(leaves):
+            shape = (WIDTH * 64, WIDTH * 64)  # 16384 x 16384 bf16: 512 MiB leaves
+            plan = grid.grid_plan(info, specs[leaf % len(specs)], shape)
+            assert plan is not None
+            regions += len(grid.local_regions(plan, info.local, leaf * 7919, 2))
+            store.choose_chunks(shape, 2, grid.cuts(plan, 2, shape))
+        secs = time.perf_counter() - t0
+        out.append({"devices": n, "processes": n // per_process, "leaves": leaves,
+                    "plan_s": secs, "local_regions": regions})  # fmt: skip
+    return out
+
+
+def run_worker(n: int, repeats: int, layout: str) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["UCP_LAYOUT"] = layout
+    with tempfile.TemporaryDirectory(prefix=f"ucp-scale-{n}-") as work:
+        cmd = [sys.executable, __file__, "--worker", str(n), "--repeats", str(repeats),
+               "--work", work]  # fmt: skip
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if p.returncode != 0:
+            raise SystemExit(f"worker {n} failed:\n{p.stderr[-4000:]}")
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def report(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> str:
+    lines = [
+        "| devices | ucp save | ucp restore (reshard) | ucp files | Orbax save | Orbax restore "
+        "| Orbax files | save × | restore × | files × |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['devices']} | {r['ucp_save']:.2f} s | {r['ucp_restore']:.2f} s | "
+            f"{r['ucp_objects']:,} | {r['orbax_save']:.2f} s | {r['orbax_restore']:.2f} s | "
+            f"{r['orbax_objects']:,} | {r['save_ratio']:.2f} | {r['restore_ratio']:.2f} | "
+            f"{r['objects_ratio']:.2f} |"
+        )
+    lines += ["", "| devices | leaves | planning (measured) |", "|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['devices']:,} | {r['leaves']} | {r['plan_s'] * 1e3:.1f} ms |")
+    lines += ["", "| devices | processes | leaves | planning per process (simulated) "
+              "| local regions |", "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for p in plans:
+        lines.append(f"| {p['devices']:,} | {p['processes']:,} | {p['leaves']} | "
+                     f"{p['plan_s'] * 1e3:.1f} ms | {p['local_regions']:,} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, nargs="*", default=[8, 64, 256])
+    ap.add_argument("--plan-devices", type=int, nargs="*",
+                    default=[256, 1024, 4096, 16384])  # fmt: skip
+    ap.add_argument("--plan-leaves", type=int, default=300)
+    ap.add_argument("--per-process", type=int, default=8, help="devices per process (planning)")
+    ap.add_argument("--layout", default="aggregated", choices=["aggregated", "per-array"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(worker(args.worker, args.repeats, args.work)))
+        return
+    rows = []
+    for n in args.devices:
+        r = run_worker(n, args.repeats, args.layout)
+        r["save_ratio"] = r["ucp_save"] / r["orbax_save"]
+        r["restore_ratio"] = r["ucp_restore"] / r["orbax_restore"]
+        r["objects_ratio"] = r["ucp_objects"] / r["orbax_objects"]
+        rows.append(r)
+        print(f"{n} devices done", file=sys.stderr)
+    plans = plan_sim(args.plan_devices, args.plan_leaves, args.per_process)
+    print(report(rows, plans))
+    doc = {"targets": TARGETS, "repeats": args.repeats, "layout": args.layout, "rows": rows, "planning": plans,
+           "load_average": os.getloadavg()[0]}  # fmt: skip
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The aggregated layout (format version 3, `UCP_LAYOUT=aggregated`): few objects, same guarantees.
+
+A save writes one OCDBT database per process, merged at commit: the object count is bounded per
+process whatever the number of leaves and devices; a restore onto another mesh still reads only
+the bytes it needs; a flipped or swapped chunk inside a data file is still a ChecksumError naming
+the atom; checkpoints of format version 2 still open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_tree_bitexact
+from helpers import mesh_of, ocdbt_values, place, targets
+
+import ucp_jax as ucp
+from ucp_jax._src import save as save_mod
+from ucp_jax._src.cli import main as cli_main
+from ucp_jax._src.restore import last_read_stats
+
+MAX_OBJECTS = 12  # COMMIT, manifest.json, the root database and one process's database
+
+
+@pytest.fixture(autouse=True)
+def _aggregated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCP_LAYOUT", "aggregated")
+
+
+def _tree(leaves: int, width: int = 64) -> dict:
+    rng = np.random.default_rng(leaves)
+    return {f"l{i:03d}": rng.standard_normal((width, width), dtype=np.float32)
+            for i in range(leaves)}  # fmt: skip
+
+
+def _files(path: Path) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+
+
+@pytest.mark.parametrize("leaves", [4, 64])
+@pytest.mark.parametrize("mesh", [(8,), (2, 4), (4, 2)], ids=str)
+def test_objects_bounded_per_process(tmp_path, leaves, mesh):
+    ref = _tree(leaves)
+    path = tmp_path / "ck"
+    ucp.save(path, place(ref, mesh_of(mesh)), step=1)
+    files = _files(path)
+    assert len(files) <= MAX_OBJECTS, files
+    assert ucp.open(path).manifest.version == 3
+    out, _ = ucp.restore(path, targets(ref, mesh_of((4, 2))))
+    assert_tree_bitexact(ref, out)
+
+
+def test_reshard_reads_only_needed_bytes(tmp_path):
+    ref = _tree(8, 256)
+    path = tmp_path / "ck"
+    ucp.save(path, place(ref, mesh_of((2, 4))))
+    out, _ = ucp.restore(path, targets(ref, mesh_of((4, 2))))
+    assert_tree_bitexact(ref, out)
+    stats = last_read_stats()
+    assert stats.bytes_read == stats.bytes_needed > 0
+    assert stats.amplification == 1.0
+
+
+def test_per_array_layout_still_reads(tmp_path):
+    """Format version 2 (one file per chunk) written by the per-array path still restores."""
+    ref = _tree(6)
+    path = tmp_path / "v2"
+    job = save_mod.SaveJob(path, place(ref, mesh_of((2, 4))), None, step=2, rules=(), extra=None,
+                           overwrite=False, layout="per-array")  # fmt: skip
+    job.write(None)
+    assert json.loads((path / "manifest.json").read_bytes())["format_version"] == 2
+    assert (path / "atoms").is_dir()
+    out, _ = ucp.restore(path, targets(ref, mesh_of((8,))))
+    assert_tree_bitexact(ref, out)
+    assert cli_main(["verify", str(path)]) == 0
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, dict]:
+    ref = _tree(3)
+    path = tmp_path / "ck"
+    ucp.save(path, place(ref, mesh_of((2, 4))), step=1)
+    return path, ref
+
+
+def test_flipped_byte_in_data_file_is_named(saved, capsys):
+    path, ref = saved
+    f, off, n = ocdbt_values(path)["atoms/l001/fp32/c/0/0"]
+    data = bytearray(Path(f).read_bytes())
+    data[off + n // 2] ^= 0x10
+    Path(f).write_bytes(bytes(data))
+    with pytest.raises(ucp.ChecksumError, match="'l001'"):
+        ucp.restore(path, targets(ref, mesh_of((4, 2))))
+    assert ucp.open(path).read("l000").tobytes() == ref["l000"].tobytes()
+    assert cli_main(["verify", str(path)]) == 1
+    fails = [x for x in capsys.readouterr().out.splitlines() if x.startswith("FAIL")]
+    assert fails and all("'l001'" in x for x in fails)
+
+
+def test_swapped_chunks_in_data_file_are_refused(saved):
+    """Two equal-size chunks swapped inside the data file pass crc32c, not the fingerprints."""
+    path, ref = saved
+    values = ocdbt_values(path)
+    (fa, oa, na), (fb, ob, nb) = values["atoms/l002/fp32/c/0/0"], values["atoms/l002/fp32/c/1/1"]
+    assert fa == fb and na == nb
+    data = bytearray(Path(fa).read_bytes())
+    data[oa : oa + na], data[ob : ob + nb] = data[ob : ob + nb], data[oa : oa + na]
+    Path(fa).write_bytes(bytes(data))
+    with pytest.raises(ucp.ChecksumError, match=r"'l002'.*(swapped|checksum)"):
+        ucp.restore(path, targets(ref, mesh_of((8,))))
+
+
+def test_missing_process_database_is_refused(saved):
+    path, ref = saved
+    shutil.rmtree(path / "ocdbt.p0")
+    with pytest.raises(ucp.UcpError):
+        ucp.restore(path, targets(ref, mesh_of((8,))))
+
+
+def test_failed_save_leaves_nothing_and_next_save_succeeds(tmp_path, monkeypatch):
+    ref = _tree(6)
+    stream = save_mod.SaveJob._stream
+
+    def failing(self):  # type: ignore[no-untyped-def]
+        for i, item in enumerate(stream(self)):
+            if i == 3:
+                raise RuntimeError("disk on fire")
+            yield item
+
+    monkeypatch.setattr(save_mod.SaveJob, "_stream", failing)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        ucp.save(tmp_path / "step_1", place(ref, mesh_of((2, 4))))
+    assert ucp.list_checkpoints(tmp_path) == []
+    with pytest.raises(ucp.NotACheckpointError):
+        ucp.open(tmp_path / "step_1")
+    monkeypatch.setattr(save_mod.SaveJob, "_stream", stream)
+    ucp.save(tmp_path / "step_1", place(ref, mesh_of((2, 4))))
+    out, _ = ucp.restore(tmp_path / "step_1", targets(ref, mesh_of((8,))))
+    assert_tree_bitexact(ref, out)
+
+
+def test_async_save_uses_the_aggregated_layout(tmp_path):
+    ref = _tree(5)
+    h = ucp.async_save(tmp_path / "a", place(ref, mesh_of((4, 2))), step=5)
+    h.wait()
+    assert ucp.open(tmp_path / "a").manifest.version == 3
+    assert len(_files(tmp_path / "a")) <= MAX_OBJECTS
+    out, _ = ucp.restore(tmp_path / "a", targets(ref, mesh_of((2, 4))))
+    assert_tree_bitexact(ref, out)
+    assert jax.device_count() == 8
+
+
+def test_overwrite_and_reopen_see_the_new_contents(tmp_path):
+    """OCDBT caches are per save and per opened checkpoint: an overwrite (same staging folder,
+    same final path) never reads or merges through what a cache remembers of the old one."""
+    ref = _tree(4)
+    path = tmp_path / "ck"
+    ucp.save(path, place(ref, mesh_of((2, 4))), step=1)
+    out, _ = ucp.restore(path, targets(ref, mesh_of((8,))))
+    assert_tree_bitexact(ref, out)
+    new = {k: v + 1 for k, v in ref.items()}
+    ucp.save(path, place(new, mesh_of((4, 2))), step=2, overwrite=True)
+    assert ucp.open(path).step == 2
+    out, _ = ucp.restore(path, targets(ref, mesh_of((8,))))
+    assert_tree_bitexact(new, out)
+    assert cli_main(["verify", str(path)]) == 0
+
+
+def test_version_2_checkpoint_of_the_main_branch_restores():
+    """A committed fixture written by the main branch's code before version 3 (format version 2;
+    tests/data/make_v2_checkpoint.py) restores onto another mesh and verifies."""
+    import optax
+
+    path = Path(__file__).parent / "data" / "v2_checkpoint"
+    ck = ucp.open(path)
+    assert ck.manifest.version == 2 and ck.step == 11
+    params = {"w": np.arange(8 * 6, dtype=np.float32).reshape(8, 6),
+              "e": jnp.asarray(np.linspace(-1, 1, 12).reshape(4, 3), jnp.bfloat16),
+              "s": np.float32(2.5)}  # fmt: skip
+    opt = optax.adam(1e-3).init(params)
+    p, o = ucp.restore(path, targets(params, mesh_of((4, 2))), targets(opt, mesh_of((8,))))
+    assert_tree_bitexact(params, p)
+    assert_tree_bitexact(opt, o)
+    assert cli_main(["verify", str(path)]) == 0

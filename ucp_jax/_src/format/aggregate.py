@@ -1,0 +1,72 @@
+"""The aggregated layout (format version 3): every array in one OCDBT database per checkpoint.
+
+A checkpoint folder holds `manifest.json`, `COMMIT`, the root OCDBT database (`manifest.ocdbt`,
+`d/`) and one database per writing process (`ocdbt.p<k>/`). Each process writes its chunks and its
+fingerprint table (`digests/p<k>.json`, every array it wrote in one object) into its own
+database, in a few large transactions (a handful of data files per process, however many arrays
+and devices); process 0 then merges the per-process databases into the root one at commit
+(their B-tree entries are copied, the data files stay where they are, referenced from the root).
+Readers open the zarr3 arrays through the root database: byte-range reads of the chunks they
+need, as with one file per chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorstore as ts
+
+from .store import CONTEXT, Location
+
+PROCESS_PREFIX = "ocdbt.p"
+AGGREGATED_VERSION = 3  # the first format version with this layout
+
+
+def fresh_context() -> ts.Context:
+    """A context with its own OCDBT caches (memory stores and thread pools shared with CONTEXT).
+
+    Every save and every opened checkpoint uses its own: a database's manifest and B-tree nodes
+    are cached per context, and a folder saved again (an overwrite, a retried save into the same
+    staging folder) must never be read through the caches of its previous contents.
+    """
+    return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}, CONTEXT)
+
+
+def _db(folder: Location, sub: str, context: ts.Context | None) -> Location:
+    base = folder.child(sub).kvstore if sub else dict(folder.kvstore)
+    spec = {"driver": "ocdbt", "base": base, "path": "", "cache_pool": "cache_pool#ocdbt"}
+    return Location(spec, context if context is not None else fresh_context())
+
+
+def root_db(folder: Location, context: ts.Context | None = None) -> Location:
+    """The merged database of a committed checkpoint (what readers open); a fresh context by
+    default."""
+    return _db(folder, "", context)
+
+
+def process_db(folder: Location, process: int, context: ts.Context | None = None) -> Location:
+    """The database process `process` writes into during a save; a fresh context by default."""
+    return _db(folder, f"{PROCESS_PREFIX}{process}", context)
+
+
+def merge(folder: Location, processes: int) -> None:
+    """Copy every process's database into the root database, in one atomic transaction.
+
+    Raises:
+        FileNotFoundError: a process's database is missing (that process never finished).
+    """
+    ctx = fresh_context()  # what is on storage now, not what a cache remembers
+    root = root_db(folder, ctx).kv()
+    txn = ts.Transaction(atomic=True)
+    copies: list[Any] = []
+    for k in range(processes):
+        kv = process_db(folder, k, ctx).kv()
+        if not kv.list(ts.KvStore.KeyRange("digests/", "digests0")).result():
+            raise FileNotFoundError(
+                f"{folder.url}/{PROCESS_PREFIX}{k} has no fingerprint table: process {k} did not "
+                "finish writing its share"
+            )
+        copies.append(kv.experimental_copy_range_to(root.with_transaction(txn)))
+    for c in copies:
+        c.result()
+    txn.commit_async().result()
