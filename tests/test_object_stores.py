@@ -26,6 +26,7 @@ from mp.runner import free_port, run_and_kill, run_job
 
 import ucp_jax as ucp
 from ucp_jax._src.cli import main as cli_main
+from ucp_jax._src.format import aggregate
 
 BUCKET = "ucp-test"
 KILL_WORKER = Path(__file__).parent / "mp" / "kill_remote_worker.py"
@@ -169,17 +170,34 @@ def test_s3_no_such_bucket(s3, capsys):
     assert "the store refused" in capsys.readouterr().err
 
 
-def test_s3_verify_finds_a_swapped_object(s3, capsys):
-    """Integrity on an object store: a chunk object replaced by another array's fails verify."""
+@pytest.mark.parametrize("layout", ["aggregated", "per-array"])
+def test_s3_verify_finds_a_swapped_object(s3, capsys, monkeypatch, layout):
+    """Integrity on an object store: a data object replaced by another checkpoint's fails verify.
+
+    aggregated (format version 3): process 0's OCDBT data file gets the bytes of the same-shaped
+    checkpoint's (every chunk's crc32c still holds); per-array (version 2): one chunk object.
+    """
     import boto3
 
-    root = f"s3://{BUCKET}/swap"
+    monkeypatch.setenv("UCP_LAYOUT", layout)
+    root = f"s3://{BUCKET}/swap-{layout}"
     ucp.save(f"{root}/a", _state(4), step=1)
     ucp.save(f"{root}/b", _state(5), step=1)
     client = boto3.client("s3", endpoint_url=s3)
-    key = "swap/a/atoms/dense.kernel/fp32/c/0/0"
-    other = client.get_object(Bucket=BUCKET, Key=key.replace("swap/a/", "swap/b/"))["Body"].read()
-    client.put_object(Bucket=BUCKET, Key=key, Body=other)
+    prefix = f"swap-{layout}"
+    if layout == "per-array":
+        key = f"{prefix}/a/atoms/dense.kernel/fp32/c/0/0"
+        other = f"{prefix}/b/atoms/dense.kernel/fp32/c/0/0"
+    else:
+
+        def largest_data_file(ck: str) -> str:  # the chunks' (the others hold b-tree nodes)
+            listed = client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/{ck}/ocdbt.p0/d/")
+            return max(listed["Contents"], key=lambda o: o["Size"])["Key"]
+
+        key, other = largest_data_file("a"), largest_data_file("b")
+    body = client.get_object(Bucket=BUCKET, Key=other)["Body"].read()
+    assert len(body) == len(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    client.put_object(Bucket=BUCKET, Key=key, Body=body)
     assert cli_main(["verify", f"{root}/a"]) == 1
     assert "dense.kernel" in capsys.readouterr().out
     with pytest.raises(ucp.ChecksumError):
@@ -210,8 +228,10 @@ def test_s3_two_processes(s3):
     root = f"s3://{BUCKET}/mp"
     outs = run_job(lambda i, addr: [str(MP_WORKER), str(i), addr, root], 2, 180)
     assert all("OK" in out for out, _ in outs), outs
-    digests = {k for k in ucp.Location.parse(f"{root}/sync").list_keys() if "/digests/" in k}
-    assert {k.rsplit("/", 1)[1] for k in digests} == {"p0.json", "p1.json"}
+    # One fingerprint table per process, inside the checkpoint's (merged) OCDBT database.
+    db = aggregate.root_db(ucp.Location.parse(f"{root}/sync")).kv()
+    digests = {k.decode() for k in db.list().result() if k.startswith(b"digests/")}
+    assert digests == {"digests/p0.json", "digests/p1.json"}
 
 
 def test_s3_kill_during_save(s3, tmp_path):
@@ -391,6 +411,8 @@ def test_store_gone_during_a_save(s3, monkeypatch):
             yield item
 
     monkeypatch.setattr(save_mod.SaveJob, "_stream", slow_stream)
+    # Transactions of one leaf: the aggregated layout's data files reach the store during the save.
+    monkeypatch.setenv("UCP_INFLIGHT_BYTES", str(2 * 256 * 256 * 4))
     sharding = jax.sharding.NamedSharding(mesh_of((8,)), jax.sharding.PartitionSpec("a"))
     base = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
     big = {f"w{i}": jax.device_put(base + i, sharding) for i in range(8)}
@@ -407,7 +429,7 @@ def test_store_gone_during_a_save(s3, monkeypatch):
     saving.start()
     kv = ucp.Location.parse(path).kv()
     deadline = time.monotonic() + 30
-    while not any(b"/c/" in k for k in kv.list().result()):
+    while not any(b"/c/" in k or k.startswith(b"ocdbt.p0/d/") for k in kv.list().result()):
         assert time.monotonic() < deadline and saving.is_alive(), f"no chunk written: {errors}"
         time.sleep(0.01)
     t0 = time.monotonic()

@@ -10,6 +10,7 @@ save ever finishes, it prints `SAVE FINISHED` and exits 3.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -36,7 +37,7 @@ def _watch(root: str) -> None:
     kv = Location.parse(root + "/step_2").kv()
     while True:
         keys = [k.decode() for k in kv.list().result()]
-        if any("/c/" in k or k.endswith("/c") for k in keys):
+        if any("/c/" in k or k.endswith("/c") or k.startswith("ocdbt.p0/d/") for k in keys):
             _say("KILL ME")
             return
         time.sleep(0.01)
@@ -55,6 +56,8 @@ def main() -> None:
     base = np.arange(np.prod(LEAF_SHAPE), dtype=np.float32).reshape(LEAF_SHAPE)
     big = {f"w{i}": jax.device_put(base + i, sharding) for i in range(LEAVES)}
     jax.block_until_ready(big)
+    # Transactions of one leaf: the aggregated layout's data files reach the store mid-save.
+    os.environ["UCP_INFLIGHT_BYTES"] = str(2 * int(np.prod(LEAF_SHAPE)) * 4)
     kill_worker.THROTTLE_S = 0.05  # 64 regions: the write phase lasts ~3 s
     kill_worker._throttle()
     threading.Thread(target=_watch, args=(root,), daemon=True).start()
