@@ -188,3 +188,21 @@ def test_version_2_checkpoint_of_the_main_branch_restores():
     assert_tree_bitexact(params, p)
     assert_tree_bitexact(opt, o)
     assert cli_main(["verify", str(path)]) == 0
+
+
+@pytest.mark.parametrize("inflight", [1 << 30, 64 << 10], ids=["one-transaction", "many"])
+def test_blocking_save_holds_no_reference_after_it_returns(tmp_path, monkeypatch, inflight):
+    """Once `save` returns (its transactions committed), nothing holds the device buffers:
+    a step that donates them runs (and overwrites them), and the checkpoint
+    holds the values of the save, not of the step."""
+    monkeypatch.setenv("UCP_INFLIGHT_BYTES", str(inflight))
+    ref = _tree(6, width=128)
+    params = place(ref, mesh_of((2, 4)))
+    ucp.save(tmp_path / "ck", params, step=1)
+
+    step = jax.jit(lambda p: jax.tree.map(lambda x: x * 2.0 + 1.0, p), donate_argnums=0)
+    stepped = jax.block_until_ready(step(params))
+    assert all(x.is_deleted() for x in jax.tree.leaves(params))  # donated, not copied
+    out, _ = ucp.restore(tmp_path / "ck", targets(ref, mesh_of((4, 2))))
+    assert_tree_bitexact(ref, out)
+    np.testing.assert_array_equal(np.asarray(stepped["l000"]), ref["l000"] * 2.0 + 1.0)
