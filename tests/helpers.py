@@ -143,12 +143,18 @@ def save_layout(
 
 
 def ocdbt_values(path: Any) -> dict[str, tuple[str, int, int]]:
-    """Key -> (data file, offset, length) of every value in a version-3 checkpoint's root database."""
+    """Key -> (data file, offset, length) of every value in a version-3 checkpoint's root database.
+
+    `path`: a local folder (data files as paths), or a kvstore spec dict (data files as keys
+    relative to it).
+    """
     import os
 
     import tensorstore as ts
 
-    base = ts.KvStore.open({"driver": "file", "path": os.fspath(path) + "/"}).result()
+    local = not isinstance(path, dict)
+    spec = {"driver": "file", "path": os.fspath(path) + "/"} if local else path
+    base = ts.KvStore.open(spec).result()
     out: dict[str, tuple[str, int, int]] = {}
     todo = [ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]]
     while todo:
@@ -159,9 +165,6 @@ def ocdbt_values(path: Any) -> dict[str, tuple[str, int, int]]:
             elif "indirect_value" in e:
                 _, rest = e["indirect_value"].split(":", 1)
                 prefix, name, off, n = rest.split(":")
-                out[e["key"].decode()] = (
-                    os.path.join(os.fspath(path), prefix + name),
-                    int(off),
-                    int(n),
-                )
+                where = os.path.join(os.fspath(path), prefix + name) if local else prefix + name
+                out[e["key"].decode()] = (where, int(off), int(n))
     return out

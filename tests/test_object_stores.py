@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import assert_tree_bitexact
-from helpers import float_params, mesh_of, place, targets
+from helpers import float_params, mesh_of, ocdbt_values, place, targets
 from mp.runner import free_port, run_and_kill, run_job
 
 import ucp_jax as ucp
@@ -172,10 +172,11 @@ def test_s3_no_such_bucket(s3, capsys):
 
 @pytest.mark.parametrize("layout", ["aggregated", "per-array"])
 def test_s3_verify_finds_a_swapped_object(s3, capsys, monkeypatch, layout):
-    """Integrity on an object store: a data object replaced by another checkpoint's fails verify.
+    """Integrity on an object store: a chunk replaced by the same chunk of another checkpoint
+    (its crc32c still holds) fails verify and restore.
 
-    aggregated (format version 3): process 0's OCDBT data file gets the bytes of the same-shaped
-    checkpoint's (every chunk's crc32c still holds); per-array (version 2): one chunk object.
+    aggregated (format version 3): the chunk's bytes inside process 0's OCDBT data file;
+    per-array (version 2): the chunk object.
     """
     import boto3
 
@@ -185,18 +186,26 @@ def test_s3_verify_finds_a_swapped_object(s3, capsys, monkeypatch, layout):
     ucp.save(f"{root}/b", _state(5), step=1)
     client = boto3.client("s3", endpoint_url=s3)
     prefix = f"swap-{layout}"
+
+    def get(key: str) -> bytes:
+        return client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
     if layout == "per-array":
         key = f"{prefix}/a/atoms/dense.kernel/fp32/c/0/0"
-        other = f"{prefix}/b/atoms/dense.kernel/fp32/c/0/0"
+        body = get(f"{prefix}/b/atoms/dense.kernel/fp32/c/0/0")
     else:
 
-        def largest_data_file(ck: str) -> str:  # the chunks' (the others hold b-tree nodes)
-            listed = client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/{ck}/ocdbt.p0/d/")
-            return max(listed["Contents"], key=lambda o: o["Size"])["Key"]
+        def where(ck: str) -> tuple[str, int, int]:
+            spec = {"driver": "s3", "bucket": BUCKET, "path": f"{prefix}/{ck}/", "endpoint": s3}
+            f, off, n = ocdbt_values(spec)["atoms/dense.kernel/fp32/c/0/0"]
+            return f"{prefix}/{ck}/{f}", off, n
 
-        key, other = largest_data_file("a"), largest_data_file("b")
-    body = client.get_object(Bucket=BUCKET, Key=other)["Body"].read()
-    assert len(body) == len(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        (key, off, n), (other, off_b, n_b) = where("a"), where("b")
+        assert n == n_b
+        data = bytearray(get(key))
+        data[off : off + n] = get(other)[off_b : off_b + n_b]
+        body = bytes(data)
+    assert body != get(key)
     client.put_object(Bucket=BUCKET, Key=key, Body=body)
     assert cli_main(["verify", f"{root}/a"]) == 1
     assert "dense.kernel" in capsys.readouterr().out
