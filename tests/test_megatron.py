@@ -266,3 +266,35 @@ def test_dp_reshardable_refuses_several_buckets(mcore_ckpts):  # noqa: F811
     shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
     with pytest.raises(MegatronFormatError, match="2 buckets"):
         bucket_tensors(folder, md, objects, shapes)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"{" + b" " * (2 << 20) + b"}", "over 1048576 bytes"),
+        (b"[" * 100_000 + b"]" * 100_000, "not readable JSON"),
+        (b'{"a": ' + b"[" * 80 + b"]" * 80 + b"}", "flat JSON object"),
+        (b'["torch_dist"]', "flat JSON object"),
+        (b"\xff\xfe", "not readable JSON"),
+        (b'{"sharded_backend": "zarr"}', "sharded_backend is 'zarr'"),
+    ],
+    ids=["huge", "deep-for-python", "deep", "not-an-object", "not-utf8", "zarr"],
+)
+def test_hostile_metadata_json(tmp_path, content, match):
+    """metadata.json is untrusted input: bounded in size and depth, refused with the file named."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "metadata.json").write_bytes(content)
+    with pytest.raises(MegatronFormatError, match=match) as e:
+        import_megatron(str(src), tmp_path / "dst", heads=4)
+    assert str(src / "metadata.json") in str(e.value)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_metadata_json_symlink_refused(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (tmp_path / "elsewhere.json").write_text('{"sharded_backend": "torch_dist"}')
+    (src / "metadata.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(MegatronFormatError, match="symbolic link"):
+        import_megatron(str(src), tmp_path / "dst", heads=4)

@@ -92,7 +92,7 @@ def _names(fqn: str, params: set[str], prefix: str) -> tuple[str, str]:
     return fqn, "fp32"
 
 
-def _read_blob(folder: str, info: Any, what: str) -> bytes:
+def read_blob(folder: str, info: Any, what: str) -> bytes:
     """The bytes a storage entry names: a file inside `folder` (no `..`, absolute path or link),
     and an offset and length inside that file."""
     rel = getattr(info, "relative_path", None)
@@ -108,7 +108,7 @@ def _read_blob(folder: str, info: Any, what: str) -> bytes:
         return f.read(n)
 
 
-def _read_chunk(
+def read_chunk(
     folder: str, info: Any, dtype: torch.dtype, sizes: tuple[int, ...], what: str
 ) -> Any:
     if getattr(info, "transform_descriptors", None):
@@ -116,7 +116,7 @@ def _read_chunk(
             f"{folder}: chunk in {info.relative_path} uses transforms {info.transform_descriptors}"
             " (e.g. compression), which this importer does not read"
         )
-    blob = _read_blob(folder, info, what)
+    blob = read_blob(folder, info, what)
     if blob[:2] == b"PK":
         t = loads(blob, f"{info.relative_path}@{info.offset}")
         if not isinstance(t, torch.Tensor):
@@ -137,7 +137,7 @@ def _read_chunk(
     return t.reshape(sizes)
 
 
-def _check_tensor(folder: str, fqn: str, meta: Any) -> tuple[int, ...]:
+def check_tensor(folder: str, fqn: str, meta: Any) -> tuple[int, ...]:
     """The global shape of a tensor entry, after checking its chunks lie inside it and cover it."""
     what = f"{folder}/.metadata: tensor {fqn!r}"
     if not isinstance(getattr(meta.properties, "dtype", None), torch.dtype):
@@ -201,7 +201,7 @@ def import_dcp(
     tensors = {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
     params = {k for k in tensors if not _OPTIM.match(k)}
     objects: dict[str, Any] = {}
-    shapes = {k: _check_tensor(folder, k, v) for k, v in tensors.items()}
+    shapes = {k: check_tensor(folder, k, v) for k, v in tensors.items()}
     total = sum(
         math.prod(shapes[k]) * torch.empty((), dtype=v.properties.dtype).element_size()
         for k, v in tensors.items()
@@ -228,7 +228,7 @@ def import_dcp(
                         raise DCPFormatError(
                             f"{folder}/.metadata: {fqn!r}: no storage entry for the chunk at {offs}"
                         )
-                    t = _read_chunk(folder, info, meta.properties.dtype, sizes, f"{fqn!r} {offs}")
+                    t = read_chunk(folder, info, meta.properties.dtype, sizes, f"{fqn!r} {offs}")
                     box = tuple((o, o + s) for o, s in zip(offs, sizes))
                     w.write(atom, slot, box, to_numpy(t.reshape(sizes)), keep=t)
                     bar.advance(t.numel() * t.element_size())
@@ -238,7 +238,7 @@ def import_dcp(
                     info = md.storage_data.get(MetadataIndex(fqn))
                     if info is None:
                         continue
-                    blob = _read_blob(folder, info, repr(fqn))
+                    blob = read_blob(folder, info, repr(fqn))
                     try:
                         objects[fqn] = jsonable(loads(blob, fqn))
                     except UcpError as e:

@@ -38,12 +38,17 @@ import torch
 
 from ...models.llama_config import LlamaConfig
 from ..errors import NotACheckpointError, UcpError
+from ..format.validate import MAX_JSON_DEPTH, json_depth
 from ..mapping.patterns import FusedMark
-from .dcp import _check_tensor, _read_blob, _read_chunk, read_metadata
+from .dcp import check_tensor, read_blob, read_chunk, read_metadata
 from .lazy import jsonable
 from .limits import ucp_errors
 from .unpickle import load, loads
 from .writer import AtomWriter, to_numpy
+
+MAX_METADATA_BYTES = (
+    1 << 20
+)  # metadata.json: {"sharded_backend": ..., "sharded_backend_version": ...}
 
 
 class MegatronFormatError(UcpError, ValueError):
@@ -74,7 +79,7 @@ def read_tensor(folder: str, md: Any, fqn: str) -> torch.Tensor:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     meta = md.state_dict_metadata[fqn]
-    shape = _check_tensor(folder, fqn, meta)
+    shape = check_tensor(folder, fqn, meta)
     out = torch.empty(shape, dtype=meta.properties.dtype)
     for chunk in meta.chunks:
         offs = tuple(int(o) for o in chunk.offsets)
@@ -82,7 +87,7 @@ def read_tensor(folder: str, md: Any, fqn: str) -> torch.Tensor:
         info = md.storage_data.get(MetadataIndex(fqn, torch.Size(offs)))
         if info is None:
             raise MegatronFormatError(f"{folder}/.metadata: {fqn!r}: no storage for chunk {offs}")
-        t = _read_chunk(folder, info, meta.properties.dtype, sizes, f"{fqn!r} {offs}")
+        t = read_chunk(folder, info, meta.properties.dtype, sizes, f"{fqn!r} {offs}")
         out[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] = t
     return out
 
@@ -99,7 +104,7 @@ def read_objects(folder: str, md: Any) -> dict[str, Any]:
         info = md.storage_data.get(MetadataIndex(fqn))
         if info is None:
             continue
-        value = loads(_read_blob(folder, info, repr(fqn)), f"{folder}: {fqn}")
+        value = loads(read_blob(folder, info, repr(fqn)), f"{folder}: {fqn}")
         if isinstance(value, list) and len(value) == 1:  # a ShardedObject of shape (1,)
             value = value[0]
         out.setdefault(fqn.split("/shard_")[0], value)
@@ -115,12 +120,23 @@ def _check_backend(folder: str) -> None:
         raise NotACheckpointError(
             f"{folder}: no metadata.json; not a Megatron-Core dist_checkpointing folder"
         )
+    if os.path.islink(path):
+        raise MegatronFormatError(
+            f"{path}: is a symbolic link; a checkpoint's files must be its own"
+        )
     try:
-        with open(path) as f:
-            meta = json.load(f)
-        backend = meta.get("sharded_backend")
-    except (OSError, ValueError, AttributeError) as e:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_METADATA_BYTES + 1)
+        meta = json.loads(raw) if len(raw) <= MAX_METADATA_BYTES else None
+    except (OSError, ValueError, RecursionError) as e:
         raise MegatronFormatError(f"{path}: not readable JSON ({e})") from e
+    if meta is None:
+        raise MegatronFormatError(f"{path}: over {MAX_METADATA_BYTES} bytes; Megatron writes ~100")
+    if not isinstance(meta, dict) or json_depth(meta) > MAX_JSON_DEPTH:
+        raise MegatronFormatError(
+            f'{path}: expected a flat JSON object like {{"sharded_backend": "torch_dist"}}'
+        )
+    backend = meta.get("sharded_backend")
     if backend != "torch_dist":
         raise MegatronFormatError(
             f"{path}: sharded_backend is {backend!r}; this importer reads 'torch_dist' "
