@@ -154,7 +154,7 @@ def build(ckpt: Checkpoint, bindings: Sequence[LeafBinding], given: CompiledRule
 
     `account=False` leaves out the byte accounting (a restore only needs the problems).
     """
-    from .restore import _resolve
+    from .restore import resolve_leaf
 
     out = RestorePlan(ckpt.path, ckpt.step)
     if given is not None:
@@ -164,7 +164,7 @@ def build(ckpt: Checkpoint, bindings: Sequence[LeafBinding], given: CompiledRule
             out.problems.append(Problem("", "rule", str(e)))
     for b in bindings:
         try:
-            r = _resolve(ckpt, b, cast, read=False)
+            r = resolve_leaf(ckpt, b, cast, read=False)
         except (MismatchError, PatternError) as e:
             out.problems.append(Problem(b.name, getattr(e, "kind", None) or "mismatch", str(e)))
             continue

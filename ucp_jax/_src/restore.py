@@ -91,7 +91,7 @@ class _Resolved:
     atom_of: dict[str, str]
 
 
-def _resolve(ckpt: Checkpoint, b: LeafBinding, cast: bool, *, read: bool = True) -> _Resolved:
+def resolve_leaf(ckpt: Checkpoint, b: LeafBinding, cast: bool, *, read: bool = True) -> _Resolved:
     """Check a target leaf against the manifest; `read=False` (plans) never reads an array."""
     if b.sharding is None and isinstance(b.value, jax.ShapeDtypeStruct):
         raise MismatchError(
@@ -279,7 +279,7 @@ def restore(
     report.raise_if_problems()
     resolved = report.resolved
     if any(r.slot_of.get(a) == STEP_SLOT for r in resolved for a in r.slot_of):
-        resolved = [_resolve(ckpt, r.binding, cast) for r in resolved]  # counts: steps agree?
+        resolved = [resolve_leaf(ckpt, r.binding, cast) for r in resolved]  # counts: steps agree?
     regions = [
         (r.atom_of[p.atom], r.slot_of[p.atom], p.atom_box)
         for r in resolved
