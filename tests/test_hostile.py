@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -382,41 +383,60 @@ def _mutate(ck: Path, rng: random.Random) -> str:
         f = rng.choice([p for p in files if p.parent.name == "digests"])
     else:
         f = rng.choice([p for p in files if "/c" in str(p.relative_to(ck))] or files)
-    data = bytearray(f.read_bytes())
-    if kind in ("flip", "manifest", "zarr_json", "table") and data:
-        for _ in range(rng.randint(1, 3)):
-            i = rng.randrange(len(data))
-            data[i] ^= 1 << rng.randrange(8)
-        f.write_bytes(bytes(data))
-    elif kind == "truncate":
-        f.write_bytes(bytes(data[: rng.randrange(len(data) + 1)]))
-    elif kind == "delete":
-        f.unlink()
-    elif kind == "append":
-        f.write_bytes(bytes(data) + rng.randbytes(rng.randint(1, 64)))
-    elif kind == "swap":
-        same = [p for p in files if p != f and p.stat().st_size == len(data) and p.name != "COMMIT"]
-        g = rng.choice(same) if same else rng.choice([p for p in files if p != f])
-        other = g.read_bytes()
-        g.write_bytes(bytes(data))
-        f.write_bytes(other)
+    swap_with: list[Path] = []
+    if kind == "swap":  # a file of the same size where there is one
+        size = f.stat().st_size
+        same = [p for p in files if p != f and p.stat().st_size == size and p.name != "COMMIT"]
+        swap_with = same or [p for p in files if p != f]
+    _mutate_file(f, kind if kind in ("truncate", "delete", "append", "swap") else "flip",
+                 swap_with, rng)  # fmt: skip
     return kind
 
 
-def test_randomized_corruption(pristine: Path, tmp_path: Path) -> None:
-    """300 seeded mutations: every outcome is bit-exact values or a UcpError; counts printed."""
+def _flip_range(f: Path, off: int, n: int, rng: random.Random) -> None:
+    data = bytearray(f.read_bytes())
+    for _ in range(rng.randint(1, 3)):
+        i = off + rng.randrange(n)
+        data[i] ^= 1 << rng.randrange(8)
+    f.write_bytes(bytes(data))
+
+
+def _mutate_file(f: Path, kind: str, swap_with: list[Path], rng: random.Random) -> None:
+    """One whole-file mutation of `f`: flip (1-3 bits), truncate, delete, append, or swap its
+    bytes with a file from `swap_with`."""
+    data = f.read_bytes()
+    if kind == "flip" and data:
+        _flip_range(f, 0, len(data), rng)
+    elif kind == "truncate":
+        f.write_bytes(data[: rng.randrange(len(data) + 1)])
+    elif kind == "delete":
+        f.unlink()
+    elif kind == "append":
+        f.write_bytes(data + rng.randbytes(rng.randint(1, 64)))
+    elif kind == "swap":
+        g = rng.choice(swap_with)
+        other = g.read_bytes()
+        g.write_bytes(data)
+        f.write_bytes(other)
+
+
+def _corrupt_300(
+    pristine: Path, tmp_path: Path, seed: int, mutate: Callable[[Path, random.Random], str]
+) -> Counter[tuple[str, str]]:
+    """300 seeded mutations of copies of `pristine`: each copy is read whole (and every 10th
+    restored) and must give bit-exact values or a UcpError; (mutation, outcome) counts."""
     params, _ = _state()
     ref = {}
     c = ucp.open(pristine)
     for name in c.atoms:
         for slot in c.atoms[name].slots:
             ref[(name, slot)] = c.read(name, slot).tobytes()
-    rng = random.Random(20261122)
+    rng = random.Random(seed)
     counts: Counter[tuple[str, str]] = Counter()
     for i in range(300):
         ck = tmp_path / f"m{i}"
         shutil.copytree(pristine, ck)
-        kind = _mutate(ck, rng)
+        kind = mutate(ck, rng)
         try:
             c = ucp.open(ck)
             for (name, slot), want in ref.items():
@@ -432,10 +452,16 @@ def test_randomized_corruption(pristine: Path, tmp_path: Path) -> None:
                 pass  # refused: fine (a damaged file the reads above did not need, or the same)
         counts[(kind, outcome)] += 1
         shutil.rmtree(ck)
-    print("\nrandomized corruption (mutation, outcome): count")
     for k in sorted(counts):
         print(f"  {k[0]:10s} {k[1]:20s} {counts[k]}")
     assert sum(counts.values()) == 300
+    return counts
+
+
+def test_randomized_corruption(pristine: Path, tmp_path: Path) -> None:
+    """300 seeded mutations: every outcome is bit-exact values or a UcpError; counts printed."""
+    print("\nrandomized corruption (mutation, outcome): count")
+    counts = _corrupt_300(pristine, tmp_path, 20261122, _mutate)
     assert {k for k, _ in counts} == set(MUTATIONS)
 
 
@@ -453,14 +479,6 @@ def pristine_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 layout="aggregated")  # fmt: skip
     assert ucp.open(path).manifest.version == 3
     return path
-
-
-def _flip_range(f: Path, off: int, n: int, rng: random.Random) -> None:
-    data = bytearray(f.read_bytes())
-    for _ in range(rng.randint(1, 3)):
-        i = off + rng.randrange(n)
-        data[i] ^= 1 << rng.randrange(8)
-    f.write_bytes(bytes(data))
 
 
 def _mutate_v3(ck: Path, values: dict[str, tuple[str, int, int]], rng: random.Random) -> str:
@@ -489,57 +507,19 @@ def _mutate_v3(ck: Path, values: dict[str, tuple[str, int, int]], rng: random.Ra
             Path(f).write_bytes(bytes(buf))
         return kind
     f = ck / "manifest.json" if kind == "manifest" else rng.choice(files)
-    data = bytearray(f.read_bytes())
-    if kind in ("flip", "manifest") and data:
-        _flip_range(f, 0, len(data), rng)
-    elif kind == "truncate":
-        f.write_bytes(bytes(data[: rng.randrange(len(data) + 1)]))
-    elif kind == "delete":
-        f.unlink()
-    elif kind == "append":
-        f.write_bytes(bytes(data) + rng.randbytes(rng.randint(1, 64)))
-    elif kind == "swap":
-        g = rng.choice([p for p in files if p != f])
-        other = g.read_bytes()
-        g.write_bytes(bytes(data))
-        f.write_bytes(other)
+    _mutate_file(f, "flip" if kind == "manifest" else kind, [p for p in files if p != f], rng)
     return kind
 
 
 def test_randomized_corruption_aggregated(pristine_v3: Path, tmp_path: Path) -> None:
     """300 seeded mutations of a version-3 checkpoint: bit-exact values or a UcpError, never
     another exception or a wrong value; counts printed."""
-    params, _ = _state()
-    ref = {}
-    c = ucp.open(pristine_v3)
-    for name in c.atoms:
-        for slot in c.atoms[name].slots:
-            ref[(name, slot)] = c.read(name, slot).tobytes()
     values = {k: (os.path.relpath(f, pristine_v3), o, n)
               for k, (f, o, n) in ocdbt_values(pristine_v3).items()}  # fmt: skip
-    rng = random.Random(20261123)
-    counts: Counter[tuple[str, str]] = Counter()
-    for i in range(300):
-        ck = tmp_path / f"m{i}"
-        shutil.copytree(pristine_v3, ck)
-        kind = _mutate_v3(ck, {k: (str(ck / f), o, n) for k, (f, o, n) in values.items()}, rng)
-        try:
-            c = ucp.open(ck)
-            for (name, slot), want in ref.items():
-                assert c.read(name, slot).tobytes() == want, (kind, name, slot)
-            outcome = "exact"
-        except ucp.UcpError as e:
-            outcome = type(e).__name__
-        if i % 10 == 0:
-            try:
-                p, _ = ucp.restore(ck, targets(params, mesh_of((4,))))
-                assert_tree_bitexact(params, p)
-            except ucp.UcpError:
-                pass
-        counts[(kind, outcome)] += 1
-        shutil.rmtree(ck)
+
+    def mutate(ck: Path, rng: random.Random) -> str:
+        return _mutate_v3(ck, {k: (str(ck / f), o, n) for k, (f, o, n) in values.items()}, rng)
+
     print("\nrandomized corruption, version 3 (mutation, outcome): count")
-    for k in sorted(counts):
-        print(f"  {k[0]:10s} {k[1]:20s} {counts[k]}")
-    assert sum(counts.values()) == 300
+    counts = _corrupt_300(pristine_v3, tmp_path, 20261123, mutate)
     assert {k for k, _ in counts} == set(MUTATIONS_V3)
