@@ -81,6 +81,17 @@ def spec_of(path: Any) -> dict[str, Any] | None:
     return None
 
 
+def bytes_store(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec of the store that holds the bytes: an adapter's (OCDBT's) `base`, followed down.
+
+    >>> bytes_store({"driver": "ocdbt", "base": {"driver": "s3", "bucket": "b"}})["driver"]
+    's3'
+    """
+    while isinstance(spec.get("base"), dict):
+        spec = spec["base"]
+    return spec
+
+
 def is_remote(spec: dict[str, Any]) -> bool:
     """Whether a kvstore spec reaches a store over the network (s3, gcs, http).
 
@@ -89,9 +100,7 @@ def is_remote(spec: dict[str, Any]) -> bool:
     >>> is_remote({"driver": "ocdbt", "base": {"driver": "s3", "bucket": "b"}})
     True
     """
-    if isinstance(spec.get("base"), dict):  # ocdbt and other adapters: where their bytes live
-        return is_remote(spec["base"])
-    return spec.get("driver") in REMOTE_DRIVERS
+    return bytes_store(spec).get("driver") in REMOTE_DRIVERS
 
 
 def complete(spec: dict[str, Any]) -> dict[str, Any]:
@@ -213,17 +222,30 @@ def _aws_endpoint(profile: dict[str, str]) -> str | None:
     )
 
 
+def url_of(spec: dict[str, Any]) -> str:
+    """The URL of the folder a spec names (an OCDBT database: the folder it lives in); a local
+    folder as its path.
+
+    >>> url_of({"driver": "ocdbt", "base": {"driver": "gcs", "bucket": "b", "path": "run/"}})
+    'gs://b/run'
+    >>> url_of({"driver": "file", "path": "/ck/step_1/"})
+    '/ck/step_1'
+    """
+    spec = bytes_store(spec)
+    if spec.get("driver") == "file":
+        return str(spec.get("path", "")).rstrip("/")
+    scheme = {"gcs": "gs", "gcs_grpc": "gs"}.get(spec.get("driver", ""), spec.get("driver", ""))
+    bucket = spec.get("bucket", "")
+    return f"{scheme}://{bucket}{'/' if bucket else ''}{spec.get('path', '').rstrip('/')}"
+
+
 def describe(spec: dict[str, Any]) -> str:
     """The store's URL for messages, with its endpoint when it has one.
 
     >>> describe({"driver": "s3", "bucket": "b", "path": "run/", "endpoint": "http://h:9"})
     's3://b/run (endpoint http://h:9)'
     """
-    if isinstance(spec.get("base"), dict):  # an OCDBT database: name the store it lives in
-        return describe(spec["base"])
-    scheme = {"gcs": "gs", "gcs_grpc": "gs"}.get(spec.get("driver", ""), spec.get("driver", ""))
-    bucket = spec.get("bucket", "")
-    url = f"{scheme}://{bucket}{'/' if bucket else ''}{spec.get('path', '').rstrip('/')}"
+    url, spec = url_of(spec), bytes_store(spec)
     if spec.get("driver") == "gcs" and os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
         return f"{url} (endpoint {os.environ['TENSORSTORE_GCS_HTTP_URL']})"
     if spec.get("endpoint"):
@@ -308,8 +330,7 @@ def probe(kv: Any, spec: dict[str, Any]) -> None:
     Later requests (array writes, listings) run without a deadline of their own, bounded by the
     retry policy; this first one makes an unreachable store fail fast and clearly.
     """
-    while isinstance(spec.get("base"), dict):
-        spec = spec["base"]
+    spec = bytes_store(spec)
     endpoint = spec.get("endpoint")
     if spec.get("driver") == "gcs":
         endpoint = os.environ.get("TENSORSTORE_GCS_HTTP_URL")

@@ -88,15 +88,8 @@ class Location:
 
     @property
     def url(self) -> str:
-        """Human-readable location for messages."""
-        if self.local_path is not None:
-            return self.local_path
-        d = self.kvstore
-        if isinstance(d.get("base"), dict):  # an OCDBT database: the folder it lives in
-            return Location(d["base"]).url
-        host = d.get("bucket", "")
-        scheme = {"gcs": "gs", "gcs_grpc": "gs"}.get(d["driver"], d["driver"])
-        return f"{scheme}://{host}{'/' if host else ''}{d['path'].rstrip('/')}"
+        """Human-readable location for messages (a local folder as its path)."""
+        return remote.url_of(self.kvstore)
 
     def __str__(self) -> str:
         return self.url
