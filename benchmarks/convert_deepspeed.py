@@ -152,8 +152,8 @@ def compare(ds_out: str, ucp_out: str, sample: int = 6) -> int:
     import numpy as np
 
     import ucp_jax as ucp
-    from ucp_jax._src.torch.unpickle import load
-    from ucp_jax._src.torch.writer import to_numpy
+    from ucp_jax._src.frameworks.common.writer import to_numpy
+    from ucp_jax._src.untrusted.unpickle import load
 
     ck = ucp.open(ucp_out)
     zero = os.path.join(ds_out, "zero")

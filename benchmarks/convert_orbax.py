@@ -85,7 +85,7 @@ def idle() -> None:
     """Import what `ucp convert orbax` imports, and nothing else."""
     import orbax.checkpoint  # noqa: F401
 
-    import ucp_jax._src.importers.orbax  # noqa: F401
+    import ucp_jax._src.frameworks.orbax.read  # noqa: F401
 
 
 def compare(a: str, b: str) -> int:

@@ -67,7 +67,7 @@ def _sd_to_canonical(sd: dict, cfg) -> dict:
     """HF state dict (numpy) -> canonical atoms, via the same mapping as import_hf."""
     import numpy as np
 
-    from ucp_jax._src.torch.hf import expand, hf_mapping
+    from ucp_jax._src.frameworks.hf.read import expand, hf_mapping
 
     out = {}
     for atom, (spec, srcs) in expand(hf_mapping(cfg), cfg.n_layers).items():
@@ -124,7 +124,7 @@ def worker(phase: str, work: str) -> dict:
     elif phase == "out-torch":
         canon = L.from_layout(jax.device_get(params), cfg, layout)
         sd = {}
-        from ucp_jax._src.torch.hf import expand, hf_mapping
+        from ucp_jax._src.frameworks.hf.read import expand, hf_mapping
 
         for atom, (spec, srcs) in expand(hf_mapping(cfg), cfg.n_layers).items():
             a = canon.pop(atom)

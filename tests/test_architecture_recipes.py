@@ -86,8 +86,8 @@ def test_recipe_pattern(tmp_path, prefixed_registered):
 def import_npz(src: str, dst: str, *, vocab: dict[str, int] | None = None) -> str:
     """A toy importer: every array of an `.npz` file is an atom (slot fp32); arrays named in
     `vocab` were padded to a multiple and keep only their first `vocab[name]` rows."""
-    from ucp_jax._src.torch.progress import Progress
-    from ucp_jax._src.torch.writer import AtomWriter
+    from ucp_jax._src.frameworks.common.progress import Progress
+    from ucp_jax._src.frameworks.common.writer import AtomWriter
 
     vocab = vocab or {}
     with np.load(src) as z, AtomWriter(dst) as w:

@@ -96,7 +96,7 @@ def test_file_only_commands_do_not_import_jax(tmp_path):
     code = (
         "import sys, ucp_jax as ucp\n"
         "from ucp_jax._src.cli import main\n"
-        "import ucp_jax._src.torch.deepspeed, ucp_jax._src.torch.safetensors\n"
+        "import ucp_jax._src.frameworks.deepspeed.zero, ucp_jax._src.frameworks.hf.safetensors\n"
         f"assert main(['inspect', {str(path)!r}]) == 0\n"
         f"assert main(['verify', {str(path)!r}]) == 0\n"
         f"assert ucp.open({str(path)!r}).read('layer.kernel')[1, 2] == 8.0\n"

@@ -28,10 +28,12 @@ from ds.fixtures import TAG, ds_ckpts  # noqa: E402, F401
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main  # noqa: E402
 from ucp_jax._src.errors import LimitError, MismatchError, UcpError, UnsafePathError  # noqa: E402
-from ucp_jax._src.torch.dcp import DCPFormatError, import_dcp, read_metadata  # noqa: E402
-from ucp_jax._src.torch.export import export_deepspeed_universal  # noqa: E402
-from ucp_jax._src.torch.safetensors import SafetensorsError, import_safetensors  # noqa: E402
-from ucp_jax._src.torch.unpickle import STAND_INS, UnsafePickleError, load  # noqa: E402
+from ucp_jax._src.frameworks.common.dcp_files import DCPFormatError, read_metadata  # noqa: E402
+from ucp_jax._src.frameworks.dcp.read import import_dcp  # noqa: E402
+from ucp_jax._src.frameworks.deepspeed.export import export_deepspeed_universal  # noqa: E402
+from ucp_jax._src.frameworks.hf.safetensors import import_safetensors  # noqa: E402
+from ucp_jax._src.untrusted.safetensors import SafetensorsError  # noqa: E402
+from ucp_jax._src.untrusted.unpickle import STAND_INS, UnsafePickleError, load  # noqa: E402
 from ucp_jax.torch import (  # noqa: E402
     DeepSpeedFormatError,
     import_deepspeed,

@@ -23,10 +23,11 @@ from mcore.fixtures import (  # noqa: E402, F401
 
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main as ucp_main  # noqa: E402
-from ucp_jax._src.torch.dcp import import_dcp  # noqa: E402
-from ucp_jax._src.torch.megatron import MegatronFormatError, import_megatron  # noqa: E402
-from ucp_jax._src.torch.megatron_export import MegatronExportError, export_megatron  # noqa: E402
-from ucp_jax._src.torch.writer import to_numpy  # noqa: E402
+from ucp_jax._src.frameworks.common.writer import to_numpy  # noqa: E402
+from ucp_jax._src.frameworks.dcp.read import import_dcp  # noqa: E402
+from ucp_jax._src.frameworks.megatron.common import MegatronFormatError  # noqa: E402
+from ucp_jax._src.frameworks.megatron.export import MegatronExportError, export_megatron  # noqa: E402
+from ucp_jax._src.frameworks.megatron.read import import_megatron  # noqa: E402
 from ucp_jax.demo import Layout  # noqa: E402
 from ucp_jax.models import llama as L  # noqa: E402
 
@@ -253,9 +254,8 @@ def test_refuses_unsafe_pickles_and_other_models(mcore_ckpts, tmp_path):  # noqa
 
 def test_dp_reshardable_refuses_several_buckets(mcore_ckpts):  # noqa: F811
     """Several buckets per buffer are refused by name (their saved windows lose elements)."""
-    from ucp_jax._src.torch.dcp import read_metadata
-    from ucp_jax._src.torch.megatron import read_objects
-    from ucp_jax._src.torch.megatron_buckets import bucket_tensors
+    from ucp_jax._src.frameworks.common.dcp_files import read_metadata, read_objects
+    from ucp_jax._src.frameworks.megatron.buckets import bucket_tensors
 
     folder = mcore_ckpts.path("tp2dp2_bf16_dp")
     md = read_metadata(folder)

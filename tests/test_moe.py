@@ -18,8 +18,8 @@ import pytest
 
 import ucp_jax as ucp
 from ucp_jax.demo.experiment import Run, state_differences
+from ucp_jax.demo.moe_experiment import SPARSE_A, SPARSE_CONFIG, SPARSE_RESUMED, run_sparse
 from ucp_jax.models.llama import LlamaConfig, MoELayout, abstract_params, make_mesh, ucp_rules
-from ucp_jax.models.moe_experiment import SPARSE_A, SPARSE_CONFIG, SPARSE_RESUMED, run_sparse
 
 CFG = SPARSE_CONFIG
 SAVE_AT, STEPS = 3, 6

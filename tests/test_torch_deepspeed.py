@@ -20,10 +20,10 @@ from ds.fixtures import CASES, STEPS, ds_ckpts  # noqa: E402, F401
 
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main as ucp_main  # noqa: E402
-from ucp_jax._src.torch.deepspeed import DeepSpeedFormatError, import_deepspeed  # noqa: E402
-from ucp_jax._src.torch.deepspeed_universal import import_deepspeed_universal  # noqa: E402
-from ucp_jax._src.torch.unpickle import load  # noqa: E402
-from ucp_jax._src.torch.writer import to_numpy  # noqa: E402
+from ucp_jax._src.frameworks.common.writer import to_numpy  # noqa: E402
+from ucp_jax._src.frameworks.deepspeed.universal import import_deepspeed_universal  # noqa: E402
+from ucp_jax._src.frameworks.deepspeed.zero import DeepSpeedFormatError, import_deepspeed  # noqa: E402
+from ucp_jax._src.untrusted.unpickle import load  # noqa: E402
 
 DIMS = dict(
     vocab=tiny_model.VOCAB,
@@ -196,7 +196,7 @@ def test_import_needs_no_deepspeed(ds_ckpts, tmp_path):  # noqa: F811
     """The importer runs with DeepSpeed made unimportable."""
     code = (
         "import sys; sys.modules['deepspeed'] = None\n"
-        "from ucp_jax._src.torch.deepspeed import import_deepspeed\n"
+        "from ucp_jax._src.frameworks.deepspeed.zero import import_deepspeed\n"
         f"import_deepspeed({ds_ckpts.zero('z2_bf16')!r}, {str(tmp_path / 'o')!r}, progress=False)\n"
         "assert 'deepspeed' not in [m.split('.')[0] for m in sys.modules if sys.modules[m]]\n"
     )

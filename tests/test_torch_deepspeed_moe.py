@@ -23,8 +23,8 @@ from ds.moe_fixtures import CASES, STEPS, TAG, ds_moe_ckpts  # noqa: E402, F401
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main as ucp_main  # noqa: E402
 from ucp_jax._src.errors import MismatchError  # noqa: E402
-from ucp_jax._src.torch.deepspeed import DeepSpeedFormatError, import_deepspeed  # noqa: E402
-from ucp_jax._src.torch.export import export_deepspeed_universal  # noqa: E402
+from ucp_jax._src.frameworks.deepspeed.export import export_deepspeed_universal  # noqa: E402
+from ucp_jax._src.frameworks.deepspeed.zero import DeepSpeedFormatError, import_deepspeed  # noqa: E402
 
 EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{e}.{p}"
 

@@ -19,9 +19,9 @@ from ds.fixtures import STEPS, TAG, ds_ckpts, torchrun  # noqa: E402, F401
 from test_torch_deepspeed import ds_universal_tensors, jax_state  # noqa: E402
 
 import ucp_jax as ucp  # noqa: E402
-from ucp_jax._src.torch.deepspeed import import_deepspeed  # noqa: E402
-from ucp_jax._src.torch.export import export_deepspeed_universal  # noqa: E402
-from ucp_jax._src.torch.unpickle import load  # noqa: E402
+from ucp_jax._src.frameworks.deepspeed.export import export_deepspeed_universal  # noqa: E402
+from ucp_jax._src.frameworks.deepspeed.zero import import_deepspeed  # noqa: E402
+from ucp_jax._src.untrusted.unpickle import load  # noqa: E402
 
 
 @pytest.fixture(scope="module")

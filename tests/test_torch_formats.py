@@ -14,13 +14,11 @@ st = pytest.importorskip("safetensors.torch")
 from ds.fixtures import torchrun  # noqa: E402
 
 import ucp_jax as ucp  # noqa: E402
-from ucp_jax._src.torch.dcp import import_dcp  # noqa: E402
-from ucp_jax._src.torch.safetensors import (  # noqa: E402
-    AtomFrom,
-    SafetensorsError,
-    import_safetensors,
-)
-from ucp_jax.demo.model import GPTConfig, Layout, abstract_params, make_mesh, ucp_rules  # noqa: E402
+from ucp_jax._src.frameworks.dcp.read import import_dcp  # noqa: E402
+from ucp_jax._src.frameworks.hf.safetensors import AtomFrom, import_safetensors  # noqa: E402
+from ucp_jax._src.untrusted.safetensors import SafetensorsError  # noqa: E402
+from ucp_jax.demo.model import GPTConfig, abstract_params, ucp_rules  # noqa: E402
+from ucp_jax.models.parallel import Layout, make_mesh  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CFG = GPTConfig(vocab_size=50, d_model=16, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=32,

@@ -22,7 +22,7 @@ from ds.fixtures import ds_ckpts, to_universal  # noqa: E402, F401
 from test_torch_deepspeed import ds_universal_tensors  # noqa: E402
 
 import ucp_jax as ucp  # noqa: E402
-from ucp_jax._src.torch.deepspeed import import_deepspeed  # noqa: E402
+from ucp_jax._src.frameworks.deepspeed.zero import import_deepspeed  # noqa: E402
 
 TP, DP, VOCAB, PADDED = 2, 2, 53, 54
 QKV_W, QKV_B = r"blocks\.\d+\.qkv\.weight", r"blocks\.\d+\.qkv\.bias"

@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ucp_jax._src.torch.lazy import LazyTensor, load_lazy  # noqa: E402
-from ucp_jax._src.torch.unpickle import (  # noqa: E402
+from ucp_jax._src.untrusted.lazy import LazyTensor, load_lazy  # noqa: E402
+from ucp_jax._src.untrusted.unpickle import (  # noqa: E402
     FragmentAddress,
     LossScaler,
     UnsafePickleError,
@@ -179,7 +179,7 @@ def test_lazy_loader_reads_tensors_like_torch(tmp_path):
 
 def test_import_deepspeed_refuses_a_poisoned_rank_file(tmp_path):
     """A DeepSpeed folder whose rank file carries a payload is refused before anything runs."""
-    from ucp_jax._src.torch.deepspeed import import_deepspeed
+    from ucp_jax._src.frameworks.deepspeed.zero import import_deepspeed
 
     marker = tmp_path / "pwned"
     ck = tmp_path / "ck" / "global_step1"

@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from ._src.checkpoint import list_checkpoints as list_checkpoints
     from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
     from ._src.format.store import Location as Location
-    from ._src.importers.orbax import import_orbax as import_orbax
-    from ._src.importers.orbax_source import OrbaxImportError as OrbaxImportError
+    from ._src.frameworks.orbax.read import import_orbax as import_orbax
+    from ._src.frameworks.orbax.source import OrbaxImportError as OrbaxImportError
     from ._src.plan_report import RestorePlan as RestorePlan
     from ._src.plan_report import plan as plan
     from ._src.restore import ReadStats as ReadStats
@@ -61,8 +61,8 @@ _LAZY = {
     "list_checkpoints": ("._src.checkpoint", "list_checkpoints"),
     "open": ("._src.checkpoint", "open_checkpoint"),
     "Location": ("._src.format.store", "Location"),
-    "import_orbax": ("._src.importers.orbax", "import_orbax"),
-    "OrbaxImportError": ("._src.importers.orbax_source", "OrbaxImportError"),
+    "import_orbax": ("._src.frameworks.orbax.read", "import_orbax"),
+    "OrbaxImportError": ("._src.frameworks.orbax.source", "OrbaxImportError"),
     "plan": ("._src.plan_report", "plan"),
     "RestorePlan": ("._src.plan_report", "RestorePlan"),
     "restore": ("._src.restore", "restore"),

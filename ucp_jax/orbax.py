@@ -8,10 +8,10 @@ Importing this module registers the handler and its args with Orbax (`ocp.args`)
 >>> mngr.save(10, args=ucp_jax.orbax.UniversalSave(params, opt_state))  # doctest: +SKIP
 >>> params, opt_state = mngr.restore(10, args=ucp_jax.orbax.UniversalRestore(pt, ot))  # doctest: +SKIP
 
-See `ucp_jax._src.orbax` for where the checkpoint lives inside Orbax's step folder.
+See `ucp_jax._src.frameworks.orbax.handler` for where the checkpoint lives inside Orbax's step folder.
 """
 
-from ._src.orbax import UniversalCheckpointHandler as UniversalCheckpointHandler
-from ._src.orbax import UniversalRestore as UniversalRestore
-from ._src.orbax import UniversalSave as UniversalSave
-from ._src.orbax import UniversalState as UniversalState
+from ._src.frameworks.orbax.handler import UniversalCheckpointHandler as UniversalCheckpointHandler
+from ._src.frameworks.orbax.handler import UniversalRestore as UniversalRestore
+from ._src.frameworks.orbax.handler import UniversalSave as UniversalSave
+from ._src.frameworks.orbax.handler import UniversalState as UniversalState

@@ -15,27 +15,29 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
         "pip install 'ucp_jax[torch]'"
     ) from _e
 
-from ._src.torch.dcp import DCPFormatError as DCPFormatError
-from ._src.torch.dcp import import_dcp as import_dcp
-from ._src.torch.deepspeed import import_deepspeed as import_deepspeed
-from ._src.torch.deepspeed_common import DeepSpeedFormatError as DeepSpeedFormatError
-from ._src.torch.deepspeed_universal import (
+from ._src.frameworks.common.dcp_files import DCPFormatError as DCPFormatError
+from ._src.frameworks.dcp.read import import_dcp as import_dcp
+from ._src.frameworks.deepspeed.common import DeepSpeedFormatError as DeepSpeedFormatError
+from ._src.frameworks.deepspeed.export import (
+    export_deepspeed_universal as export_deepspeed_universal,
+)
+from ._src.frameworks.deepspeed.universal import (
     import_deepspeed_universal as import_deepspeed_universal,
 )
-from ._src.torch.export import export_deepspeed_universal as export_deepspeed_universal
-from ._src.torch.hf import hf_mapping as hf_mapping
-from ._src.torch.hf import import_hf as import_hf
-from ._src.torch.hf_export import export_hf as export_hf
-from ._src.torch.megatron import MegatronFormatError as MegatronFormatError
-from ._src.torch.megatron import import_megatron as import_megatron
-from ._src.torch.megatron_export import MegatronExportError as MegatronExportError
-from ._src.torch.megatron_export import export_megatron as export_megatron
-from ._src.torch.safetensors import PRESETS as PRESETS
-from ._src.torch.safetensors import AtomFrom as AtomFrom
-from ._src.torch.safetensors import SafetensorsError as SafetensorsError
-from ._src.torch.safetensors import import_safetensors as import_safetensors
-from ._src.torch.unpickle import UnsafePickleError as UnsafePickleError
-from ._src.torch.unpickle import load as load_weights_only
+from ._src.frameworks.deepspeed.zero import import_deepspeed as import_deepspeed
+from ._src.frameworks.hf.export import export_hf as export_hf
+from ._src.frameworks.hf.read import hf_mapping as hf_mapping
+from ._src.frameworks.hf.read import import_hf as import_hf
+from ._src.frameworks.hf.safetensors import PRESETS as PRESETS
+from ._src.frameworks.hf.safetensors import AtomFrom as AtomFrom
+from ._src.frameworks.hf.safetensors import import_safetensors as import_safetensors
+from ._src.frameworks.megatron.common import MegatronFormatError as MegatronFormatError
+from ._src.frameworks.megatron.export import MegatronExportError as MegatronExportError
+from ._src.frameworks.megatron.export import export_megatron as export_megatron
+from ._src.frameworks.megatron.read import import_megatron as import_megatron
+from ._src.untrusted.safetensors import SafetensorsError as SafetensorsError
+from ._src.untrusted.unpickle import UnsafePickleError as UnsafePickleError
+from ._src.untrusted.unpickle import load as load_weights_only
 
 __all__ = [
     "PRESETS",

@@ -92,8 +92,8 @@ def build(root: str) -> dict:
     asfull = [c + "_asfull" for c in CASES if c.endswith("_dp")]
     for name in [*CASES, *asfull, *([LEGACY_CASE] if legacy else [])]:
         dcp_to_torch_save(os.path.join(root, name), os.path.join(root, name + ".pt"))
-    from ucp_jax._src.torch.megatron import import_megatron
-    from ucp_jax._src.torch.megatron_export import export_megatron
+    from ucp_jax._src.frameworks.megatron.export import export_megatron
+    from ucp_jax._src.frameworks.megatron.read import import_megatron
 
     for x, (src, dtype) in EXPORTS.items():
         u = import_megatron(os.path.join(root, src), os.path.join(root, "u_" + x), heads=HEADS)

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from .errors import ChecksumError, MismatchError, UcpError
-from .format import aggregate, integrity, paths, store
+from .format import aggregate, integrity, store
 from .format.manifest import AtomInfo, Manifest
+from .untrusted import paths
 
 
 class Checkpoint:
@@ -282,7 +283,7 @@ def _check_metadata(meta: Any, shape: tuple[int, ...], si: Any, where: str) -> N
 
 def _check_file_sizes(folder: str, si: Any, keys: Sequence[str], where: str) -> None:
     """Local arrays: each chunk file has the size its chunk needs (checked before it is read)."""
-    from .format.dtypes import np_dtype
+    from .util.dtypes import np_dtype
 
     itemsize = np_dtype(si.dtype).itemsize
     n = integrity.inner_per_shard(si)

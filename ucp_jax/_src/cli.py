@@ -12,9 +12,9 @@ from typing import Any
 from .checkpoint import Checkpoint
 from .errors import UcpError
 from .format import store
-from .format.dtypes import np_dtype
 from .mapping.patterns import chain_text
 from .util import config
+from .util.dtypes import np_dtype
 from .util.libc import limit_malloc_arenas
 
 
@@ -294,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "convert" and args.kind == "orbax":
-            from .importers.orbax import convert_main
+            from .frameworks.orbax.read import convert_main
 
             try:
                 return convert_main(args)

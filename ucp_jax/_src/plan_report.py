@@ -21,12 +21,12 @@ import jax
 
 from .checkpoint import Checkpoint
 from .errors import MismatchError, PatternError, RestorePlanError
-from .format.dtypes import np_dtype
 from .mapping.binding import LeafBinding, bind_state
 from .mapping.boxes import box_size, index_to_box
 from .mapping.rename import Renamed
 from .mapping.rules import CompiledRules, Rule
 from .util import config
+from .util.dtypes import np_dtype
 
 
 @dataclasses.dataclass(frozen=True)

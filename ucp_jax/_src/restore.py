@@ -12,7 +12,6 @@ import tensorstore as ts
 
 from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
 from .errors import MismatchError, NotACheckpointError, PatternError
-from .format.dtypes import np_dtype
 from .format.manifest import STEP_SLOT, AtomInfo
 from .format.store import wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, read_groups, unbind_state
@@ -24,6 +23,7 @@ from .mapping.rules import CompiledRules, Rule
 from .mapping.stack_count import stack_overrun
 from .util import config
 from .util.buffers import aligned_empty
+from .util.dtypes import np_dtype
 from .util.gcpause import gc_paused
 from .util.inflight import InflightWindow
 

@@ -19,7 +19,6 @@ import numpy as np
 
 from .errors import MismatchError
 from .format import aggregate, commit, integrity, remote, store
-from .format.dtypes import dtype_name
 from .format.integrity import keys_in_box
 from .format.manifest import (
     PER_ARRAY_VERSION,
@@ -44,6 +43,7 @@ from .mapping.merge import MERGE_BYTES, MergedWrite, merge_plan
 from .mapping.patterns import chain_to_json, fused_marks_to_json
 from .mapping.rules import CompiledRules, Rule
 from .util import config
+from .util.dtypes import dtype_name
 from .util.inflight import InflightWindow
 from .util.sync import barrier
 

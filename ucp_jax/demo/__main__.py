@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _sparse(out: Path, steps: int, save_at: int) -> bool:
     """Run and print the mixture-of-experts experiment; True when its loss curves continue."""
-    from ..models.moe_experiment import SPARSE_A, SPARSE_RESUMED, run_sparse_experiment
+    from .moe_experiment import SPARSE_A, SPARSE_RESUMED, run_sparse_experiment
 
     t0 = time.perf_counter()
     exp = run_sparse_experiment(steps, save_at, checkpoint=out / f"sparse_step_{save_at}")

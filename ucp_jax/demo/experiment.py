@@ -19,9 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from ..models.parallel import Layout, make_mesh
+from ..models.placement import abstract_opt_state
 from .layouts import from_layout, init_canonical, to_layout
-from .model import GPTConfig, Layout, abstract_params, make_mesh, ucp_rules
-from .train import abstract_opt_state, batch, init_opt_state, make_optimizer, make_train_step
+from .model import GPTConfig, abstract_params, ucp_rules
+from .train import batch, init_opt_state, make_optimizer, make_train_step
 
 TOLERANCE = 1e-5
 """Largest relative difference accepted between a resumed loss and the uninterrupted one."""
@@ -203,7 +205,7 @@ class Experiment:
         runs: ``{label: Run}``, the uninterrupted run ``"A"`` first.
     """
 
-    config: Any  # GPTConfig; the sparse experiment's LlamaConfig (ucp_jax.models.moe_experiment)
+    config: Any  # GPTConfig; the sparse experiment's LlamaConfig (ucp_jax.demo.moe_experiment)
     steps: int
     save_at: int
     checkpoint: Path

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from .model import GPTConfig, Layout, PyTree, fused_sizes, param_shardings
+from ..models.parallel import Layout
+from ..models.placement import flatten_tree, fuse_tp, put_sharded, unflatten_tree, unfuse_tp
+from .model import GPTConfig, PyTree, fused_sizes, param_shardings
 
 _BLOCK_PARAMS = (
     "ln1.scale",
@@ -53,48 +54,6 @@ def init_canonical(config: GPTConfig, seed: int | None = None) -> dict[str, np.n
     out["ln_f.scale"] = np.ones((d,), np.float32)
     out["unembed.kernel"] = normal((d, c.vocab_size), d**-0.5)
     return out
-
-
-def fuse_tp(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
-    """Canonical ``[s_0 | s_1 | ...]`` columns -> ``concat_r [s_0[r] | s_1[r] | ...]`` (last axis)."""
-    subs = np.split(a, np.cumsum(sizes)[:-1], axis=-1)
-    return np.concatenate([np.split(s, t, axis=-1)[r] for r in range(t) for s in subs], axis=-1)
-
-
-def unfuse_tp(a: np.ndarray, sizes: tuple[int, ...], t: int) -> np.ndarray:
-    """Inverse of :func:`fuse_tp`."""
-    chunk = [n // t for n in sizes]
-    groups = np.split(a, t, axis=-1)
-    parts = [np.split(g, np.cumsum(chunk)[:-1], axis=-1) for g in groups]
-    return np.concatenate(
-        [np.concatenate([p[k] for p in parts], -1) for k in range(len(sizes))], -1
-    )
-
-
-def unflatten_tree(flat: dict[str, Any]) -> dict:
-    tree: dict = {}
-    for name, v in flat.items():
-        *path, leaf = name.split(".")
-        node = tree
-        for k in path:
-            node = node.setdefault(k, {})
-        node[leaf] = v
-    return tree
-
-
-def flatten_tree(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(flatten_tree(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def put_sharded(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A global host array as a jax.Array with `sharding` (each device takes its region)."""
-    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
 
 def to_layout(

@@ -14,7 +14,6 @@ so the same seed gives the same model, and the same losses, in every layout.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from typing import Any
@@ -22,13 +21,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
+
+from ..models.parallel import (
+    NEG_INF,
+    Group,
+    Kernel,
+    Layout,
+    Norm,
+    constrain_batch,
+    make_param,
+    module_abstract_params,
+    module_graph,
+    module_shardings,
+    rms_norm,
+)
 
 PyTree = Any
-MESH_AXES = ("stage", "data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
-NEG_INF = -1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,78 +66,7 @@ class GPTConfig:
         return -(-self.vocab_size // m) * m
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A parallel layout: sizes of the mesh axes ('stage', 'data', 'fsdp', 'tensor')."""
-
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    stages: int = 1
-
-    @property
-    def size(self) -> int:
-        """Number of devices the layout uses."""
-        return self.stages * self.data * self.fsdp * self.tensor
-
-    @property
-    def name(self) -> str:
-        """Short label of the axes larger than 1, e.g. ``pp2-dp2-tp2``, ``fsdp4-tp2``; ``dp1`` alone."""
-        sizes = (("pp", self.stages), ("dp", self.data), ("fsdp", self.fsdp), ("tp", self.tensor))
-        return "-".join(f"{k}{n}" for k, n in sizes if n > 1) or "dp1"
-
-    def check(self, config: GPTConfig) -> None:
-        """Raise ValueError if the layout cannot hold the model.
-
-        Args:
-            config: the model configuration.
-        """
-        t, c = self.tensor, config
-        for what, n in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("d_ff", c.d_ff)):
-            if n % t:
-                raise ValueError(f"layout {self.name}: tensor={t} does not divide {what}={n}")
-        if c.n_layers % self.stages:
-            raise ValueError(f"layout {self.name}: stages={self.stages} does not divide n_layers")
-        if c.n_heads % c.n_kv_heads or c.d_model % c.n_heads:
-            raise ValueError("n_kv_heads must divide n_heads, and n_heads must divide d_model")
-
-
-def make_mesh(layout: Layout, devices: list[jax.Device] | None = None) -> Mesh:
-    """Build the ('stage', 'data', 'fsdp', 'tensor') mesh of a layout over the first devices.
-
-    Args:
-        layout: the parallel layout.
-        devices: devices to use (default: ``jax.devices()``); the first ``layout.size`` are taken.
-
-    Returns:
-        A mesh with Auto axis types.
-    """
-    devices = list(jax.devices() if devices is None else devices)[: layout.size]
-    shape = (layout.stages, layout.data, layout.fsdp, layout.tensor)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices)
-
-
 # ----------------------------------------------------------------------------- module definition
-
-
-def make_param(shape: tuple[int, ...], spec: tuple[str | None, ...]) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=spec, eager_sharding=False)
-
-
-class Kernel(nnx.Module):
-    def __init__(self, shape: tuple[int, ...], spec: tuple[str | None, ...]) -> None:
-        self.kernel = make_param(shape, spec)
-
-
-class Norm(nnx.Module):
-    def __init__(self, shape: tuple[int, ...], spec: tuple[str | None, ...]) -> None:
-        self.scale = make_param(shape, spec)
-
-
-class Group(nnx.Module):
-    def __init__(self, **children: Any) -> None:
-        for k, v in children.items():
-            setattr(self, k, v)
 
 
 class GPT(nnx.Module):
@@ -197,17 +135,6 @@ class GPT(nnx.Module):
         return jnp.where(valid, logits, NEG_INF)
 
 
-def constrain_batch(x: jax.Array) -> jax.Array:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *(None,) * (x.ndim - 1)))
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
-
-
 def _block(x: jax.Array, p: dict, c: GPTConfig, t: int) -> jax.Array:
     """One pre-LN transformer block on ``x [b, s, d]`` with per-layer params ``p`` (TP-fused)."""
     b, s, _ = x.shape
@@ -236,30 +163,6 @@ def fused_sizes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     c = config
     qkv = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim)
     return {"attn.qkv.kernel": qkv, "mlp.gate_up.kernel": (c.d_ff, c.d_ff)}
-
-
-@functools.lru_cache(maxsize=64)
-def module_graph(cls: type, config: Any, layout: Layout) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graph, abstract state) of the nnx model `cls(config, layout)`, built once per arguments.
-
-    The demo GPT and the model families of `ucp_jax.models` share it and the two below.
-    """
-    return nnx.split(nnx.eval_shape(lambda: cls(config, layout)))
-
-
-def module_shardings(cls: type, config: Any, layout: Layout, mesh: Mesh) -> PyTree:
-    """The NamedSharding of every parameter of `cls(config, layout)` on `mesh`, as a nested dict."""
-    return nnx.to_pure_dict(nnx.get_named_sharding(module_graph(cls, config, layout)[1], mesh))
-
-
-def module_abstract_params(cls: type, config: Any, layout: Layout, mesh: Mesh) -> PyTree:
-    """The params of `cls(config, layout)` as ShapeDtypeStructs with their shardings on `mesh`."""
-    shapes = nnx.to_pure_dict(module_graph(cls, config, layout)[1])
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        shapes,
-        module_shardings(cls, config, layout, mesh),
-    )
 
 
 def model_from_params(params: PyTree, config: GPTConfig, layout: Layout) -> GPT:

@@ -11,15 +11,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .layouts import put_sharded
-from .model import (
-    BATCH_AXES,
-    GPTConfig,
-    Layout,
-    abstract_params,
-    model_from_params,
-    param_shardings,
-)
+from ..models.parallel import BATCH_AXES, Layout
+from ..models.placement import abstract_opt_state, put_sharded
+from .model import GPTConfig, abstract_params, model_from_params, param_shardings
 
 PyTree = Any
 
@@ -47,44 +41,6 @@ def make_optimizer(
         optax.clip_by_global_norm(clip_norm),
         optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=_decay_mask),
     )
-
-
-def _mesh_of(tree: PyTree) -> Mesh:
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(getattr(leaf, "sharding", None), NamedSharding):
-            return leaf.sharding.mesh
-    raise ValueError("no leaf with a NamedSharding in the params")
-
-
-def abstract_opt_state(optimizer: optax.GradientTransformation, params: PyTree) -> PyTree:
-    """The optax state as ``jax.ShapeDtypeStruct`` with shardings (a restore target).
-
-    Subtrees that mirror the params (Adam's ``mu``/``nu``) take the params' shardings; the other
-    leaves (``count``...) are replicated on the params' mesh.
-
-    Args:
-        optimizer: the optax transformation.
-        params: params or abstract params (leaves with ``.shape``, ``.dtype``, ``.sharding``).
-
-    Returns:
-        A pytree with the structure of ``optimizer.init(params)``.
-    """
-    structure: Any = jax.tree.structure(params)
-    shardings = jax.tree.map(lambda p: p.sharding, params)
-    replicated = NamedSharding(_mesh_of(params), P())
-    state = jax.eval_shape(optimizer.init, params)
-
-    def is_mirror(x: Any) -> bool:
-        return bool(structure == jax.tree.structure(x))
-
-    def place(x: Any) -> Any:
-        if is_mirror(x):
-            return jax.tree.map(
-                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), x, shardings
-            )
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
-
-    return jax.tree.map(place, state, is_leaf=is_mirror)
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params: PyTree) -> PyTree:

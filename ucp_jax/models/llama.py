@@ -28,7 +28,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from ..demo.model import (
+from .llama_config import LlamaConfig
+from .moe import (
+    EXPERT_PARAMS,
+    check_experts,
+    expert_rules,
+    load_balancing_loss,
+    sparse_mlp,
+    sparse_params,
+)
+from .moe import MoELayout as MoELayout
+from .moe import make_mesh as make_mesh
+from .parallel import (
     NEG_INF,
     Group,
     Kernel,
@@ -41,17 +52,6 @@ from ..demo.model import (
     module_shardings,
     rms_norm,
 )
-from .llama_config import LlamaConfig
-from .moe import (
-    EXPERT_PARAMS,
-    check_experts,
-    expert_rules,
-    load_balancing_loss,
-    sparse_mlp,
-    sparse_params,
-)
-from .moe import MoELayout as MoELayout
-from .moe import make_mesh as make_mesh
 
 PyTree = Any
 BLOCK_PARAMS = (

@@ -8,11 +8,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..demo.layouts import flatten_tree, fuse_tp, put_sharded, unflatten_tree, unfuse_tp
-from ..demo.model import Layout
 from .llama import PyTree, block_params, check_layout, fused_sizes, param_shardings
 from .llama_config import LlamaConfig
 from .moe import EXPERT_PARAMS, init_experts, stack_experts, unstack_experts
+from .parallel import Layout
+from .placement import flatten_tree, fuse_tp, put_sharded, unflatten_tree, unfuse_tp
 
 
 def init_canonical(config: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:

@@ -15,11 +15,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..demo.layouts import put_sharded
-from ..demo.model import BATCH_AXES, Layout
-from ..demo.train import abstract_opt_state
 from .llama import abstract_params, model_from_params, param_shardings
 from .llama_config import LlamaConfig
+from .parallel import BATCH_AXES, Layout
+from .placement import abstract_opt_state, put_sharded
 
 PyTree = Any
 TrainStep = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree, jax.Array]]

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ..demo.layouts import fuse_tp, unfuse_tp
-from ..demo.model import Group, Kernel, Layout
-from ..demo.model import make_mesh as dense_mesh
 from .llama_config import LlamaConfig
+from .parallel import Group, Kernel, Layout
+from .parallel import make_mesh as dense_mesh
+from .placement import fuse_tp, unfuse_tp
 
 MOE_MESH_AXES = ("stage", "data", "expert", "fsdp", "tensor")
 EXPERT_PARAMS = ("experts.gate_up.kernel", "experts.down.kernel")

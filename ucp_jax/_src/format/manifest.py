@@ -53,7 +53,7 @@ def atom_dir(atom: str) -> str:
     >>> atom_dir("blocks.0/qkv")
     'atoms/blocks.0%2Fqkv'
     """
-    from .paths import check_component
+    from ..untrusted.paths import check_component
 
     quoted = urllib.parse.quote(atom, safe=".-_")
     return "atoms/" + check_component(quoted, "atom name, used as atom folder")
@@ -128,7 +128,7 @@ class AtomInfo:
         """Bytes of all slots together."""
         import numpy as np
 
-        from .dtypes import np_dtype
+        from ..util.dtypes import np_dtype
 
         return sum(
             int(np.prod(self.slot_shape(k), dtype=np.int64)) * np_dtype(s.dtype).itemsize

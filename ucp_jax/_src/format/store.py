@@ -14,9 +14,9 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import ChecksumError, NotACheckpointError
+from ..util.dtypes import zarr_dtype
 from ..util.libc import libc
 from . import remote
-from .dtypes import zarr_dtype
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, check_commit
 
 # One context for the whole process, so that `memory://` stores are shared between calls.
@@ -361,7 +361,7 @@ def load_manifest(loc: Location) -> Manifest:
             hint = "a save to it is in progress or was killed before it committed"
         raise NotACheckpointError(f"{loc.url}: {hint}; pass the path of a committed checkpoint")
     if loc.local_path is not None:
-        from .paths import refuse_symlinks
+        from ..untrusted.paths import refuse_symlinks
 
         for name in (COMMIT, MANIFEST, "atoms"):
             refuse_symlinks(loc.local_path, name, "checkpoint file")

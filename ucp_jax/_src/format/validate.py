@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import LimitError, NotACheckpointError, UcpError
-from .paths import check_component
+from ..untrusted.paths import check_component
 
 MAX_NDIM = 32
 MAX_ELEMENTS = 1 << 48  # per stored array (256 Ti elements)
@@ -64,7 +64,7 @@ def check_shape(shape: Any, what: str) -> tuple[int, ...]:
 
 def check_slot(atom: str, slot: Any, d: Any, atom_shape: tuple[int, ...], where: str) -> None:
     """One slot entry: name, path, dtype, chunking and grid size."""
-    from .dtypes import np_dtype
+    from ..util.dtypes import np_dtype
     from .manifest import atom_dir
 
     what = f"{where}: atom {atom!r} slot {slot!r}"

@@ -10,8 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..format.dtypes import dtype_name, np_dtype
 from ..format.manifest import PARAM_SLOT, VALUE_SLOT
+from ..util.dtypes import dtype_name, np_dtype
 from .boxes import Box, box_size, full_box, index_to_box
 from .keys import unwrap
 from .names import named_leaves, path_to_name

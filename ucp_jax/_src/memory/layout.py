@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ..format.dtypes import dtype_name, np_dtype
 from ..mapping.boxes import Box, box_size
+from ..util.dtypes import dtype_name, np_dtype
 from .schemes import RedundancyScheme, align, scheme_for
 
 ALIGN = 64

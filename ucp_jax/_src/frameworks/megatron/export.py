@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...models.llama_config import LlamaConfig, config_from_checkpoint
-from ..checkpoint import Checkpoint
-from ..errors import UcpError
-from .megatron import _L, TENSORS
+from ....models.llama_config import LlamaConfig, config_from_checkpoint
+from ...checkpoint import Checkpoint
+from ...errors import UcpError
+from .common import LAYERS, TENSORS
 
 _EXTRA = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
           "mlp.linear_fc2")  # fmt: skip
@@ -143,7 +143,9 @@ def export_megatron(
     for key in _NAMES:
         atom, how = TENSORS[key]
         names = (
-            [f"blocks.{i}.{atom}" for i in range(cfg.n_layers)] if key.startswith(_L) else [atom]
+            [f"blocks.{i}.{atom}" for i in range(cfg.n_layers)]
+            if key.startswith(LAYERS)
+            else [atom]
         )
         if names[0] not in ck.atoms:
             raise MegatronExportError(f"{ck.path}: no atom {names[0]!r} (a Llama-family model)")
@@ -155,7 +157,7 @@ def export_megatron(
                     raise MegatronExportError(f"{ck.path}: atom {names[0]!r} has no weights")
                 continue
             parts = [_inverse(cfg, how, ck.read(n, slot).astype(np.float32), vp) for n in names]
-            t = torch.from_numpy(np.stack(parts) if key.startswith(_L) else parts[0])
+            t = torch.from_numpy(np.stack(parts) if key.startswith(LAYERS) else parts[0])
             if slot == "fp32":
                 sd[key] = t.to(model_dtype)
                 if dtype == "bf16":
@@ -164,7 +166,7 @@ def export_megatron(
                 sd[prefix + key] = t
     for i in range(cfg.n_layers):
         for m in _EXTRA:
-            sd[f"{_L}{m}._extra_state/shard_{i}_{cfg.n_layers}"] = _obj(None)
+            sd[f"{LAYERS}{m}._extra_state/shard_{i}_{cfg.n_layers}"] = _obj(None)
     optim = {"state": {"common_step": torch.tensor(float(step))},
              "param_groups": _param_groups(ck, lr, weight_decay)}  # fmt: skip
     # Megatron's bf16 (mixed-precision) optimizer nests torch's state dict one level deeper

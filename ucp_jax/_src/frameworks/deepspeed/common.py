@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import NotACheckpointError, UcpError
-from ..format.paths import open_inside, refuse_symlinks
-from .lazy import LazyTensor, jsonable
+from ...errors import NotACheckpointError, UcpError
+from ...untrusted.lazy import LazyTensor, jsonable
+from ...untrusted.paths import open_inside, refuse_symlinks
 
 OSD = "optimizer_state_dict"
 UC_INFO = "universal_checkpoint_info"

@@ -11,7 +11,7 @@ order (the order backward produces gradients), each starting at a multiple of 64
 This module rebuilds, from those buffers, the *global* tensors (as the model's sharded tensors name
 them): the local parameter of each rank is its TP slice of the global tensor (a row block, a
 column block, or for SwiGLU's ``linear_fc1`` a row block of each half) and its stage's layers.
-Only the local-spec GPT layout (``ucp_jax._src.torch.megatron.TENSORS``) is known.
+Only the local-spec GPT layout (``ucp_jax._src.frameworks.megatron.read.TENSORS``) is known.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from typing import Any
 
 import torch
 
+from ..common.dcp_files import read_tensor
+from .common import LAYERS, MegatronFormatError
+
 _PAD = 64
 _KEY = re.compile(
     r"^optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.gbuf_idx_(?P<b>\d+)\.dtype_(?P<dt>.+)"
     r"\.bucket_idx_(?P<k>\d+)\.(?P<field>param|exp_avg|exp_avg_sq)$"
 )
-_L = "decoder.layers."
 # per-layer parameters in TransformerLayer registration order (local spec) and how TP splits them
 _LAYER_ORDER = (
     ("self_attention.linear_qkv.layer_norm_weight", None),  # input_layernorm
@@ -40,8 +42,6 @@ _LAYER_ORDER = (
 
 
 def _error(msg: str) -> Exception:
-    from .megatron import MegatronFormatError
-
     return MegatronFormatError(msg)
 
 
@@ -50,7 +50,7 @@ def local_params(
 ) -> list[tuple[str, int | None, Any, tuple[int, ...]]]:
     """The parameters of model-parallel rank (t, p) in registration order:
     (global tensor name, layer or None, TP split, local shape)."""
-    layers = shapes[_L + "self_attention.linear_qkv.weight"][0]
+    layers = shapes[LAYERS + "self_attention.linear_qkv.weight"][0]
     if layers % pp:
         raise _error(f"{layers} layers do not split over {pp} pipeline stages")
     per = layers // pp
@@ -68,7 +68,7 @@ def local_params(
         out.append((emb, None, 0, local(shapes[emb], 0)))
     for i in range(p * per, (p + 1) * per):
         for name, split in _LAYER_ORDER:
-            full = _L + name
+            full = LAYERS + name
             out.append((full, i, split, local(shapes[full][1:], split)))
     if p == pp - 1:
         norm = "decoder.final_layernorm.weight"
@@ -100,8 +100,6 @@ def bucket_tensors(
 
     Slots: ``fp32`` (the master, from ``param``), ``exp_avg``, ``exp_avg_sq``.
     """
-    from .megatron import read_tensor
-
     buffers: dict[int, dict[tuple[int, int], dict[str, str]]] = {}
     for k in shapes:
         m = _KEY.match(k)
@@ -111,7 +109,7 @@ def bucket_tensors(
     if not buffers:
         return {}
     ngroups = len(buffers)
-    layers = shapes[_L + "self_attention.linear_qkv.weight"][0]
+    layers = shapes[LAYERS + "self_attention.linear_qkv.weight"][0]
     # TP from the embedding's chunks (the vocab rows split over TP), PP from the group count
     n_chunks = len(md.state_dict_metadata["embedding.word_embeddings.weight"].chunks)
     tp = max(1, n_chunks)
@@ -154,7 +152,7 @@ def bucket_tensors(
                 raise _error(f"{folder}: dp_group_idx_{g}: no buffer for bucket {bucket}")
             for field, fqn in buffers[g][(0, bucket)].items():
                 if field not in fields:
-                    fields[field] = read_tensor(folder, md, fqn)
+                    fields[field] = read_tensor(folder, md, fqn, MegatronFormatError)
                 flat = fields[field]
                 rel = pos - start_of_bucket
                 if rel + n > flat.numel():

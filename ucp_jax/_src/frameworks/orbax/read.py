@@ -35,13 +35,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import LimitError, MismatchError, PatternError, UcpError
-from ..mapping.binding import LeafBinding, bind_state, describe_leaf
-from ..mapping.boxes import Box, full_box, relative_slices, to_slices
-from ..mapping.rules import CompiledRules, Rule
-from ..torch.writer import AtomWriter, import_chunks
-from ..util import config
-from .orbax_source import OrbaxArray, OrbaxImportError, OrbaxSource, open_orbax
+from ...errors import LimitError, MismatchError, PatternError, UcpError
+from ...mapping.binding import LeafBinding, bind_state, describe_leaf
+from ...mapping.boxes import Box, full_box, relative_slices, to_slices
+from ...mapping.rules import CompiledRules, Rule
+from ...util import config
+from ..common.writer import AtomWriter, import_chunks
+from .source import OrbaxArray, OrbaxImportError, OrbaxSource, open_orbax
 
 OCDBT_CACHE_BYTES = 16 << 20
 MAX_ELEMENTS = 1 << 48  # of one array; more is a damaged or hostile shape
@@ -319,10 +319,10 @@ def import_orbax(
 
 def convert_main(args: Any) -> int:
     """`ucp convert orbax SRC DST [--item I] [--step N] [--overwrite]`: prints one line."""
-    from ..checkpoint import Checkpoint
+    from ...checkpoint import Checkpoint
 
     if config.cli_caps_malloc_arenas():  # bounded memory: see util.libc.limit_malloc_arenas
-        from ..util.libc import limit_malloc_arenas
+        from ...util.libc import limit_malloc_arenas
 
         limit_malloc_arenas(2)
     t0 = time.perf_counter()

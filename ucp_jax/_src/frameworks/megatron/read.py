@@ -36,82 +36,23 @@ from typing import Any
 
 import torch
 
-from ...models.llama_config import LlamaConfig
-from ..errors import NotACheckpointError, UcpError
-from ..format.validate import MAX_JSON_DEPTH, json_depth
-from ..mapping.patterns import FusedMark
-from .dcp import check_tensor, read_blob, read_chunk, read_metadata
-from .lazy import jsonable
-from .limits import ucp_errors
-from .unpickle import load, loads
-from .writer import AtomWriter, to_numpy
+from ....models.llama_config import LlamaConfig
+from ...errors import NotACheckpointError
+from ...format.validate import MAX_JSON_DEPTH, json_depth
+from ...mapping.patterns import FusedMark
+from ...untrusted.lazy import jsonable
+from ...untrusted.limits import ucp_errors
+from ..common.dcp_files import (
+    read_metadata,
+    read_objects,
+    read_tensor,
+)
+from ..common.writer import AtomWriter, to_numpy
+from .common import LAYERS, MAX_METADATA_BYTES, TENSORS, MegatronFormatError
 
-MAX_METADATA_BYTES = (
-    1 << 20
-)  # metadata.json: {"sharded_backend": ..., "sharded_backend_version": ...}
-
-
-class MegatronFormatError(UcpError, ValueError):
-    """The folder is not a Megatron-Core torch_dist checkpoint this importer understands."""
-
-
-_L = "decoder.layers."
 # Megatron tensor -> (atom, or the per-layer atom after "blocks.{i}.", how it maps)
-TENSORS: dict[str, tuple[str, str]] = {
-    "embedding.word_embeddings.weight": ("embed.embedding", "vocab"),
-    "output_layer.weight": ("unembed.kernel", "vocab_t"),
-    "decoder.final_layernorm.weight": ("ln_f.scale", "same"),
-    _L + "self_attention.linear_qkv.layer_norm_weight": ("ln1.scale", "same"),
-    _L + "input_layernorm.weight": ("ln1.scale", "same"),
-    _L + "self_attention.linear_qkv.weight": ("attn.qkv.kernel", "qkv"),
-    _L + "self_attention.linear_proj.weight": ("attn.out.kernel", "t"),
-    _L + "mlp.linear_fc1.layer_norm_weight": ("ln2.scale", "same"),
-    _L + "pre_mlp_layernorm.weight": ("ln2.scale", "same"),
-    _L + "mlp.linear_fc1.weight": ("mlp.gate_up.kernel", "glu"),
-    _L + "mlp.linear_fc2.weight": ("mlp.down.kernel", "t"),
-}
 _MASTER = ("optimizer.state.fp32_param.", "optimizer.state.param.")  # the fp32 value, if any
 _MOMENTS = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq."}
-
-
-def read_tensor(folder: str, md: Any, fqn: str) -> torch.Tensor:
-    """The global tensor `fqn` of a DCP folder, assembled from its chunks."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    meta = md.state_dict_metadata[fqn]
-    shape = check_tensor(folder, fqn, meta)
-    out = torch.empty(shape, dtype=meta.properties.dtype)
-    for chunk in meta.chunks:
-        offs = tuple(int(o) for o in chunk.offsets)
-        sizes = tuple(int(s) for s in chunk.sizes)
-        info = md.storage_data.get(MetadataIndex(fqn, torch.Size(offs)))
-        if info is None:
-            raise MegatronFormatError(f"{folder}/.metadata: {fqn!r}: no storage for chunk {offs}")
-        t = read_chunk(folder, info, meta.properties.dtype, sizes, f"{fqn!r} {offs}")
-        out[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] = t
-    return out
-
-
-def read_objects(folder: str, md: Any) -> dict[str, Any]:
-    """Every bytes entry of the folder (common state, per-bucket maps, ...), unpickled with the
-    allow-list, by name without its ``/shard_...`` suffix; plus ``common.pt`` if present."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
-    out: dict[str, Any] = {}
-    for fqn, meta in md.state_dict_metadata.items():
-        if not isinstance(meta, BytesStorageMetadata) or "_extra_state" in fqn:
-            continue
-        info = md.storage_data.get(MetadataIndex(fqn))
-        if info is None:
-            continue
-        value = loads(read_blob(folder, info, repr(fqn)), f"{folder}: {fqn}")
-        if isinstance(value, list) and len(value) == 1:  # a ShardedObject of shape (1,)
-            value = value[0]
-        out.setdefault(fqn.split("/shard_")[0], value)
-    common = os.path.join(folder, "common.pt")
-    if os.path.isfile(common):
-        out["common_state"] = load(common, mmap=False)
-    return out
 
 
 def _check_backend(folder: str) -> None:
@@ -160,9 +101,9 @@ def infer_config(
             "embeddings, a SwiGLU MLP and no biases (a Llama-like model)"
         )
     vp, d = shapes["embedding.word_embeddings.weight"]
-    layers, rows, _ = shapes[_L + "self_attention.linear_qkv.weight"]
-    proj_in = shapes[_L + "self_attention.linear_proj.weight"][2]
-    ff2 = shapes[_L + "mlp.linear_fc1.weight"][1]
+    layers, rows, _ = shapes[LAYERS + "self_attention.linear_qkv.weight"]
+    proj_in = shapes[LAYERS + "self_attention.linear_proj.weight"][2]
+    ff2 = shapes[LAYERS + "mlp.linear_fc1.weight"][1]
     if proj_in % heads:
         raise MegatronFormatError(f"{where}: heads={heads} does not divide {proj_in}")
     hd = proj_in // heads
@@ -277,7 +218,7 @@ def import_megatron(
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .megatron_buckets import bucket_tensors
+    from .buckets import bucket_tensors
 
     folder = os.fspath(src)
     _check_backend(folder)
@@ -313,7 +254,7 @@ def import_megatron(
             fqn = next((p + key for p in _MASTER if p + key in shapes), key)
         else:
             fqn = _MOMENTS[slot] + key
-        return read_tensor(folder, md, fqn) if fqn in shapes else None
+        return read_tensor(folder, md, fqn, MegatronFormatError) if fqn in shapes else None
 
     with AtomWriter(dst, overwrite=overwrite) as w:
         for key, (atom, how) in TENSORS.items():
@@ -323,7 +264,7 @@ def import_megatron(
                 t = tensor(key, slot)
                 if t is None:
                     continue
-                stacked = key.startswith(_L)
+                stacked = key.startswith(LAYERS)
                 parts = [(f"blocks.{i}.{atom}", t[i]) for i in range(t.shape[0])] if stacked else [
                     (atom, t)]  # fmt: skip
                 for name, part in parts:

@@ -21,14 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from ...models.llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
-from ..checkpoint import Checkpoint
-from ..errors import MismatchError
-from ..format.manifest import PARAM_SLOT
-from ..format.paths import check_component
-from .hf import hf_mapping, hf_shapes
-from .progress import Progress
-from .safetensors import DTYPES, INDEX, AtomFrom
+from ....models.llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
+from ...checkpoint import Checkpoint
+from ...errors import MismatchError
+from ...format.manifest import PARAM_SLOT
+from ...untrusted.paths import check_component
+from ...untrusted.safetensors import DTYPES, INDEX
+from ..common.progress import Progress
+from .read import hf_mapping, hf_shapes
+from .safetensors import AtomFrom
 
 DEFAULT_MAX_SHARD = "5GB"
 BLOCK_BYTES = 32 << 20  # a tensor is read, transposed and written in row blocks of this size
@@ -145,7 +146,7 @@ def plan_tensors(
 
 
 def _np_name(dtype: str) -> str:
-    from ..format.dtypes import np_dtype
+    from ...util.dtypes import np_dtype
 
     return np.dtype(np_dtype(dtype)).name
 

@@ -11,9 +11,14 @@ import glob
 import os
 from typing import Any
 
-from ..format.paths import refuse_symlinks
-from ..mapping.patterns import Partitioned, Pattern, VocabPadded
-from .deepspeed_common import (
+from ...mapping.patterns import Partitioned, Pattern, VocabPadded
+from ...untrusted.lazy import LazyTensor, jsonable
+from ...untrusted.lazy import load_lazy as load
+from ...untrusted.limits import as_shape, ucp_errors
+from ...untrusted.paths import refuse_symlinks
+from ..common.progress import Progress
+from ..common.writer import AtomWriter
+from .common import (
     OSD,
     DeepSpeedFormatError,
     DeepSpeedRun,
@@ -22,11 +27,6 @@ from .deepspeed_common import (
     read_step,
     resolve_folder,
 )
-from .lazy import LazyTensor, jsonable
-from .lazy import load_lazy as load
-from .limits import as_shape, ucp_errors
-from .progress import Progress
-from .writer import AtomWriter
 
 
 @ucp_errors(DeepSpeedFormatError, "import_deepspeed_universal")

@@ -29,8 +29,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import NotACheckpointError, UcpError
-from ..format.paths import check_component, refuse_symlinks
+from ...errors import NotACheckpointError, UcpError
+from ...untrusted.paths import check_component, refuse_symlinks
 
 METADATA = "_METADATA"  # an Orbax PyTree item's tree metadata
 STEP_METADATA = "_CHECKPOINT_METADATA"  # an Orbax step folder's metadata

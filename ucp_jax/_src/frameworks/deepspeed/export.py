@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint import Checkpoint
-from ..errors import MismatchError
-from ..format.manifest import PARAM_SLOT, STEP_SLOT
-from ..format.paths import check_component, join_inside
-from ..mapping.patterns import Partitioned, VocabPadded, chain_from_json
-from .progress import Progress
+from ...checkpoint import Checkpoint
+from ...errors import MismatchError
+from ...format.manifest import PARAM_SLOT, STEP_SLOT
+from ...mapping.patterns import Partitioned, VocabPadded, chain_from_json
+from ...untrusted.paths import check_component, join_inside
+from ..common.progress import Progress
 
 DS_VERSION = "0.19.8"  # written when the source was not DeepSpeed; DeepSpeed checks >= 0.3.17
 MOMENT_SLOTS = ("exp_avg", "exp_avg_sq")

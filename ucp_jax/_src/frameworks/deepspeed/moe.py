@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from ..format.paths import refuse_symlinks
-from .deepspeed_common import DeepSpeedFormatError
-from .lazy import load_lazy as load
-from .limits import as_shape
+from ...untrusted.lazy import load_lazy as load
+from ...untrusted.limits import as_shape
+from ...untrusted.paths import refuse_symlinks
+from .common import DeepSpeedFormatError
 
 EXPERT_FILE_RE = re.compile(
     r"^layer_(?P<layer>\d+)_expert_(?P<e>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$"

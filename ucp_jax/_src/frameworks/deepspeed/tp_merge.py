@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MismatchError
-from ..mapping.patterns import Averaged, Partitioned, Pattern, Replicated, VocabPadded
-from .deepspeed_common import DeepSpeedFormatError
-from .writer import AtomWriter
+from ...errors import MismatchError
+from ...mapping.patterns import Averaged, Partitioned, Pattern, Replicated, VocabPadded
+from ..common.writer import AtomWriter
+from .common import DeepSpeedFormatError
 
 
 @dataclasses.dataclass

@@ -54,13 +54,13 @@ from typing import Any, NamedTuple
 
 import orbax.checkpoint as ocp
 
-from . import save as save_mod
-from .checkpoint import Checkpoint
-from .errors import NotACheckpointError
-from .format import commit, store
-from .format.manifest import MANIFEST, Manifest
-from .mapping.rules import Rule
-from .restore import restore as ucp_restore
+from ... import save as save_mod
+from ...checkpoint import Checkpoint
+from ...errors import NotACheckpointError
+from ...format import commit, store
+from ...format.manifest import MANIFEST, Manifest
+from ...mapping.rules import Rule
+from ...restore import restore as ucp_restore
 
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 

@@ -16,6 +16,7 @@ import os
 import zipfile
 from typing import Any
 
+from ..errors import LimitError, UcpError
 from .unpickle import STAND_INS, RestrictedUnpickler, UnsafePickleError, numpy_globals
 
 _STORAGE_DTYPES = {
@@ -68,6 +69,11 @@ class LazyTensor:
     def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
         if dim != 0 or not self.is_contiguous():
             raise ValueError("LazyTensor.narrow: only along dim 0 of a contiguous tensor")
+        if not (self.shape and start >= 0 and length >= 0 and start + length <= self.shape[0]):
+            raise LimitError(
+                f"{self.path}: a slice [{start}, {start} + {length}) of a tensor of shape "
+                f"{list(self.shape)} at byte {self.offset} lies outside it; the file is damaged"
+            )
         row = self.numel() // self.shape[0] if self.shape and self.shape[0] else 0
         shape = (int(length), *self.shape[1:])
         return LazyTensor(self.path, self.offset + int(start) * row * self.dtype.itemsize,
@@ -84,6 +90,11 @@ class LazyTensor:
             shape = tuple(self.numel() // known if d == -1 else d for d in shape)
         if not self.is_contiguous():
             raise ValueError("LazyTensor.reshape: not contiguous")
+        if min(shape, default=0) < 0 or _numel(shape) != self.numel():
+            raise LimitError(
+                f"{self.path}: cannot view a tensor of shape {list(self.shape)} at byte "
+                f"{self.offset} as shape {list(shape)}; the file is damaged"
+            )
         return LazyTensor(self.path, self.offset, self.dtype, shape, _contiguous_strides(shape))
 
     def numpy(self) -> Any:
@@ -113,6 +124,13 @@ class LazyTensor:
         return self.numpy().reshape(-1)[0].item()
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
     for d in reversed(shape):
@@ -127,10 +145,10 @@ class _StorageType:
 
 
 class _Storage:
-    __slots__ = ("dtype", "offset", "path")
+    __slots__ = ("dtype", "nbytes", "offset", "path")
 
-    def __init__(self, path: str, offset: int, dtype: Any) -> None:
-        self.path, self.offset, self.dtype = path, offset, dtype
+    def __init__(self, path: str, offset: int, dtype: Any, nbytes: int) -> None:
+        self.path, self.offset, self.dtype, self.nbytes = path, offset, dtype, nbytes
 
 
 class TorchSize(tuple):
@@ -139,7 +157,12 @@ class TorchSize(tuple):
 
 def _rebuild_tensor(storage: _Storage, storage_offset: int, size: Any, stride: Any,
                     *_: Any) -> LazyTensor:  # fmt: skip
-    off = storage.offset + int(storage_offset) * storage.dtype.itemsize
+    """A LazyTensor, after checking every element it addresses lies inside its storage."""
+    from .limits import check_extent
+
+    check_extent(storage.path, storage.offset, storage.nbytes // storage.dtype.itemsize,
+                 storage_offset, size, stride)  # fmt: skip
+    off = storage.offset + storage_offset * storage.dtype.itemsize
     return LazyTensor(storage.path, off, storage.dtype, tuple(size), tuple(stride))
 
 
@@ -182,14 +205,16 @@ def _lazy_globals() -> dict[str, Any]:
 
 
 class _LazyUnpickler(RestrictedUnpickler):
-    def __init__(self, file: Any, path: str, storages: dict[str, int], byteorder: str) -> None:
+    def __init__(
+        self, file: Any, path: str, storages: dict[str, tuple[int, int]], byteorder: str
+    ) -> None:
         super().__init__(file, _lazy_globals(), path)
         self._path, self._storages = path, storages
 
     def persistent_load(self, pid: Any) -> Any:
         import numpy as np
 
-        from ..format.dtypes import np_dtype
+        from ..util.dtypes import np_dtype
 
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage" and len(pid) >= 3):
             raise UnsafePickleError(f"{self._path}: unexpected persistent id {pid!r}")
@@ -199,7 +224,8 @@ class _LazyUnpickler(RestrictedUnpickler):
         if key not in self._storages:
             raise UnsafePickleError(f"{self._path}: storage {key!r} is missing from the archive")
         dt = np.dtype(np_dtype(stype.dtype))
-        return _Storage(self._path, self._storages[key], dt)
+        off, nbytes = self._storages[key]
+        return _Storage(self._path, off, dt, nbytes)
 
 
 def load_lazy(path: str | os.PathLike[str]) -> Any:
@@ -231,7 +257,8 @@ def load_lazy(path: str | os.PathLike[str]) -> Any:
         )
         if order.strip() != "little":
             raise UnsafePickleError(f"{path}: big-endian tensors are not supported")
-        storages: dict[str, int] = {}
+        storages: dict[str, tuple[int, int]] = {}  # key -> (byte offset, bytes)
+        size = os.fstat(raw.fileno()).st_size
         for info in z.infolist():
             if not info.filename.startswith(prefix + "data/"):
                 continue
@@ -242,11 +269,17 @@ def load_lazy(path: str | os.PathLike[str]) -> Any:
             if head[:4] != b"PK\x03\x04":
                 raise UnsafePickleError(f"{path}: bad zip local header for {info.filename}")
             n, m = struct.unpack("<HH", head[26:30])
-            storages[info.filename[len(prefix) + 5 :]] = info.header_offset + 30 + n + m
+            start = info.header_offset + 30 + n + m
+            if start + info.file_size > size:
+                raise UnsafePickleError(
+                    f"{path}: zip entry {info.filename} claims bytes [{start}, "
+                    f"{start + info.file_size}) of a {size}-byte file; the file is truncated"
+                )
+            storages[info.filename[len(prefix) + 5 :]] = (start, info.file_size)
         data = z.read(names[0])
     try:
         return _LazyUnpickler(io.BytesIO(data), path, storages, order).load()
-    except UnsafePickleError:
+    except UcpError:
         raise
     except Exception as e:
         raise UnsafePickleError(f"{path}: not a readable torch file ({e})") from e

@@ -20,15 +20,15 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ..errors import MismatchError, UnsafePathError
-from ..format import commit, integrity, store
-from ..format.dtypes import dtype_name
-from ..format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
-from ..format.paths import check_component
-from ..mapping.boxes import Box, box_shape, to_slices
-from ..mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_to_json
-from ..util import config
-from ..util.inflight import InflightWindow
+from ...errors import MismatchError, UnsafePathError
+from ...format import commit, integrity, store
+from ...format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
+from ...mapping.boxes import Box, box_shape, to_slices
+from ...mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_to_json
+from ...untrusted.paths import check_component
+from ...util import config
+from ...util.dtypes import dtype_name
+from ...util.inflight import InflightWindow
 
 
 def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Box, int]]:

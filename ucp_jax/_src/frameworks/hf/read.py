@@ -19,18 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from ...models.llama_config import LlamaConfig, config_from_hf, read_config_json
-from ..errors import MismatchError
-from ..format.paths import join_inside
-from .limits import ucp_errors
-from .safetensors import (
-    AtomFrom,
-    SafetensorsError,
-    SafetensorsFile,
-    open_tensors,
-    write_concatenated,
-)
-from .writer import AtomWriter
+from ....models.llama_config import LlamaConfig, config_from_hf, read_config_json
+from ...errors import MismatchError
+from ...untrusted.limits import ucp_errors
+from ...untrusted.paths import join_inside
+from ...untrusted.safetensors import SafetensorsError, SafetensorsFile, open_tensors
+from ..common.writer import AtomWriter
+from .safetensors import AtomFrom, write_concatenated
 
 CONFIG = "config.json"
 _LAYER = "model.layers.{i}."

@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from ..demo.experiment import Experiment, Family, Run, train_run
-from ..demo.model import GPTConfig
-from ..demo.train import batch as demo_batch
-from .llama import abstract_params, make_mesh, ucp_rules
-from .llama_config import LlamaConfig
-from .llama_layouts import from_layout, init_canonical, to_layout
-from .llama_train import make_train_step
-from .moe import MoELayout
+from ..models.llama import abstract_params, make_mesh, ucp_rules
+from ..models.llama_config import LlamaConfig
+from ..models.llama_layouts import from_layout, init_canonical, to_layout
+from ..models.llama_train import make_train_step
+from ..models.moe import MoELayout
+from .experiment import Experiment, Family, Run, train_run
+from .model import GPTConfig
+from .train import batch as demo_batch
 
 SPARSE_CONFIG = LlamaConfig(model_type="mixtral", n_experts=4, top_k=2, d_ff=64, n_layers=2)
 """The small sparse model: 2 layers, 4 SwiGLU experts each, top-2 routing."""

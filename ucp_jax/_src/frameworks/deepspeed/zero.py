@@ -22,10 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from ..format.paths import refuse_symlinks
-from ..util.gcpause import gc_paused
-from ..util.inflight import InflightWindow
-from .deepspeed_common import (
+from ...untrusted.lazy import LazyTensor
+from ...untrusted.lazy import load_lazy as load
+from ...untrusted.limits import as_shape, check_disjoint, check_range, numel, ucp_errors
+from ...untrusted.paths import refuse_symlinks
+from ...util.gcpause import gc_paused
+from ...util.inflight import InflightWindow
+from ..common.progress import Progress
+from ..common.writer import AtomWriter
+from .common import (
     OSD,
     UC_INFO,
     DeepSpeedFormatError,
@@ -35,13 +40,8 @@ from .deepspeed_common import (
     read_step,
     resolve_folder,
 )
-from .deepspeed_moe import ExpertGroups, check_expert_values, expert_groups, refuse_other_moe
-from .lazy import LazyTensor
-from .lazy import load_lazy as load
-from .limits import as_shape, check_disjoint, check_range, numel, ucp_errors
-from .progress import Progress
+from .moe import ExpertGroups, check_expert_values, expert_groups, refuse_other_moe
 from .tp_merge import Merger
-from .writer import AtomWriter
 
 _OPTIM_RE = re.compile(
     r"^(?:bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_?optim_states\.pt$"

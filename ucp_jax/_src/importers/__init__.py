@@ -1,1 +1,0 @@
-"""Importers of checkpoints written by JAX libraries (Orbax) into universal checkpoints."""
