@@ -1,4 +1,4 @@
-# Two commands: `make demo` and `make test` (lint: ruff + mypy; then doctests and pytest). Each creates .venv if it is missing and installs what it needs.
+# Two commands: `make demo` and `make test` (lint: ruff + mypy + import layers; then doctests and pytest). Each creates .venv if it is missing and installs what it needs.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -28,6 +28,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check $(SRC)
 	$(BIN)/ruff format --check $(SRC)
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format $(SRC)

@@ -1,12 +1,19 @@
 """The implementation behind `ucp_jax`, `ucp_jax.torch`, `ucp_jax.memory` and `ucp_jax.orbax`.
 
-Folders follow the data path (see docs/ARCHITECTURE.md):
+Folders and modules, from the bottom up (each imports only what lies below it; the layers are
+import-linter contracts in pyproject.toml, checked by `lint-imports`; see docs/ARCHITECTURE.md):
 
-- `format/`: the on-disk format (manifest, store and commit protocol, dtypes, version);
+- `errors`, `util/`: exception types; small utilities (config, dtypes, libc, GC pauses, barriers);
+- `untrusted/`: reading bytes a checkpoint's author controls: the one JSON reader, limits, safe
+  paths, the restricted unpickler, lazy torch tensors, safetensors headers;
 - `mapping/`: leaves <-> atoms (names, patterns, rules, optimizer slots, bindings);
-- the operations, one module each: `save`, `restore`, `checkpoint` (open / read), `targets`,
-  `orbax`, `cli`;
-- `torch/`: PyTorch formats in and out, one module per format over a shared reader/writer core;
+- `format/`: the on-disk format (manifest, store and commit protocol, integrity, version);
+- the operations: `checkpoint` (open / read), `resolve`, `plan_report`, `save`, `restore`,
+  `targets`;
 - `memory/`: the in-memory snapshot tier (layout, redundancy schemes, recovery);
-- `util/`: small shared utilities (config, libc, GC pauses, barriers).
+- `llama_config`: the Llama family's configuration, shared by `ucp_jax.models` and the importers;
+- `frameworks/`: one folder per foreign format, each with its read and write side (`deepspeed/`,
+  `megatron/`, `hf/`, `dcp/`, `orbax/`), over `frameworks/common/` (the atom writer, progress,
+  DCP files);
+- `cli`: the `ucp` command.
 """

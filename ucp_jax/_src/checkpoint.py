@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from .errors import ChecksumError, MismatchError, UcpError
 from .format import aggregate, integrity, store
 from .format.manifest import AtomInfo, Manifest
 from .untrusted import paths
+from .untrusted.json import read_json
 
 
 class Checkpoint:
@@ -267,10 +267,7 @@ def _check_metadata(meta: Any, shape: tuple[int, ...], si: Any, where: str) -> N
             f"{where}: zarr.json is not the one committed (sha256 differs); it was edited or "
             "damaged: restore an earlier checkpoint"
         )
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ChecksumError(f"{where}: zarr.json is not valid JSON ({e}); damaged") from e
+    doc = read_json(raw, f"{where}: zarr.json", max_bytes=1 << 20, error=ChecksumError)
     want = store.array_spec(store.Location.parse("/"), shape, si)["metadata"]
     got = {k: doc.get(k) for k in want} if isinstance(doc, dict) else {}
     for field in want:

@@ -25,6 +25,7 @@ from .mapping.binding import LeafBinding, bind_state
 from .mapping.boxes import box_size, index_to_box
 from .mapping.rename import Renamed
 from .mapping.rules import CompiledRules, Rule
+from .resolve import resolve_leaf
 from .util import config
 from .util.dtypes import np_dtype
 
@@ -154,7 +155,6 @@ def build(ckpt: Checkpoint, bindings: Sequence[LeafBinding], given: CompiledRule
 
     `account=False` leaves out the byte accounting (a restore only needs the problems).
     """
-    from .restore import resolve_leaf
 
     out = RestorePlan(ckpt.path, ckpt.step)
     if given is not None:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from .._src.mapping.patterns import Fused, Stacked, VocabPadded
 from .llama_config import LlamaConfig
 from .moe import (
     EXPERT_PARAMS,
@@ -299,18 +300,14 @@ def ucp_rules(config: LlamaConfig, layout: Layout) -> list[tuple[str, Any]]:
     >>> [r for r, _ in ucp_rules(LlamaConfig(), Layout())][:2]
     ['embed\\\\.embedding', 'unembed\\\\.kernel']
     """
-    import ucp_jax as ucp  # lazy: the model imports without the core library
-
-    stacked = ucp.Stacked(r"blocks.{i}.\1", axes=(0, 1) if layout.stages > 1 else 0)
-    rules: list[tuple[str, Any]] = [
-        (r"embed\.embedding", ucp.VocabPadded(config.vocab_size, axis=0))
-    ]
+    stacked = Stacked(r"blocks.{i}.\1", axes=(0, 1) if layout.stages > 1 else 0)
+    rules: list[tuple[str, Any]] = [(r"embed\.embedding", VocabPadded(config.vocab_size, axis=0))]
     if not config.tie_embeddings:
-        rules.append((r"unembed\.kernel", ucp.VocabPadded(config.vocab_size, axis=1)))
+        rules.append((r"unembed\.kernel", VocabPadded(config.vocab_size, axis=1)))
     if config.n_experts:
         rules += expert_rules(config, layout)
     for name, (sizes, axis) in fused_sizes(config).items():
-        fused = ucp.Fused(sizes, axis=axis, shard_axis="tensor")  # axis of the per-layer atom
+        fused = Fused(sizes, axis=axis, shard_axis="tensor")  # axis of the per-layer atom
         rules.append((r"layers\.(" + re.escape(name) + ")", (fused, stacked)))
     rules.append((r"layers\.(.*)", stacked))
     return rules

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from .._src.mapping.patterns import Fused, Stacked
 from .llama_config import LlamaConfig
 from .parallel import Group, Kernel, Layout
 from .parallel import make_mesh as dense_mesh
@@ -219,11 +220,9 @@ def expert_rules(config: LlamaConfig, layout: Layout) -> list[tuple[str, Any]]:
     >>> [r for r, _ in expert_rules(LlamaConfig(n_experts=4), Layout())]
     ['layers\\\\.experts\\\\.(gate_up\\\\.kernel)', 'layers\\\\.experts\\\\.(.*)']
     """
-    import ucp_jax as ucp  # lazy: the model imports without the core library
-
-    layers = ucp.Stacked(r"blocks.{i}.experts.\1", axes=(0, 1) if layout.stages > 1 else 0)
-    experts = ucp.Stacked(r"blocks.{i}.experts.{e}.\1", axes=0, index="e")
-    fused = ucp.Fused((config.d_ff,) * 2, axis=1, shard_axis="tensor")
+    layers = Stacked(r"blocks.{i}.experts.\1", axes=(0, 1) if layout.stages > 1 else 0)
+    experts = Stacked(r"blocks.{i}.experts.{e}.\1", axes=0, index="e")
+    fused = Fused((config.d_ff,) * 2, axis=1, shard_axis="tensor")
     return [
         (r"layers\.experts\.(gate_up\.kernel)", (fused, experts, layers)),
         (r"layers\.experts\.(.*)", (experts, layers)),

@@ -35,6 +35,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import ChecksumError
+from ..untrusted.json import read_json
 from .manifest import SlotInfo
 
 DIGEST_DIR = "digests"
@@ -238,14 +239,14 @@ def read_table(
     for name, f in zip(names, futs):
         r = f.result()
         try:
-            doc = json.loads(bytes(r.value))
+            doc = read_json(bytes(r.value), f"{where}: {name}", error=ChecksumError)
             ok = (
                 isinstance(doc, dict)
                 and doc.get("format") == DIGEST_FORMAT
                 and isinstance(doc.get("chunks"), dict)
                 and all(isinstance(v, str) for v in doc["chunks"].values())
             )
-        except (ValueError, RecursionError):
+        except ChecksumError:
             ok = False
         if not ok:
             raise ChecksumError(f"{where}: {name} is not a readable fingerprint table; damaged")
@@ -329,7 +330,7 @@ def read_process_tables(kv: ts.KvStore, where: str) -> dict[str, dict[str, str]]
         except ValueError as e:
             raise wrap_io_error(e, f"{where}: {name}") from e
         try:
-            doc = json.loads(bytes(r.value))
+            doc = read_json(bytes(r.value), f"{where}: {name}", error=ChecksumError)
             ok = (
                 isinstance(doc, dict)
                 and doc.get("format") == PROCESS_DIGEST_FORMAT
@@ -339,7 +340,7 @@ def read_process_tables(kv: ts.KvStore, where: str) -> dict[str, dict[str, str]]
                     for t in doc["arrays"].values()
                 )
             )
-        except (ValueError, RecursionError) as e:
+        except ChecksumError as e:
             raise ChecksumError(f"{where}: {name} is not a readable fingerprint table ({e})") from e
         if not ok:
             raise ChecksumError(f"{where}: {name} is not a readable fingerprint table; damaged")

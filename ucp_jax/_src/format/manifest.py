@@ -5,11 +5,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ChecksumError, FormatVersionError, NotACheckpointError
+from ..mapping.slot_names import PARAM_SLOT as PARAM_SLOT
+from ..mapping.slot_names import SLOT_ALIASES as SLOT_ALIASES
+from ..mapping.slot_names import STEP_SLOT as STEP_SLOT
+from ..mapping.slot_names import VALUE_SLOT as VALUE_SLOT
+from ..untrusted.json import read_json
+from ..untrusted.limits import MAX_MANIFEST_BYTES
+from ..untrusted.paths import atom_dir as atom_dir
+from .validate import check_manifest
 from .version import __version__
 
 FORMAT = "ucp/1"
@@ -19,12 +26,6 @@ FORMAT_VERSION = 3  # the newest this ucp_jax reads and writes (3: the aggregate
 PER_ARRAY_VERSION = 2  # one folder per array, one file per chunk (importers; older saves)
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT"
-
-# optax field name -> slot name (DeepSpeed's names, so a DeepSpeed universal folder maps 1:1).
-SLOT_ALIASES = {"mu": "exp_avg", "nu": "exp_avg_sq"}
-PARAM_SLOT = "fp32"
-STEP_SLOT = "step"  # per-atom optimizer step (DeepSpeed); an optax count on restore
-VALUE_SLOT = "value"
 
 
 def source_header(**fields: Any) -> dict[str, Any]:
@@ -42,21 +43,6 @@ def source_header(**fields: Any) -> dict[str, Any]:
         **fields,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-def atom_dir(atom: str) -> str:
-    """Relative directory of an atom: `atoms/<atom>`, with unsafe characters percent-encoded.
-
-    Raises:
-        UnsafePathError: a name that cannot be a folder (empty, `.`, `..`, too long once quoted).
-
-    >>> atom_dir("blocks.0/qkv")
-    'atoms/blocks.0%2Fqkv'
-    """
-    from ..untrusted.paths import check_component
-
-    quoted = urllib.parse.quote(atom, safe=".-_")
-    return "atoms/" + check_component(quoted, "atom name, used as atom folder")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,18 +188,7 @@ class Manifest:
             NotACheckpointError: the file is not a ucp manifest.
             FormatVersionError: written by a newer ucp_jax.
         """
-        from .validate import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, check_manifest, json_depth
-
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise NotACheckpointError(f"{where}: manifest.json of {len(data)} bytes is too large")
-        try:
-            d = json.loads(data)
-        except (ValueError, RecursionError) as e:
-            raise NotACheckpointError(f"{where}: manifest.json is not valid JSON ({e})") from e
-        if json_depth(d) > MAX_JSON_DEPTH:
-            raise NotACheckpointError(
-                f"{where}: manifest.json is nested deeper than {MAX_JSON_DEPTH} levels; damaged"
-            )
+        d = read_json(data, f"{where}: manifest.json", max_bytes=MAX_MANIFEST_BYTES)
         fmt = d.get("format", "") if isinstance(d, dict) else ""
         if not isinstance(fmt, str) or not fmt.startswith("ucp/"):
             raise NotACheckpointError(

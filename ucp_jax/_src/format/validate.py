@@ -14,28 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import LimitError, NotACheckpointError, UcpError
-from ..untrusted.paths import check_component
-
-MAX_NDIM = 32
-MAX_ELEMENTS = 1 << 48  # per stored array (256 Ti elements)
-MAX_CHUNK_FILES = 1 << 22  # per stored array
-MAX_MANIFEST_BYTES = 1 << 30
-MAX_JSON_DEPTH = 64
-
-
-def json_depth(x: Any, limit: int = MAX_JSON_DEPTH) -> int:
-    """Nesting depth of parsed JSON, stopping once past `limit` (no recursion)."""
-    depth, level = 0, [x]
-    while level and depth <= limit:
-        depth += 1
-        nxt: list[Any] = []
-        for v in level:
-            if isinstance(v, dict):
-                nxt.extend(v.values())
-            elif isinstance(v, list):
-                nxt.extend(v)
-        level = nxt
-    return depth
+from ..untrusted.limits import MAX_CHUNK_FILES, MAX_ELEMENTS, MAX_NDIM
+from ..untrusted.paths import atom_dir, check_component
 
 
 def _ints(x: Any, what: str, *, positive: bool) -> tuple[int, ...]:
@@ -65,7 +45,6 @@ def check_shape(shape: Any, what: str) -> tuple[int, ...]:
 def check_slot(atom: str, slot: Any, d: Any, atom_shape: tuple[int, ...], where: str) -> None:
     """One slot entry: name, path, dtype, chunking and grid size."""
     from ..util.dtypes import np_dtype
-    from .manifest import atom_dir
 
     what = f"{where}: atom {atom!r} slot {slot!r}"
     check_component(slot, f"{where}: atom {atom!r}: slot name")

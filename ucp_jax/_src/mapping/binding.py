@@ -10,13 +10,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..format.manifest import PARAM_SLOT, VALUE_SLOT
 from ..util.dtypes import dtype_name, np_dtype
 from .boxes import Box, box_size, full_box, index_to_box
 from .keys import unwrap
 from .names import named_leaves, path_to_name
 from .patterns import LeafContext, PatternChain, Piece, atom_shapes, chain_pieces
 from .rules import CompiledRules
+from .slot_names import PARAM_SLOT, VALUE_SLOT
 from .slots import OPT_PREFIX, classify_opt_state
 
 SPLIT_MIN_BYTES = 4 << 20  # replicated regions at least this big are split among their replicas

@@ -8,8 +8,8 @@ from typing import Any
 
 import jax
 
-from ..format.manifest import SLOT_ALIASES
 from .names import is_variable, key_to_str, named_leaves, path_to_name
+from .slot_names import SLOT_ALIASES
 
 OPT_PREFIX = "opt_state"
 

@@ -23,8 +23,8 @@ from ..mapping.rules import CompiledRules
 from ..util.buffers import aligned_empty
 from . import exchange
 from .blobs import BlobReader, fetch_requests, intersect
+from .candidate import Candidate
 from .layout import BlobPiece, LeafMeta, SnapshotLayout
-from .recovery import Candidate
 from .shm import Blob
 from .stitch import can_stitch, stitch
 

@@ -21,7 +21,7 @@ from .redundancy import decode_node, decode_ranges
 from .shm import DATA, Blob
 
 if TYPE_CHECKING:
-    from .recovery import Candidate
+    from .candidate import Candidate
 
 
 class BlobReader:

@@ -27,31 +27,12 @@ from ..mapping.rules import Rule
 from ..util.gcpause import gc_paused
 from . import exchange
 from . import extra as extra_mod
+from .assemble import read_candidate
+from .candidate import Candidate
 from .layout import SnapshotLayout
 from .shm import Entry, committed, list_nodes
 
 log = logging.getLogger("ucp_jax")
-
-
-@dataclasses.dataclass
-class Candidate:
-    """A step that can be recovered from shared memory.
-
-    Attributes:
-        run, step: which snapshot.
-        layout: its layout.
-        entries: node -> its committed snapshot, for the nodes this process sees.
-        lost: nodes whose bytes must be decoded from their group.
-        present: node -> the processes that see its committed snapshot (this process alone
-            for a local scan; every process's view after a restore's inventory exchange).
-    """
-
-    run: int
-    step: int
-    layout: SnapshotLayout
-    entries: dict[int, Entry]
-    lost: list[int]
-    present: dict[int, list[int]]
 
 
 @dataclasses.dataclass
@@ -232,8 +213,6 @@ def recover(
     cands, why = agree(root, tag)
     chosen = cands[0] if cands else None
     if chosen is not None:
-        from .assemble import read_candidate
-
         params, opt, blobs = read_candidate(chosen, params_target, opt_state_target, tag)
         fetched = sum(f.nbytes for f in blobs.fetched.values())
         source = "redundancy" if chosen.lost else "memory"

@@ -22,16 +22,45 @@ A new scheme is one subclass here, registered in `SCHEMES` (or with `register_sc
 from __future__ import annotations
 
 import base64
-from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .layout import BlobPiece, SnapshotLayout
+
+class BlobPiece(Protocol):
+    """What a scheme reads of a `layout.BlobPiece`: where its bytes lie in its node's blob."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class SnapshotLayout(Protocol):
+    """What a scheme reads of a `layout.SnapshotLayout`.
+
+    A Protocol, so that this module does not import `layout` (which builds on the schemes).
+    """
+
+    @property
+    def by_node(self) -> Sequence[Sequence[Any]]: ...
+
+    @property
+    def copies(self) -> Mapping[Any, Sequence[tuple[int, int]]]: ...
+
+    @property
+    def group_of(self) -> Mapping[int, Sequence[int]]: ...
+
+    @property
+    def primary(self) -> Sequence[int]: ...
+
+    def copy_offset(self, p: Any, holder: int) -> int: ...
+
 
 # (piece of another node, first byte, end byte, offset in this node's blob, XOR it in?)
-Need = tuple["BlobPiece", int, int, int, bool]
+Need = tuple[Any, int, int, int, bool]
 
 
 def align(n: int, to: int = 64) -> int:

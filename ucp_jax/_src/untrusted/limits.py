@@ -13,18 +13,20 @@ import functools
 import itertools
 import math
 import operator
-import re
 import struct
 import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
-
 from ..errors import LimitError, UcpError
-from ..format.validate import MAX_ELEMENTS  # the same limits as manifests
-from ..format.validate import MAX_JSON_DEPTH as MAX_JSON_DEPTH
+from .json import MAX_JSON_DEPTH as MAX_JSON_DEPTH
 from .unpickle import UnsafePickleError
+
+# The limits of every untrusted input, manifests included (format.validate uses them too).
+MAX_NDIM = 32
+MAX_ELEMENTS = 1 << 48  # per stored array (256 Ti elements)
+MAX_CHUNK_FILES = 1 << 22  # per stored array
+MAX_MANIFEST_BYTES = 1 << 30
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -112,18 +114,6 @@ def check_extent(path: str, at: int, items: int, offset: Any, size: Any, stride:
             f"{offset}) reaches past its storage of {items} elements at byte {at}; the file is "
             "damaged or was edited"
         )
-
-
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-
-
-def json_depth(data: bytes) -> int:
-    """How deeply the arrays and objects of a JSON text nest (strings skipped), without parsing."""
-    a = np.frombuffer(_JSON_STRING.sub(b'""', data), np.uint8)
-    if not a.size:
-        return 0
-    step = np.isin(a, (0x5B, 0x7B)).astype(np.int64) - np.isin(a, (0x5D, 0x7D))
-    return int(np.cumsum(step).max(initial=0))
 
 
 # Errors that a damaged or hostile file makes deep inside an importer (a missing key, a list where

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import stat
+import urllib.parse
 from typing import IO
 
 from ..errors import UnsafePathError
@@ -133,3 +134,16 @@ def check_tree(root: str, what: str) -> None:
                     )
                 if e.is_dir(follow_symlinks=False):
                     todo.append(e.path)
+
+
+def atom_dir(atom: str) -> str:
+    """Relative directory of an atom: `atoms/<atom>`, with unsafe characters percent-encoded.
+
+    Raises:
+        UnsafePathError: a name that cannot be a folder (empty, `.`, `..`, too long once quoted).
+
+    >>> atom_dir("blocks.0/qkv")
+    'atoms/blocks.0%2Fqkv'
+    """
+    quoted = urllib.parse.quote(atom, safe=".-_")
+    return "atoms/" + check_component(quoted, "atom name, used as atom folder")

@@ -7,7 +7,6 @@ model is read through `model.safetensors.index.json`, whose file names must stay
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from typing import IO, Any
@@ -16,7 +15,8 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import NotACheckpointError, UcpError
-from .limits import MAX_JSON_DEPTH, as_int, as_shape, json_depth, numel
+from .json import read_json
+from .limits import as_int, as_shape, numel
 from .paths import join_inside, open_inside
 
 DTYPES = {
@@ -104,18 +104,9 @@ def _open(path: str, root: str | None, what: str) -> IO[bytes]:
 
 def _parse_header(path: str, raw: bytes) -> dict[str, Any]:
     """The header JSON: an object, nested at most MAX_JSON_DEPTH deep (checked before parsing)."""
-    depth = json_depth(raw)
-    if depth > MAX_JSON_DEPTH:
-        raise SafetensorsError(
-            f"{path}: header nests {depth} levels deep (a safetensors header is 3 deep, at most "
-            f"{MAX_JSON_DEPTH} accepted); the file is damaged or hostile"
-        )
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise SafetensorsError(f"{path}: header is not JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise SafetensorsError(f"{path}: header is a {type(header).__name__}, expected an object")
+    header: dict[str, Any] = read_json(
+        raw, f"{path}: header", max_bytes=MAX_HEADER, expect=dict, error=SafetensorsError
+    )
     return header
 
 
@@ -147,12 +138,7 @@ def _load_index(path: str, root: str | None) -> dict[str, str]:
     """The weight_map of a model.safetensors.index.json (inside `root` when given)."""
     with _open(path, root, "safetensors index") as f:
         raw = f.read(MAX_HEADER + 1)
-    if len(raw) > MAX_HEADER or json_depth(raw) > MAX_JSON_DEPTH:
-        raise SafetensorsError(f"{path}: index larger than {MAX_HEADER} bytes or nested too deep")
-    try:
-        index = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise SafetensorsError(f"{path}: the index is not JSON ({e})") from e
+    index = read_json(raw, f"{path}: the index", max_bytes=MAX_HEADER, error=SafetensorsError)
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
         raise SafetensorsError(f"{path}: an index without a weight_map of tensor -> file name")

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ....models.llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
 from ...checkpoint import Checkpoint
 from ...errors import MismatchError
 from ...format.manifest import PARAM_SLOT
+from ...llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
 from ...untrusted.paths import check_component
 from ...untrusted.safetensors import DTYPES, INDEX
 from ..common.progress import Progress

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ....models.llama_config import LlamaConfig, config_from_hf, read_config_json
 from ...errors import MismatchError
+from ...llama_config import LlamaConfig, config_from_hf, read_config_json
 from ...untrusted.limits import ucp_errors
 from ...untrusted.paths import join_inside
 from ...untrusted.safetensors import SafetensorsError, SafetensorsFile, open_tensors

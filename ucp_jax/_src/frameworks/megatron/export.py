@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ....models.llama_config import LlamaConfig, config_from_checkpoint
 from ...checkpoint import Checkpoint
 from ...errors import UcpError
+from ...llama_config import LlamaConfig, config_from_checkpoint
 from .common import LAYERS, TENSORS
 
 _EXTRA = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",

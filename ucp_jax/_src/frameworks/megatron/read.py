@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from ....models.llama_config import LlamaConfig
 from ...errors import NotACheckpointError
-from ...format.validate import MAX_JSON_DEPTH, json_depth
+from ...llama_config import LlamaConfig
 from ...mapping.patterns import FusedMark
+from ...untrusted.json import read_json_file
 from ...untrusted.lazy import jsonable
 from ...untrusted.limits import ucp_errors
 from ..common.dcp_files import (
@@ -65,18 +65,10 @@ def _check_backend(folder: str) -> None:
         raise MegatronFormatError(
             f"{path}: is a symbolic link; a checkpoint's files must be its own"
         )
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_METADATA_BYTES + 1)
-        meta = json.loads(raw) if len(raw) <= MAX_METADATA_BYTES else None
-    except (OSError, ValueError, RecursionError) as e:
-        raise MegatronFormatError(f"{path}: not readable JSON ({e})") from e
-    if meta is None:
-        raise MegatronFormatError(f"{path}: over {MAX_METADATA_BYTES} bytes; Megatron writes ~100")
-    if not isinstance(meta, dict) or json_depth(meta) > MAX_JSON_DEPTH:
-        raise MegatronFormatError(
-            f'{path}: expected a flat JSON object like {{"sharded_backend": "torch_dist"}}'
-        )
+    meta = read_json_file(
+        path, 'metadata.json (Megatron writes ~100 bytes: {"sharded_backend": "torch_dist"})',
+        max_bytes=MAX_METADATA_BYTES, expect=dict, error=MegatronFormatError,
+    )  # fmt: skip
     backend = meta.get("sharded_backend")
     if backend != "torch_dist":
         raise MegatronFormatError(

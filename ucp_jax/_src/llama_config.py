@@ -1,0 +1,339 @@
+"""The configuration of a Llama-family model (Llama, Mistral, Qwen2, Mixtral), from a HF ``config.json``.
+
+Only the fields that change the function the model computes are kept; everything the JAX model
+cannot represent (other activations, MLP or output-projection biases, other RoPE scalings, partial
+rotary embeddings, per-layer sliding windows) is refused by :func:`config_from_hf`, naming the
+field, so an imported model never silently computes something else than transformers does.
+
+>>> cfg = config_from_hf({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
+...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})
+>>> cfg.head_dim, cfg.n_kv_heads, cfg.rope_theta
+(16, 4, 10000.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .errors import UcpError
+from .untrusted.json import read_json
+
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+ROPE_TYPES = ("default", "linear", "llama3")
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class HFConfigError(UcpError, ValueError):
+    """A Hugging Face ``config.json`` is malformed, or describes a model this family cannot hold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama-family decoder (pre-norm, RoPE, GQA, SiLU-gated MLP).
+
+    Attributes:
+        model_type: "llama", "mistral", "qwen2" or "mixtral" (sets the default biases and HF class).
+        vocab_size: vocabulary size (unpadded).
+        d_model: hidden size.
+        n_heads: query heads.
+        n_kv_heads: key/value heads (GQA when fewer than ``n_heads``).
+        head_dim: width of one head, independent of ``d_model / n_heads``.
+        n_layers: decoder layers.
+        d_ff: MLP intermediate size.
+        norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base.
+        rope_scaling: ``(("rope_type", ...), ...)`` for "linear" / "llama3", or ``()``.
+        qkv_bias: q/k/v projections have a bias (Qwen2).
+        tie_embeddings: the output projection is the input embedding transposed.
+        sliding_window: attend to at most this many past positions (self included), or None.
+        vocab_multiple: the padded vocabulary is a multiple of ``vocab_multiple * tensor``.
+        n_experts: experts per sparse MLP (Mixtral); 0 for the dense SwiGLU MLP.
+        top_k: experts each token is routed to (sparse models).
+        router_aux_loss_coef: weight of the load-balancing loss in the training loss.
+        hf: the source ``config.json`` (as a JSON string), written back on export.
+    """
+
+    model_type: str = "llama"
+    vocab_size: int = 256
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    head_dim: int = 16
+    n_layers: int = 2
+    d_ff: int = 128
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    vocab_multiple: int = 64
+    n_experts: int = 0
+    top_k: int = 2
+    router_aux_loss_coef: float = 0.02
+    hf: str = dataclasses.field(default="{}", compare=False, repr=False)
+
+    def padded_vocab(self, tensor: int) -> int:
+        """Vocabulary size rounded up to a multiple of ``vocab_multiple * tensor``."""
+        m = self.vocab_multiple * tensor
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def qkv_sizes(self) -> tuple[int, int, int]:
+        """Columns of q, k and v in the fused QKV kernel."""
+        kv = self.n_kv_heads * self.head_dim
+        return (self.n_heads * self.head_dim, kv, kv)
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies ``[head_dim // 2]`` (float32), as transformers computes them."""
+        dim = self.head_dim
+        exps = (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)).astype(
+            np.float32
+        )
+        inv = (1.0 / (np.float32(self.rope_theta) ** exps)).astype(np.float32)
+        s = dict(self.rope_scaling)
+        kind = s.get("rope_type", "default")
+        if kind == "linear":
+            inv = (inv / np.float32(s["factor"])).astype(np.float32)
+        elif kind == "llama3":
+            inv = _llama3(inv, s)
+        return inv
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``config.json`` for transformers: the source's, with the shape fields set from here."""
+        out = dict(json.loads(self.hf))
+        out.update(
+            model_type=self.model_type, vocab_size=self.vocab_size, hidden_size=self.d_model,
+            intermediate_size=self.d_ff, num_hidden_layers=self.n_layers,
+            num_attention_heads=self.n_heads, num_key_value_heads=self.n_kv_heads,
+            head_dim=self.head_dim, rms_norm_eps=self.norm_eps, hidden_act="silu",
+            tie_word_embeddings=self.tie_embeddings,
+        )  # fmt: skip
+        out.setdefault("architectures", [_ARCH[self.model_type]])
+        rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
+        out["rope_parameters"] = rope
+        out.pop("rope_scaling", None)
+        out["rope_theta"] = self.rope_theta
+        if self.model_type in ("mistral", "mixtral"):
+            out["sliding_window"] = self.sliding_window
+        if self.n_experts:
+            out.update(num_local_experts=self.n_experts, num_experts_per_tok=self.top_k,
+                       router_aux_loss_coef=self.router_aux_loss_coef)  # fmt: skip
+        return out
+
+
+_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+
+def _llama3(inv: np.ndarray, s: Mapping[str, Any]) -> np.ndarray:
+    """transformers' ``_compute_llama3_parameters`` on float32 frequencies."""
+    factor, lo, hi = (np.float32(s[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old = np.float32(s["original_max_position_embeddings"])
+    low_wl, high_wl = old / lo, old / hi
+    wavelen = (np.float32(2 * math.pi) / inv).astype(np.float32)
+    inv_l = np.where(wavelen > low_wl, inv / factor, inv).astype(np.float32)
+    smooth = ((old / wavelen - lo) / (hi - lo)).astype(np.float32)
+    smoothed = ((1 - smooth) * inv_l / factor + smooth * inv_l).astype(np.float32)
+    medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+    return np.where(medium, smoothed, inv_l).astype(np.float32)
+
+
+def read_config_json(path: str) -> dict[str, Any]:
+    """The object in a ``config.json`` file (size- and syntax-checked).
+
+    Args:
+        path: the file.
+
+    Returns:
+        The parsed JSON object.
+
+    Raises:
+        HFConfigError: unreadable, too large, not JSON, or not an object.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise HFConfigError(
+            f"{path}: cannot read the model config ({e.strerror or e}); a Hugging Face model "
+            "folder needs a config.json"
+        ) from e
+    cfg: dict[str, Any] = read_json(
+        raw, f"{path} (model config)", max_bytes=MAX_CONFIG_BYTES, expect=dict, error=HFConfigError
+    )
+    return cfg
+
+
+def _get(cfg: Mapping[str, Any], key: str, kind: type, where: str, default: Any = ...) -> Any:
+    v = cfg.get(key, default)
+    if v is ...:
+        raise HFConfigError(f"{where}: field {key!r} is missing; expected a {kind.__name__}")
+    if v is None and default is None:
+        return None
+    ok = (
+        isinstance(v, kind) and not isinstance(v, bool) if kind is not bool else isinstance(v, bool)
+    )
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        ok, v = True, float(v)
+    if not ok or (kind is int and v <= 0) or (kind is float and not (math.isfinite(v) and v > 0)):
+        raise HFConfigError(
+            f"{where}: field {key!r} must be a positive {kind.__name__}, found {v!r:.60}"
+        )
+    return v
+
+
+def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    """(rope_theta, scaling) from transformers v5 ``rope_parameters`` or v4 ``rope_theta``/``rope_scaling``."""
+    params = cfg.get("rope_parameters")
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+        if not isinstance(cfg.get("rope_scaling") or {}, dict):
+            raise HFConfigError(f"{where}: rope_scaling must be an object or null")
+    if not isinstance(params, dict):
+        raise HFConfigError(f"{where}: rope_parameters must be an object, found {params!r:.60}")
+    merged = {"rope_theta": cfg.get("rope_theta", 10000.0), **params}
+    theta = _get(merged, "rope_theta", float, where)
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise HFConfigError(
+            f"{where}: unsupported feature rope scaling type {kind!r}; the JAX Llama model "
+            f"implements {list(ROPE_TYPES)}"
+        )
+    prf = merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if prf != 1.0:
+        raise HFConfigError(
+            f"{where}: unsupported feature partial_rotary_factor={prf!r} (only 1.0)"
+        )
+    scaling: dict[str, Any] = {}
+    if kind == "linear":
+        scaling = {"rope_type": kind, "factor": _get(merged, "factor", float, where)}
+    elif kind == "llama3":
+        scaling = {"rope_type": kind}
+        for k in ("factor", "low_freq_factor", "high_freq_factor"):
+            scaling[k] = _get(merged, k, float, where)
+        orig = merged.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        scaling["original_max_position_embeddings"] = _get(
+            {"o": orig}, "o", int, f"{where}: original_max_position_embeddings"
+        )
+        if scaling["high_freq_factor"] == scaling["low_freq_factor"]:
+            raise HFConfigError(f"{where}: llama3 rope needs high_freq_factor != low_freq_factor")
+    return theta, tuple(sorted(scaling.items()))
+
+
+def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaConfig:
+    """A :class:`LlamaConfig` from a HF config dict, refusing what the model cannot represent.
+
+    Args:
+        cfg: the parsed ``config.json``.
+        where: the file, for messages.
+
+    Returns:
+        The configuration (the source dict kept in ``hf`` for export).
+
+    Raises:
+        HFConfigError: a missing or malformed field, an unknown ``model_type``, or an unsupported
+            feature (named in the message).
+    """
+    mt = cfg.get("model_type")
+    if mt not in FAMILIES:
+        raise HFConfigError(
+            f"{where}: unsupported model_type {mt!r}; supported: {list(FAMILIES)} (for another "
+            "architecture, import with import_safetensors and your own AtomFrom mapping)"
+        )
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise HFConfigError(f"{where}: unsupported feature hidden_act={act!r} (only 'silu')")
+    if cfg.get("mlp_bias"):
+        raise HFConfigError(f"{where}: unsupported feature mlp_bias=true (no MLP biases)")
+    if mt == "llama" and cfg.get("attention_bias"):
+        raise HFConfigError(
+            f"{where}: unsupported feature attention_bias=true for llama (q/k/v/o biases); only "
+            "qwen2's q/k/v biases are modelled"
+        )
+    window = None
+    if mt in ("mistral", "mixtral"):
+        window = _get(cfg, "sliding_window", int, where, None)
+    experts, top_k, aux = 0, 2, 0.02
+    if mt == "mixtral":  # transformers' MixtralConfig defaults
+        experts = _get(cfg, "num_local_experts", int, where, 8)
+        top_k = _get(cfg, "num_experts_per_tok", int, where, 2)
+        aux = float(cfg.get("router_aux_loss_coef", 0.001))
+        if top_k > experts:
+            raise HFConfigError(
+                f"{where}: num_experts_per_tok={top_k} exceeds num_local_experts={experts}"
+            )
+    if mt == "qwen2" and (
+        cfg.get("use_sliding_window")
+        or any(t != "full_attention" for t in cfg.get("layer_types") or [])
+    ):
+        raise HFConfigError(f"{where}: unsupported feature sliding-window layers for qwen2")
+    d = _get(cfg, "hidden_size", int, where)
+    nh = _get(cfg, "num_attention_heads", int, where)
+    nkv = _get(cfg, "num_key_value_heads", int, where, nh) or nh
+    hd = _get(cfg, "head_dim", int, where, None) or d // nh
+    if nh % nkv:
+        raise HFConfigError(
+            f"{where}: num_key_value_heads={nkv} does not divide num_attention_heads={nh}"
+        )
+    theta, scaling = _rope(cfg, where)
+    tie = _get(cfg, "tie_word_embeddings", bool, where, False)
+    return LlamaConfig(
+        model_type=mt, vocab_size=_get(cfg, "vocab_size", int, where), d_model=d, n_heads=nh,
+        n_kv_heads=nkv, head_dim=hd, n_layers=_get(cfg, "num_hidden_layers", int, where),
+        d_ff=_get(cfg, "intermediate_size", int, where),
+        norm_eps=_get(cfg, "rms_norm_eps", float, where, 1e-6), rope_theta=theta,
+        rope_scaling=scaling, qkv_bias=mt == "qwen2", tie_embeddings=bool(tie),
+        sliding_window=window, n_experts=experts, top_k=top_k, router_aux_loss_coef=aux,
+        hf=json.dumps(dict(cfg), sort_keys=True),
+    )  # fmt: skip
+
+
+def ucp_extra(config: LlamaConfig) -> dict[str, Any]:
+    """What to pass as ``extra=`` to ``ucp.save`` so that ``export_hf`` finds the config.
+
+    Args:
+        config: the model configuration.
+
+    Returns:
+        ``{"hf_config": <config.json dict>}``.
+
+    >>> ucp_extra(LlamaConfig())["hf_config"]["model_type"]
+    'llama'
+    """
+    return {"hf_config": config.to_hf()}
+
+
+def config_from_checkpoint(path: Any) -> LlamaConfig:
+    """The configuration recorded in a checkpoint's manifest ``extra`` (by import_hf or save).
+
+    Args:
+        path: a universal checkpoint (or an open ``ucp.Checkpoint``).
+
+    Returns:
+        The :class:`LlamaConfig`.
+
+    Raises:
+        HFConfigError: the manifest records no ``hf_config``.
+    """
+    from .checkpoint import Checkpoint  # reads files only: no JAX
+
+    ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    extra = ck.manifest.extra
+    cfg = extra.get("hf_config") if isinstance(extra, dict) else None
+    if not isinstance(cfg, dict):
+        raise HFConfigError(
+            f"{ck.path}: the manifest's extra records no 'hf_config'; import it with import_hf, "
+            "or save with extra=ucp_extra(config)"
+        )
+    return config_from_hf(cfg, f"{ck.path}: manifest extra.hf_config")

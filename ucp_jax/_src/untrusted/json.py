@@ -1,0 +1,119 @@
+"""The one reader of untrusted JSON: size, nesting depth and syntax checked before anything is used.
+
+Manifests, safetensors headers and indexes, Hugging Face ``config.json``, Megatron's
+``metadata.json`` and the ``zarr.json`` of stored arrays all come from files a checkpoint's
+author controls. Each is read here, so that every one of them is bounded the same way: at most
+``max_bytes`` bytes are read, the nesting depth is measured on the bytes *before* parsing (a
+deeply nested text cannot exhaust Python's recursion), and a syntax error, a wrong top-level
+type or an oversized text is an error of the caller's class naming the file.
+
+>>> read_json(b'{"a": [1, 2]}', "example")
+{'a': [1, 2]}
+>>> read_json(b"[" * 100 + b"]" * 100, "example")
+Traceback (most recent call last):
+...
+ucp_jax._src.errors.NotACheckpointError: example: JSON nested 100 levels deep, more than the 64 accepted; the file is damaged or hostile
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from ..errors import NotACheckpointError, UcpError
+
+MAX_JSON_DEPTH = 64
+MAX_JSON_BYTES = 1 << 30
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_depth(data: bytes) -> int:
+    """How deeply the arrays and objects of a JSON text nest (strings skipped), without parsing.
+
+    >>> json_depth(b'{"a": [1, {"b": "[[["}]}')
+    3
+    """
+    a = np.frombuffer(_JSON_STRING.sub(b'""', data), np.uint8)
+    if not a.size:
+        return 0
+    step = np.isin(a, (0x5B, 0x7B)).astype(np.int64) - np.isin(a, (0x5D, 0x7D))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def read_json(
+    data: bytes | str,
+    what: str,
+    *,
+    max_bytes: int = MAX_JSON_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+    expect: type | None = None,
+    error: type[UcpError] = NotACheckpointError,
+) -> Any:
+    """Parse an untrusted JSON text.
+
+    Args:
+        data: the text (bytes as read from a file, or str).
+        what: names the file or field in errors (e.g. its path).
+        max_bytes: the largest text accepted.
+        max_depth: the deepest nesting of arrays and objects accepted.
+        expect: the type the top-level value must have (e.g. `dict`), or None for any.
+        error: the error class raised.
+
+    Returns:
+        The parsed value.
+
+    Raises:
+        UcpError: of class `error`: too large, nested too deep, not JSON, or not an `expect`.
+    """
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if len(raw) > max_bytes:
+        raise error(f"{what}: {len(raw)} bytes of JSON, more than the {max_bytes} accepted")
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise error(
+            f"{what}: JSON nested {depth} levels deep, more than the {max_depth} accepted; the "
+            "file is damaged or hostile"
+        )
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise error(f"{what}: not valid JSON ({e}); the file is damaged") from e
+    if expect is not None and not isinstance(value, expect):
+        raise error(
+            f"{what}: expected a JSON {expect.__name__}, found a {type(value).__name__}; the "
+            "file is damaged"
+        )
+    return value
+
+
+def read_json_file(
+    path: str | os.PathLike[str],
+    what: str,
+    *,
+    max_bytes: int = MAX_JSON_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+    expect: type | None = None,
+    error: type[UcpError] = NotACheckpointError,
+) -> Any:
+    """`read_json` of a file, reading at most `max_bytes + 1` bytes (symbolic links refused).
+
+    Raises:
+        UcpError: of class `error`: unreadable, a symbolic link, or as `read_json`.
+    """
+    path = os.fspath(path)
+    if os.path.islink(path):
+        raise error(f"{path}: {what} is a symbolic link; a checkpoint's files must be its own")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise error(f"{path}: cannot read the {what} ({e.strerror or e})") from e
+    return read_json(
+        raw, f"{path} ({what})", max_bytes=max_bytes, max_depth=max_depth, expect=expect,
+        error=error,
+    )  # fmt: skip
