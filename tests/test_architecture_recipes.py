@@ -1,7 +1,7 @@
 """The three recipes of docs/ARCHITECTURE.md, followed once each.
 
 Each toy extension is defined here and touches only the module its recipe names: a pattern
-(mapping/patterns.py), an importer (torch/writer.py, the importers' writing core) and a
+(mapping/patterns.py), an importer (frameworks/common/writer.py, the importers' writing core) and a
 redundancy scheme (memory/schemes.py). Everything else (save, restore, the manifest, the
 snapshot layout, fetch planning, decoding) must pick it up unchanged.
 """

@@ -159,7 +159,8 @@ def test_import_records_config_and_patterns(imported: dict) -> None:
 def test_export_from_pretrained_equal(
     kind: str, imported: dict, tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ucp_jax._src.torch import hf, hf_export
+    from ucp_jax._src.frameworks.hf import export as hf_export
+    from ucp_jax._src.frameworks.hf import read as hf
 
     monkeypatch.setattr(hf_export, "BLOCK_BYTES", 1000)  # tensors go out in many row blocks
     monkeypatch.setattr(hf, "RELEASE_BYTES", 1000)  # and source pages are released often

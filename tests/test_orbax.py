@@ -29,7 +29,7 @@ from mp.runner import run_and_kill, run_job
 import ucp_jax as ucp
 import ucp_jax.orbax as uo
 from ucp_jax._src import cli
-from ucp_jax._src import orbax as orbax_src
+from ucp_jax._src.frameworks.orbax import handler as orbax_src
 
 WORKER = Path(__file__).parent / "mp" / "orbax_worker.py"
 TIMEOUT_S = 180

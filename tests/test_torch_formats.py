@@ -239,7 +239,7 @@ def test_import_is_durable_before_commit(tmp_path, monkeypatch):
 
 def test_failed_import_leaves_nothing_behind(tmp_path, monkeypatch):
     """An import that dies midway (here: the third write) drops its staging folder."""
-    from ucp_jax._src.torch import writer
+    from ucp_jax._src.frameworks.common import writer
 
     sd = {f"w{i}": torch.randn(8, 4) for i in range(5)}
     st.save_file(sd, tmp_path / "m.safetensors")

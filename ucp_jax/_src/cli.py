@@ -172,12 +172,13 @@ def _run_torch_command(args: Any) -> int:
     import os
     import time
 
-    modules = {"deepspeed": ("deepspeed", "deepspeed_universal"), "safetensors": ("safetensors",),
-               "dcp": ("dcp",), "hf": ("hf",), "megatron": ("megatron",)}.get(args.kind, ("export",))  # fmt: skip
+    # the modules of ucp_jax._src.frameworks that serve the command, imported on demand
+    modules = {"deepspeed": ("deepspeed.zero", "deepspeed.universal"), "safetensors": ("hf.safetensors",),
+               "dcp": ("dcp.read",), "hf": ("hf.read",), "megatron": ("megatron.read",)}.get(args.kind, ("deepspeed.export",))  # fmt: skip
     if args.cmd == "export" and args.kind in ("hf", "megatron"):
-        modules = (f"{args.kind}_export",)
+        modules = (f"{args.kind}.export",)
     try:  # DeepSpeed and safetensors imports need no torch; DCP and the export do
-        mods = [importlib.import_module(f"ucp_jax._src.torch.{m}") for m in modules]
+        mods = [importlib.import_module(f"ucp_jax._src.frameworks.{m}") for m in modules]
         mod = mods[0]
     except ImportError as e:
         print(
