@@ -192,8 +192,8 @@ def test_safetensors_header_entries(box, edit, exc, match):
     [
         (b"[" * 100_000 + b"]" * 100_000, "nests 100000 levels"),
         (b'{"__metadata__": {"a": ' + b"[" * 65 + b"]" * 65 + b"}}", "nests 67 levels"),
-        (b"[1, 2]", "header is a list"),
-        (b"{not json", "not JSON"),
+        (b"[1, 2]", "header is a JSON array, expected a JSON object"),
+        (b"{not json", "not valid JSON"),
     ],
 )
 def test_safetensors_header_json(box, raw, match):
@@ -297,7 +297,7 @@ def test_safetensors_index_damaged(box):
     index = os.path.join(box.src, "model.safetensors.index.json")
     for text, match in [('{"weight_map": [1]}', "without a weight_map"),
                         ('{"weight_map": {"w": 3}}', "without a weight_map"),
-                        ("[" * 10_000, "nested too deep"), ("{", "not JSON")]:  # fmt: skip
+                        ("[" * 10_000, "nests 10000 levels"), ("{", "not valid JSON")]:  # fmt: skip
         with open(index, "w") as f:
             f.write(text)
         with box.refused(SafetensorsError, match):

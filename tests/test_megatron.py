@@ -271,11 +271,11 @@ def test_dp_reshardable_refuses_several_buckets(mcore_ckpts):  # noqa: F811
 @pytest.mark.parametrize(
     "content, match",
     [
-        (b"{" + b" " * (2 << 20) + b"}", "over 1048576 bytes"),
-        (b"[" * 100_000 + b"]" * 100_000, "not readable JSON"),
-        (b'{"a": ' + b"[" * 80 + b"]" * 80 + b"}", "flat JSON object"),
-        (b'["torch_dist"]', "flat JSON object"),
-        (b"\xff\xfe", "not readable JSON"),
+        (b"{" + b" " * (2 << 20) + b"}", "more than the 1048576 accepted"),
+        (b"[" * 100_000 + b"]" * 100_000, "nests 100000 levels deep"),
+        (b'{"a": ' + b"[" * 80 + b"]" * 80 + b"}", "nests 81 levels deep"),
+        (b'["torch_dist"]', "is a JSON array, expected a JSON object"),
+        (b"\xff\xfe", "not valid JSON"),
         (b'{"sharded_backend": "zarr"}', "sharded_backend is 'zarr'"),
     ],
     ids=["huge", "deep-for-python", "deep", "not-an-object", "not-utf8", "zarr"],

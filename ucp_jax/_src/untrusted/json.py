@@ -12,7 +12,7 @@ type or an oversized text is an error of the caller's class naming the file.
 >>> read_json(b"[" * 100 + b"]" * 100, "example")
 Traceback (most recent call last):
 ...
-ucp_jax._src.errors.NotACheckpointError: example: JSON nested 100 levels deep, more than the 64 accepted; the file is damaged or hostile
+ucp_jax._src.errors.NotACheckpointError: example nests 100 levels deep, more than the 64 accepted; the file is damaged or hostile
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from ..errors import NotACheckpointError, UcpError
 MAX_JSON_DEPTH = 64
 MAX_JSON_BYTES = 1 << 30
 
+_KIND = {dict: "object", list: "array", str: "string", int: "number", float: "number",
+         bool: "boolean", type(None): "null"}  # fmt: skip
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
@@ -72,21 +74,21 @@ def read_json(
     """
     raw = data.encode() if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
-        raise error(f"{what}: {len(raw)} bytes of JSON, more than the {max_bytes} accepted")
+        raise error(f"{what} is {len(raw)} bytes, more than the {max_bytes} accepted")
     depth = json_depth(raw)
     if depth > max_depth:
         raise error(
-            f"{what}: JSON nested {depth} levels deep, more than the {max_depth} accepted; the "
-            "file is damaged or hostile"
+            f"{what} nests {depth} levels deep, more than the {max_depth} accepted; the file is "
+            "damaged or hostile"
         )
     try:
         value = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise error(f"{what}: not valid JSON ({e}); the file is damaged") from e
+        raise error(f"{what} is not valid JSON ({e}); the file is damaged") from e
     if expect is not None and not isinstance(value, expect):
         raise error(
-            f"{what}: expected a JSON {expect.__name__}, found a {type(value).__name__}; the "
-            "file is damaged"
+            f"{what} is a JSON {_KIND.get(type(value), type(value).__name__)}, expected a JSON "
+            f"{_KIND.get(expect, expect.__name__)}; the file is damaged"
         )
     return value
 

@@ -1,0 +1,346 @@
+"""Roofline: ucp_jax and Orbax save/restore against the machine's own limits, in one run.
+
+For each state (few large leaves; a model-like tree of hundreds of mixed leaves) and dtype, the
+same bytes on the same disk with the same thread count:
+
+* limits (benchmarks/roofline_limits.py): memcpy; a plain parallel pwrite+fsync of the state's
+  unique shards; a plain parallel read of those files into fresh host buffers (warm, and cold
+  where the kernel lets this process drop caches); placing host shards on the target devices
+  (`jax.device_put`, and into the `pinned_host` memory kind where the device has it);
+* ucp save, ucp restore onto the same mesh and onto another (a reshard), Orbax
+  `StandardCheckpointer` save and same-mesh restore.
+
+Each operation is repeated `--repeats` times, tools interleaved, and reported as the median with
+its min-max spread, in GB/s and as a fraction of its limit (save: write+fsync; restore: read, plus
+placement where placing costs a copy). Beside each: peak host memory above the state (VmHWM reset
+before each operation) and, for restores, bytes read over the bytes the target shards need (read
+amplification). Every restore is checked bit-exact. A table on stdout, JSON with `--out`.
+
+Usage::
+
+    python benchmarks/roofline.py                       # both states, f32 and bf16, ~0.8 GB
+    python benchmarks/roofline.py --gb 0.1 --repeats 1 --states large --dtypes f32
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import argparse
+import json
+import math
+import platform
+import shutil
+import statistics
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ucp_jax as ucp
+
+try:
+    from . import roofline_limits as lim
+except ImportError:
+    import roofline_limits as lim  # type: ignore[no-redef]
+
+GB = 1e9
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+# ------------------------------------------------------------------------------------ states
+
+
+def meshes() -> tuple[Mesh, Mesh]:
+    """The save mesh (2, 4) and the reshard mesh (4, 2) over the devices in reverse order."""
+    devs = np.array(jax.devices()[:8])
+    return (Mesh(devs.reshape(2, 4), ("data", "model")),
+            Mesh(devs[::-1].reshape(4, 2), ("data", "model")))  # fmt: skip
+
+
+def large_leaves(gb: float) -> dict[str, tuple[tuple[int, ...], P, P]]:
+    """Few large leaves: 8 matrices (x3 with Adam's moments), 2-D sharded both ways."""
+    rows = max(64, int(math.sqrt(gb * GB / 3 / 8 / 4 / 2)) // 64 * 64)
+    return {f"w{i}": ((rows, 2 * rows), P("data", "model"), P("model", "data")) for i in range(8)}
+
+
+def model_like(gb: float) -> dict[str, tuple[tuple[int, ...], P, P]]:
+    """A transformer's tree: per layer 4 attention + 2 MLP matrices, 2 norms, biases; embedding."""
+    d = 512 if gb < 0.5 else 768
+    f = 4 * d
+    per_layer = 4 * d * d + 2 * d * f + 4 * d + f
+    layers = max(2, round((gb * GB / 3 / 4 - 16 * d * d) / per_layer))
+    col, row, rep = (
+        (P(None, "model"), P("model", None)),
+        (P("model", None), P(None, "model")),
+        (P(), P()),
+    )
+    out: dict[str, tuple[tuple[int, ...], P, P]] = {
+        "embed": ((16 * d, d), P("model", None), P(None, "model"))
+    }
+    for i in range(layers):
+        for k in ("wq", "wk", "wv"):
+            out[f"l{i}.{k}"] = ((d, d), *col)
+        out[f"l{i}.wo"] = ((d, d), *row)
+        out[f"l{i}.w1"] = ((d, f), P("data", "model"), P("model", "data"))
+        out[f"l{i}.w2"] = ((f, d), P("model", "data"), P("data", "model"))
+        out[f"l{i}.b1"] = ((f,), P("model"), P())
+        for k in ("n1", "n2", "bo"):
+            out[f"l{i}.{k}"] = ((d,), *rep)
+    return out
+
+
+def build(spec: dict[str, Any], dtype: Any, seed: int = 0) -> tuple[Any, ...]:
+    """(params, opt_state, abstract same-mesh targets, abstract reshard targets)."""
+    m0, m1 = meshes()
+    key = jax.random.key(seed)
+    params = {}
+    for i, (name, (shape, s0, _)) in enumerate(spec.items()):
+        x = jax.random.normal(jax.random.fold_in(key, i), shape, dtype)
+        params[name] = jax.device_put(x, NamedSharding(m0, s0))
+    opt = optax.adam(1e-3)
+    state = jax.jit(opt.init)(params)
+    # moments with values (not zeros): a step of Adam on a pseudo-gradient
+    grads = jax.tree.map(lambda p: p * 0.5, params)
+    _, state = jax.jit(opt.update)(grads, state, params)
+
+    def targets(which: int, mesh: Mesh) -> tuple[Any, Any]:
+        sh = {n: NamedSharding(mesh, v[1 + which]) for n, v in spec.items()}
+        p = {n: jax.ShapeDtypeStruct(v[0], dtype, sharding=sh[n]) for n, v in spec.items()}
+        rep = NamedSharding(mesh, P())
+        o = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+            jax.eval_shape(opt.init, p),
+        )
+        o = (o[0]._replace(mu=p, nu=p), *o[1:])
+        return p, o
+
+    return params, state, targets(0, m0), targets(1, m1)
+
+
+def state_bytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def identical(a: Any, b: Any) -> bool:
+    """Bit-exact equality of two trees of arrays."""
+    return all(
+        np.asarray(x).dtype == np.asarray(y).dtype
+        and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+# -------------------------------------------------------------------------------- operations
+
+
+def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Namespace) -> dict:
+    params, opt_state, (tp, to), (rp, ro) = build(spec, DTYPES[dtype_name])
+    full = (params, opt_state)
+    nbytes = state_bytes(full)
+    root = tempfile.mkdtemp(prefix="ucp-roofline-", dir=args.dir)
+    threads = args.threads
+    res: dict[str, list[dict[str, float]]] = {}
+
+    def rec(op: str, m: dict[str, float]) -> None:
+        res.setdefault(op, []).append(dict(m))
+
+    shards = lim.unique_shards(full)
+    host_global = jax.tree.map(np.asarray, (params, opt_state))
+    same_shards = lim.host_shards(host_global, (tp, to))
+    re_shards = lim.host_shards(host_global, (rp, ro))
+    need_same, need_re = lim.needed_bytes((tp, to)), lim.needed_bytes((rp, ro))
+    cold_ok = lim.drop_caches()
+    pinned = lim.pinned_host_supported()
+    ocp = None
+    if not args.no_orbax:
+        import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    for r in range(args.repeats):
+        # limits
+        d = os.path.join(root, f"raw{r}")
+        t, paths = lim.write_fsync(shards, d, threads)
+        rec("limit_write", {"seconds": t})
+        rec("limit_read_warm", {"seconds": lim.read_back(paths, shards, threads)})
+        if cold_ok and lim.drop_caches():
+            rec("limit_read_cold", {"seconds": lim.read_back(paths, shards, threads)})
+        shutil.rmtree(d)
+        rec("limit_place", {"seconds": lim.placement_seconds(same_shards, (tp, to))})
+        if pinned:
+            rec(
+                "limit_place_pinned",
+                {"seconds": lim.placement_seconds(same_shards, (tp, to), "pinned_host")},
+            )
+        rec("limit_place_reshard", {"seconds": lim.placement_seconds(re_shards, (rp, ro))})
+
+        tools: list[
+            tuple[str, Callable[[str], None], Callable[[str], Any], Callable[[str], Any]]
+        ] = []
+        tools.append(("ucp",
+                      lambda p: ucp.save(p, params, opt_state, step=1),
+                      lambda p: ucp.restore(p, tp, to),
+                      lambda p: ucp.restore(p, rp, ro)))  # fmt: skip
+        if ocp is not None:
+            ck = ocp.StandardCheckpointer()
+
+            def osave(p: str) -> None:
+                ck.save(p, {"params": params, "opt_state": opt_state})
+                ck.wait_until_finished()
+
+            tools.append(("orbax", osave,
+                          lambda p: ck.restore(p, {"params": tp, "opt_state": to}), None))  # fmt: skip
+        if r % 2:
+            tools.reverse()
+        for tool, save, restore_same, restore_re in tools:
+            p = os.path.join(root, f"{tool}{r}")
+            with lim.accounting() as m:
+                save(p)
+            rec(f"{tool}_save", m)
+            for kind, fn, need in (
+                ("same", restore_same, need_same),
+                ("reshard", restore_re, need_re),
+            ):
+                if fn is None:
+                    continue
+                for cache in ("warm", "cold") if cold_ok else ("warm",):
+                    if cache == "cold":
+                        lim.drop_caches()
+                    with lim.accounting() as m:
+                        got = fn(p)
+                        jax.block_until_ready(got)
+                    m["amplification"] = m["read_bytes"] / need
+                    if r == 0 and cache == "warm":
+                        pair = got if tool == "ucp" else (got["params"], got["opt_state"])
+                        ok = identical(full, pair)
+                        m["bit_exact"] = float(ok)
+                        if not ok:
+                            raise SystemExit(f"{tool} {kind} restore is not bit-exact on {name}")
+                    rec(f"{tool}_restore_{kind}_{cache}", m)
+                    del got
+            shutil.rmtree(p, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return summarize(name, dtype_name, nbytes, len(jax.tree.leaves(full)), res, threads)
+
+
+def med(xs: list[dict[str, float]], key: str = "seconds") -> tuple[float, float, float]:
+    v = [x[key] for x in xs if key in x]
+    return (statistics.median(v), min(v), max(v)) if v else (float("nan"),) * 3
+
+
+def summarize(name: str, dt: str, nbytes: int, leaves: int, res: dict, threads: int) -> dict:
+    """Per operation: median seconds, spread, GB/s, fraction of its limit, memory, amplification."""
+    lw = med(res["limit_write"])[0]
+    place = med(res["limit_place"])[0]
+    place_re = med(res["limit_place_reshard"])[0]
+    out: dict[str, Any] = {"state": name, "dtype": dt, "bytes": nbytes, "leaves": leaves,
+                           "threads": threads, "ops": {}}  # fmt: skip
+    for op, xs in res.items():
+        s, lo, hi = med(xs)
+        row: dict[str, Any] = {"seconds": s, "min": lo, "max": hi, "gbps": nbytes / s / GB,
+                               "runs": len(xs)}  # fmt: skip
+        if op.endswith("_save"):
+            row["limit_seconds"] = lw
+        elif "_restore_" in op:
+            cache = op.rsplit("_", 1)[1]
+            read = med(res.get(f"limit_read_{cache}", res["limit_read_warm"]))[0]
+            pl = place_re if "_reshard_" in op else place
+            row["limit_seconds"] = read + pl
+            row["read_limit_seconds"] = read
+            # fraction of the limit in every run (the worst run is what the target is held to)
+            row["fraction_each"] = [(read + pl) / x["seconds"] for x in xs]
+            row["amplification"] = med(xs, "amplification")[0]
+        if "limit_seconds" in row:
+            row["fraction"] = row["limit_seconds"] / s
+        if "peak_above_start" in xs[0]:
+            row["peak_over_state"] = med(xs, "peak_above_start")[0] / nbytes
+        out["ops"][op] = row
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| state | dtype | operation | median s (min-max) | GB/s | of limit | peak RAM / state | read ampl. |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        for op, x in r["ops"].items():
+            frac = f"{x['fraction']:.0%}" if "fraction" in x else ""
+            peak = f"{x['peak_over_state']:.2f}" if "peak_over_state" in x else ""
+            amp = f"{x['amplification']:.2f}" if "amplification" in x else ""
+            lines.append(
+                f"| {r['state']} ({r['leaves']} leaves, {r['bytes'] / GB:.2f} GB) | {r['dtype']} | "
+                f"{op} | {x['seconds']:.3f} ({x['min']:.3f}-{x['max']:.3f}) | {x['gbps']:.2f} | "
+                f"{frac} | {peak} | {amp} |"
+            )
+    return "\n".join(lines)
+
+
+def ratios(results: list[dict]) -> str:
+    lines = []
+    for r in results:
+        o = r["ops"]
+        if "orbax_save" in o:
+            lines.append(
+                f"{r['state']}/{r['dtype']}: ucp save / Orbax save time = "
+                f"{o['ucp_save']['seconds'] / o['orbax_save']['seconds']:.2f}; ucp reshard restore "
+                f"/ Orbax same-mesh restore (warm) = "
+                f"{o['ucp_restore_reshard_warm']['seconds'] / o['orbax_restore_same_warm']['seconds']:.2f}"
+            )
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "device": str(jax.devices()[0].device_kind),
+            "devices": jax.device_count(), "platform": jax.devices()[0].platform,
+            "memcpy_gbps": lim.memcpy_gbps(), "pinned_host": lim.pinned_host_supported(),
+            "drop_caches": lim.drop_caches(), "python": platform.python_version(),
+            "jax": jax.__version__}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--gb", type=float, default=0.8, help="state size (params + Adam), GB")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--states", default="large,model", help="large, model, or both")
+    ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--threads", type=int, default=max(4, os.cpu_count() or 1))
+    ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: TMPDIR)")
+    ap.add_argument("--no-orbax", action="store_true")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    info = machine()
+    print(f"machine: {info}")
+    results = []
+    builders = {"large": large_leaves, "model": model_like}
+    for st in args.states.split(","):
+        for dt in args.dtypes.split(","):
+            results.append(run_case(st, builders[st](args.gb), dt, args))
+            print(table(results[-1:]), flush=True)
+    print("\n" + table(results) + "\n\n" + ratios(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": info, "args": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,228 @@
+"""The machine's own limits for moving a train state: memcpy, parallel write+fsync, parallel read,
+placing host shards on devices. Plain numpy, os and jax only; no checkpoint library.
+
+Each limit moves exactly the bytes the checkpoint tools move: the unique device shards of the
+state (one per distinct index of each leaf), with the same number of threads, on the same disk.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+
+@dataclass
+class Shard:
+    """One unique device shard of a leaf, as a host array, and where it is written."""
+
+    data: np.ndarray
+    path: str = ""
+
+
+def unique_shards(tree: Any) -> list[np.ndarray]:
+    """The host copies of every distinct shard (by index) of every jax.Array leaf of `tree`."""
+    out = []
+    for leaf in jax.tree.leaves(tree):
+        seen = set()
+        for s in leaf.addressable_shards:
+            key = tuple((sl.start, sl.stop) for sl in s.index)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(np.asarray(s.data))
+    return out
+
+
+def needed_bytes(targets: Any) -> int:
+    """Bytes of the distinct shards the target shardings of `targets` (ShapeDtypeStructs) need."""
+    total = 0
+    for t in jax.tree.leaves(targets):
+        idx = t.sharding.devices_indices_map(t.shape)
+        uniq = {tuple((s.start, s.stop) for s in ix) for ix in idx.values()}
+        for key in uniq:
+            n = 1
+            for (start, stop), dim in zip(key, t.shape):
+                n *= (stop if stop is not None else dim) - (start or 0)
+            total += n * t.dtype.itemsize
+    return total
+
+
+def memcpy_gbps(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """GB/s of one large copy into an already-touched buffer (best of `repeats`)."""
+    a = np.ones(nbytes // 8, np.float64)
+    b = np.empty_like(a)
+    b[:] = 0
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best / 1e9
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int = 0) -> None:
+    while buf:
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
+def write_fsync(shards: Sequence[np.ndarray], folder: str, threads: int) -> tuple[float, list[str]]:
+    """Seconds to pwrite every shard to its own file and fsync it (and the folder), in parallel."""
+    os.makedirs(folder, exist_ok=True)
+    paths = [os.path.join(folder, f"s{i}") for i in range(len(shards))]
+
+    def one(i: int) -> None:
+        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _pwrite_all(fd, memoryview(np.array(shards[i], order="C", copy=False)).cast("B"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    t = time.perf_counter()
+    with cf.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(shards))))
+    dfd = os.open(folder, os.O_RDONLY)
+    os.fsync(dfd)
+    os.close(dfd)
+    return time.perf_counter() - t, paths
+
+
+def read_back(paths: Sequence[str], shards: Sequence[np.ndarray], threads: int) -> float:
+    """Seconds to read every file into a fresh host buffer of its shard's shape, in parallel."""
+
+    def one(i: int) -> np.ndarray:
+        out = np.empty(shards[i].shape, shards[i].dtype)
+        view = memoryview(out).cast("B")
+        with open(paths[i], "rb", buffering=0) as f:
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise OSError(f"{paths[i]}: short read")
+                got += n
+        return out
+
+    t = time.perf_counter()
+    with cf.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(paths))))
+    return time.perf_counter() - t
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root, where the kernel allows it); False where it cannot."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def aligned_copy(a: np.ndarray, align: int = 64) -> np.ndarray:
+    """A C-contiguous copy of `a` whose data starts on an `align`-byte boundary.
+
+    XLA's CPU client can take such a buffer without copying it; placing an unaligned one copies.
+    """
+    raw = np.empty(a.nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    out = raw[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def host_shards(host: Any, targets: Any) -> list[list[tuple[Any, np.ndarray]]]:
+    """Per leaf: (device, aligned host copy of the region it holds) for the target shardings."""
+    out = []
+    for a, tgt in zip(jax.tree.leaves(host), jax.tree.leaves(targets)):
+        idx = tgt.sharding.addressable_devices_indices_map(a.shape)
+        out.append([(d, aligned_copy(np.asarray(a[ix]))) for d, ix in idx.items()])
+    return out
+
+
+def placement_seconds(
+    shards: list[list[tuple[Any, np.ndarray]]], targets: Any, memory_kind: str | None = None
+) -> float:
+    """Seconds to place host shards (`host_shards`) on their devices and build the arrays.
+
+    With `memory_kind="pinned_host"` each shard goes to its device's pinned host memory.
+    """
+    t = time.perf_counter()
+    outs = []
+    for per_dev, tgt in zip(shards, jax.tree.leaves(targets)):
+        sh = tgt.sharding if memory_kind is None else tgt.sharding.with_memory_kind(memory_kind)
+        arrs = [
+            jax.device_put(
+                x, d if memory_kind is None else jax.sharding.SingleDeviceSharding(
+                    d, memory_kind=memory_kind))
+            for d, x in per_dev
+        ]  # fmt: skip
+        outs.append(jax.make_array_from_single_device_arrays(tgt.shape, sh, arrs))
+    jax.block_until_ready(outs)
+    return time.perf_counter() - t
+
+
+def pinned_host_supported() -> bool:
+    """Whether the first device offers the `pinned_host` memory kind."""
+    with contextlib.suppress(Exception):
+        return "pinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()}
+    return False
+
+
+# ------------------------------------------------------------------------- process accounting
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS (VmHWM) of this process since the last `reset_peak`."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def read_chars() -> int:
+    """Bytes this process has read through read/pread calls (page cache included)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+@contextlib.contextmanager
+def accounting() -> Iterator[dict[str, float]]:
+    """Measure an operation: wall seconds, peak RSS above the start, bytes read."""
+    out: dict[str, float] = {}
+    base, r0 = rss_bytes(), read_chars()
+    reset_peak()
+    t = time.perf_counter()
+    yield out
+    out["seconds"] = time.perf_counter() - t
+    out["peak_above_start"] = max(0, peak_rss_bytes() - base)
+    out["read_bytes"] = read_chars() - r0
