@@ -163,9 +163,22 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
     need_same, need_re = lim.needed_bytes((tp, to)), lim.needed_bytes((rp, ro))
     cold_ok = lim.drop_caches()
     pinned = lim.pinned_host_supported()
-    ocp = None
+    tools: list[tuple[str, Callable[[str], None], Callable[[str], Any], Any]] = [
+        ("ucp", lambda p: ucp.save(p, params, opt_state, step=1),
+         lambda p: ucp.restore(p, tp, to), lambda p: ucp.restore(p, rp, ro)),
+    ]  # fmt: skip
     if not args.no_orbax:
-        import orbax.checkpoint as ocp  # noqa: PLC0415
+        import orbax.checkpoint as ocp
+
+        ck = ocp.StandardCheckpointer()
+
+        def osave(p: str) -> None:
+            ck.save(p, {"params": params, "opt_state": opt_state})
+            ck.wait_until_finished()
+
+        tools.append(
+            ("orbax", osave, lambda p: ck.restore(p, {"params": tp, "opt_state": to}), None)
+        )
 
     for r in range(args.repeats):
         # limits
@@ -184,25 +197,7 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
             )
         rec("limit_place_reshard", {"seconds": lim.placement_seconds(re_shards, (rp, ro))})
 
-        tools: list[
-            tuple[str, Callable[[str], None], Callable[[str], Any], Callable[[str], Any]]
-        ] = []
-        tools.append(("ucp",
-                      lambda p: ucp.save(p, params, opt_state, step=1),
-                      lambda p: ucp.restore(p, tp, to),
-                      lambda p: ucp.restore(p, rp, ro)))  # fmt: skip
-        if ocp is not None:
-            ck = ocp.StandardCheckpointer()
-
-            def osave(p: str) -> None:
-                ck.save(p, {"params": params, "opt_state": opt_state})
-                ck.wait_until_finished()
-
-            tools.append(("orbax", osave,
-                          lambda p: ck.restore(p, {"params": tp, "opt_state": to}), None))  # fmt: skip
-        if r % 2:
-            tools.reverse()
-        for tool, save, restore_same, restore_re in tools:
+        for tool, save, restore_same, restore_re in tools if r % 2 == 0 else tools[::-1]:
             p = os.path.join(root, f"{tool}{r}")
             with lim.accounting() as m:
                 save(p)

@@ -82,7 +82,7 @@ def write_fsync(shards: Sequence[np.ndarray], folder: str, threads: int) -> tupl
     def one(i: int) -> None:
         fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _pwrite_all(fd, memoryview(np.array(shards[i], order="C", copy=False)).cast("B"))
+            _pwrite_all(fd, memoryview(np.ascontiguousarray(shards[i]).reshape(-1).view(np.uint8)))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -101,7 +101,7 @@ def read_back(paths: Sequence[str], shards: Sequence[np.ndarray], threads: int) 
 
     def one(i: int) -> np.ndarray:
         out = np.empty(shards[i].shape, shards[i].dtype)
-        view = memoryview(out).cast("B")
+        view = memoryview(out.reshape(-1).view(np.uint8))
         with open(paths[i], "rb", buffering=0) as f:
             got = 0
             while got < len(view):
