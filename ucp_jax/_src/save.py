@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import sys
 import threading
 import zlib
@@ -48,6 +49,10 @@ from .util.inflight import InflightWindow
 from .util.sync import barrier
 
 log = logging.getLogger("ucp_jax")
+# A version-3 save commits transactions of budget / TXN_PARTS bytes, of which MAX_COMMITTING may
+# be writing their data files at once: several files written in parallel (one writer thread each).
+TXN_PARTS = 16
+MAX_COMMITTING = 4
 _SAVE_COUNTER = itertools.count()
 
 
@@ -307,7 +312,11 @@ class SaveJob:
         import tensorstore as ts
 
         me = jax.process_index()
-        db = aggregate.process_db(self.staging.target, me, aggregate.fresh_context())
+        # Local files: no fsync per data file; one parallel pass over this process's database
+        # before its table is final (see store.sync_tree), so COMMIT still follows durable data.
+        local = self.staging.target.local_path
+        ctx = aggregate.fresh_context(deferred_sync=local is not None)
+        db = aggregate.process_db(self.staging.target, me, ctx)
         if me == 0:
             self.staging.prepare()
             txn = ts.Transaction()
@@ -321,8 +330,8 @@ class SaveJob:
                   for k, (shape, info) in self.slots.items()}  # fmt: skip
         written: dict[SlotInfo, set[str]] = {}
         in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
-        # Transactions of a quarter of the budget; while one fills, up to two earlier ones are
-        # being written (copies overlap the file writes; at most 3/4 of the budget is held).
+        # Transactions of budget / TXN_PARTS; while one fills, up to MAX_COMMITTING earlier ones
+        # are being written (copies overlap the file writes; at most a third of the budget held).
         txn, staged, committing = ts.Transaction(), 0, collections.deque[Any]()
         try:
             for b, box, data in self._regions(host):
@@ -330,8 +339,8 @@ class SaveJob:
                 for f in futs:
                     f.copy.result()
                 staged += box_size(box) * b.dtype.itemsize
-                if staged >= self.budget // 4:
-                    if len(committing) == 2:
+                if staged >= self.budget // TXN_PARTS:
+                    if len(committing) == MAX_COMMITTING:
                         committing.popleft().result()
                     committing.append(txn.commit_async())
                     txn, staged = ts.Transaction(), 0
@@ -349,6 +358,8 @@ class SaveJob:
                     pending.result()
             raise
         integrity.write_process_table(db, written, f"p{me}")
+        if local is not None:
+            store.sync_tree(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
         self._commit()
 
     def _commit(self) -> None:

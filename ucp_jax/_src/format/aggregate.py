@@ -16,20 +16,25 @@ from typing import Any
 
 import tensorstore as ts
 
-from .store import CONTEXT, Location
+from .store import CONTEXT, DEFERRED_SYNC_CONTEXT, Location
 
 PROCESS_PREFIX = "ocdbt.p"
 AGGREGATED_VERSION = 3  # the first format version with this layout
 
 
-def fresh_context() -> ts.Context:
+def fresh_context(*, deferred_sync: bool = False) -> ts.Context:
     """A context with its own OCDBT caches (memory stores and thread pools shared with CONTEXT).
 
     Every save and every opened checkpoint uses its own: a database's manifest and B-tree nodes
     are cached per context, and a folder saved again (an overwrite, a retried save into the same
     staging folder) must never be read through the caches of its previous contents.
+
+    Args:
+        deferred_sync: local files are written without an fsync each; the writer makes them
+            durable with one `store.sync_tree` pass before its commit.
     """
-    return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}, CONTEXT)
+    parent = DEFERRED_SYNC_CONTEXT if deferred_sync else CONTEXT
+    return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}, parent)
 
 
 def _db(folder: Location, sub: str, context: ts.Context | None) -> Location:

@@ -12,12 +12,19 @@ from .binding import LeafBinding, WriteTask
 from .boxes import Box, box_shape, box_size, relative_slices
 
 MERGE_BYTES = 64 << 20  # a leaf's local regions are written as one box up to this size
+SMALL_REGION = 1 << 20  # ... when they are smaller than this on average (larger: one write each)
 
 
 def merge_plan(b: LeafBinding, tasks: list[WriteTask], limit: int) -> MergedWrite | None:
-    """One MergedWrite for this leaf's device regions when they tile their bounding box exactly
-    and it holds at most `limit` bytes; else None (each region is written on its own)."""
+    """One MergedWrite for this leaf's device regions when they are small, tile their bounding box
+    exactly and it holds at most `limit` bytes; else None (each region is written on its own).
+
+    Merging saves the per-write overhead of many small regions; a large region is written as it
+    is (a merge would copy it once more, into fresh memory, for nothing).
+    """
     if len(tasks) < 2 or any(t.device is None for t in tasks):
+        return None
+    if sum(t.nbytes for t in tasks) >= SMALL_REGION * len(tasks):
         return None
     lo = [min(t.box[j][0] for t in tasks) for j in range(len(b.shape))]
     hi = [max(t.box[j][1] for t in tasks) for j in range(len(b.shape))]
