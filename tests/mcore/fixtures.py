@@ -46,7 +46,7 @@ RESUMES = {  # name: (tp, pp, dtype, checkpoint folder); own_* load Megatron's o
 # layout: common.pt and two files per rank; the case v016_tp2 is built with it.
 LEGACY = os.path.join(sys.prefix, "mcore-0.16.1")
 LEGACY_CASE = "v016_tp2"
-_SOURCES = ("megatron.py", "megatron_buckets.py", "megatron_export.py")
+_SOURCES = ("common.py", "read.py", "buckets.py", "export.py")
 
 
 @dataclasses.dataclass
@@ -73,7 +73,7 @@ def torchrun(
 def cache_key(extra: tuple[str, ...] = ()) -> str:
     from importlib.metadata import version
 
-    lib = os.path.join(HERE, "..", "..", "ucp_jax", "_src", "torch")
+    lib = os.path.join(HERE, "..", "..", "ucp_jax", "_src", "frameworks", "megatron")
     paths = [os.path.join(HERE, f) for f in ("train_mcore.py", "fixtures.py", *extra)]
     versions = f"{version('torch')} {version('megatron-core')} {os.path.isdir(LEGACY)}"
     return source_key(paths + [os.path.join(lib, f) for f in _SOURCES], versions)
