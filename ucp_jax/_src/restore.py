@@ -110,7 +110,9 @@ def restore(
     Raises:
         RestorePlanError: the targets do not fit the checkpoint; one error (a MismatchError and a
             PatternError) listing every problem `ucp.plan` finds, raised before any array is read.
-        NotACheckpointError, FormatVersionError, ChecksumError.
+        NotACheckpointError: `path` holds no committed checkpoint.
+        FormatVersionError: the checkpoint's format version is newer than this reader.
+        ChecksumError: a chunk, `zarr.json` or the manifest does not match what was committed.
 
     >>> params, opt_state = ucp.restore("/tmp/ckpt/step_10", abstract_params, abstract_opt)  # doctest: +SKIP
     """
