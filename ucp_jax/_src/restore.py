@@ -92,7 +92,7 @@ def restore(
 
     Each process reads only the distinct regions its devices need, each once, straight into the
     target layout (patterns applied per region), and builds the arrays with
-    `jax.make_array_from_single_device_arrays`.
+    `jax.make_array_from_callback`.
 
     Args:
         path: a committed universal checkpoint (local path or kvstore URL).
