@@ -1,4 +1,4 @@
-# Two commands: `make demo` and `make test` (lint: ruff + mypy + import layers; then doctests and pytest). Each creates .venv if it is missing and installs what it needs.
+# Two commands: `make demo` and `make test` (lint: ruff + mypy + import layers; the docs site; then doctests and pytest). Each creates .venv if it is missing and installs what it needs.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-dev
 XLA     := XLA_FLAGS=--xla_force_host_platform_device_count=8
 SRC     := ucp_jax tests $(wildcard benchmarks)
 
-.PHONY: demo test test-gpu lint format bench clean
+.PHONY: demo test test-gpu lint docs format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,12 +30,17 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# The documentation site (docs/, mkdocs.yml) into build/site; --strict: a broken link, page or
+# docstring fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site
+
 format: $(STAMP)
 	$(BIN)/ruff format $(SRC)
 	$(BIN)/ruff check --fix $(SRC)
 
 # The library's doctests run first (they are quick), then the test suite.
-test: lint
+test: lint docs
 	$(XLA) $(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules ucp_jax
 	$(XLA) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

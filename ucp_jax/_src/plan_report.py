@@ -132,8 +132,13 @@ def plan(
     """What `ucp.restore` with these arguments would do, read from the manifest alone.
 
     Args:
-        path, params_target, opt_state_target, rules, cast, max_inflight_bytes: as for
-            `ucp.restore`.
+        path: a committed universal checkpoint (local path or kvstore URL), as for `ucp.restore`.
+        params_target: pytree of jax.ShapeDtypeStruct with `.sharding` (or concrete arrays).
+        opt_state_target: optax state of the same kind, or None.
+        rules: (regex, pattern) pairs for the target layout; when empty, the rules recorded at
+            save time are used.
+        cast: allow converting the stored dtype to the target's.
+        max_inflight_bytes: the read budget a restore would use (for the peak host memory).
 
     Returns:
         A RestorePlan: `print(plan)` for the report, `.ok`, `.problems`, `.suggested_rules`,

@@ -92,7 +92,7 @@ def restore(
 
     Each process reads only the distinct regions its devices need, each once, straight into the
     target layout (patterns applied per region), and builds the arrays with
-    `jax.make_array_from_single_device_arrays`.
+    `jax.make_array_from_callback`.
 
     Args:
         path: a committed universal checkpoint (local path or kvstore URL).
@@ -110,7 +110,9 @@ def restore(
     Raises:
         RestorePlanError: the targets do not fit the checkpoint; one error (a MismatchError and a
             PatternError) listing every problem `ucp.plan` finds, raised before any array is read.
-        NotACheckpointError, FormatVersionError, ChecksumError.
+        NotACheckpointError: `path` holds no committed checkpoint.
+        FormatVersionError: the checkpoint's format version is newer than this reader.
+        ChecksumError: a chunk, `zarr.json` or the manifest does not match what was committed.
 
     >>> params, opt_state = ucp.restore("/tmp/ckpt/step_10", abstract_params, abstract_opt)  # doctest: +SKIP
     """

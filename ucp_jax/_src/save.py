@@ -473,8 +473,8 @@ def save(
         params: pytree of jax.Array (any sharding), numpy arrays or scalars.
         opt_state: optax state for these params, or None.
         step: training step recorded in the manifest.
-        rules: (regex, pattern) pairs mapping leaves to atoms; see the README's "Patterns and
-            rules".
+        rules: (regex, pattern) pairs mapping leaves to atoms; see "Patterns and rules" in
+            docs/reconfigure.md.
         extra: JSON-serialisable user data stored in the manifest.
         overwrite: replace an existing checkpoint at `path`.
         max_inflight_bytes: bound on host memory held by copies waiting to be written
@@ -515,7 +515,13 @@ def async_save(
     one, and an error of a background save is raised by its `wait()` or by the next save call.
 
     Args:
-        path, params, opt_state, step, rules, extra, overwrite: as for `save`.
+        path: local directory or TensorStore kvstore URL, as for `save`.
+        params: pytree of jax.Array (any sharding), numpy arrays or scalars.
+        opt_state: optax state for these params, or None.
+        step: training step recorded in the manifest.
+        rules: (regex, pattern) pairs mapping leaves to atoms, as for `save`.
+        extra: JSON-serialisable user data stored in the manifest.
+        overwrite: replace an existing checkpoint at `path`.
 
     Returns:
         A SaveHandle; `.wait()` returns once the checkpoint is committed.

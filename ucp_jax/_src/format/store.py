@@ -46,7 +46,7 @@ class Location:
 
     Accepted wherever a checkpoint path is (`ucp.save`, `ucp.restore`, `ucp.open`, ...), as is
     its kvstore spec as a dict: `ucp.Location({"driver": "s3", "bucket": "b", "path": "run/step_1",
-    "endpoint": "http://127.0.0.1:9000"})`. See the README's "Object stores".
+    "endpoint": "http://127.0.0.1:9000"})`. See docs/object-stores.md.
     """
 
     kvstore: dict[str, Any]

@@ -1,7 +1,7 @@
 """Every environment switch of ucp_jax, read when it is needed (not at import).
 
 Each function reads its variable on every call, so a test or a launcher may set it at any time
-before the call it affects. The README's "Environment switches" table lists them all.
+before the call it affects. The "Environment switches" table of docs/cli.md lists them all.
 """
 
 from __future__ import annotations

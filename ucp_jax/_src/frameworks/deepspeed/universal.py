@@ -43,7 +43,9 @@ def import_deepspeed_universal(
     Args:
         src: the universal tag folder (holding `zero/`), or its parent with `latest_universal`.
         dst: where to write the universal checkpoint.
-        tag, overwrite, progress: as for `import_deepspeed`.
+        tag: the tag folder to import (default: the one the `latest_universal` file names).
+        overwrite: replace an existing checkpoint at `dst`.
+        progress: draw a progress bar (default: when on a terminal).
 
     Returns:
         The location of the written checkpoint.

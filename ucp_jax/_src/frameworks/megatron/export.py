@@ -106,7 +106,8 @@ def export_megatron(
         dtype: the model's parameter dtype, ``"fp32"`` or ``"bf16"`` (then with fp32 masters).
         padded_vocab: the vocabulary Megatron's model holds (default: the source's padded size if
             it came from Megatron, else a multiple of 128).
-        lr, weight_decay: the optimizer groups' values when the source records none.
+        lr: the optimizer groups' learning rate when the source records none.
+        weight_decay: the optimizer groups' weight decay when the source records none.
         overwrite: replace ``dst``.
 
     Returns:

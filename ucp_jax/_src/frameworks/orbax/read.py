@@ -239,7 +239,7 @@ def import_orbax(
         dst: where to write the universal checkpoint.
         item: import only this item of a step folder (e.g. 'state').
         rules: (regex, pattern) pairs mapping leaf names to atoms, as for `ucp.save` (e.g.
-            `(r"blocks\\.(.*)", ucp.Stacked(0, "blocks.{i}.\\1"))` for scanned layers); recorded
+            `(r"blocks\\.(.*)", ucp.Stacked("blocks.{i}.\\1"))` for scanned layers); recorded
             in the manifest, so a restore into the same layout needs none.
         step: the step to take from a CheckpointManager root (default: the latest).
         overwrite: replace an existing checkpoint at `dst`.
@@ -253,7 +253,8 @@ def import_orbax(
         OrbaxImportError: its metadata or data are damaged or unreadable.
         PatternError, MismatchError: the rules do not fit the leaves.
         FileExistsError: `dst` exists and `overwrite` is False.
-        Nothing is left at `dst` after an error.
+
+    Nothing is left at `dst` after an error.
 
     >>> ucp.import_orbax("/ckpt", "/tmp/ucp/latest", item="state")  # doctest: +SKIP
     '/tmp/ucp/latest'
