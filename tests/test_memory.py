@@ -108,10 +108,10 @@ def _targets(params, opt_state, mesh, style="spread"):
 @pytest.fixture(autouse=True, params=["cpu-buffers", "device-copies"])
 def copy_path(request, monkeypatch):
     """Every test runs on both copy paths: straight from CPU buffers (what CPU devices use) and
-    through device-side copies (what accelerators use)."""
-    monkeypatch.setenv(
-        "UCP_SNAPSHOT_DEVICE_COPIES", "1" if request.param == "device-copies" else "0"
-    )
+    through device-side copies staged in pinned host memory (what accelerators use)."""
+    accelerator_path = request.param == "device-copies"
+    monkeypatch.setenv("UCP_SNAPSHOT_DEVICE_COPIES", "1" if accelerator_path else "0")
+    monkeypatch.setenv("UCP_STAGING", "pinned_host" if accelerator_path else "auto")
     return request.param
 
 

@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 import tensorstore as ts
 
@@ -18,6 +17,7 @@ from .mapping.binding import LeafBinding, ReadGroup, bind_state, unbind_state
 from .mapping.boxes import box_shape, box_size, index_to_box, relative_slices, to_slices
 from .mapping.keys import rewrap
 from .mapping.rules import CompiledRules, Rule
+from .placement import Placer
 from .resolve import ResolvedLeaf, resolve_leaf
 from .util import config
 from .util.buffers import aligned_empty
@@ -36,6 +36,7 @@ class ReadStats:
         reads: number of region reads issued.
         bytes_chunks: bytes of the stored chunks those reads touch (storage reads whole chunks;
             more than bytes_read when a region cuts through chunks).
+        bytes_staged: bytes placed on devices through pinned host memory (`UCP_STAGING`).
     """
 
     bytes_needed: int = 0
@@ -43,6 +44,7 @@ class ReadStats:
     bytes_padding: int = 0
     reads: int = 0
     bytes_chunks: int = 0
+    bytes_staged: int = 0
 
     @property
     def amplification(self) -> float:
@@ -151,13 +153,16 @@ def _read_all(
     """Issue reads leaf by leaf, keeping at most `budget` bytes of host data in flight."""
     out: list[Any] = [None] * len(resolved)
     window: InflightWindow[tuple[int, list[Any]]] = InflightWindow(budget)
+    placer = Placer(budget)  # accelerators: staged through pinned host memory (UCP_STAGING)
     for i, r in enumerate(resolved):
         issued = [_issue(ckpt, r, g, stats) for g in r.groups]
         nbytes = sum(box_size(g.box) for g in r.groups) * r.binding.dtype.itemsize
         for j, iss in window.push((i, issued), nbytes):
-            out[j] = _finish(ckpt, resolved[j], iss)
+            out[j] = _finish(ckpt, resolved[j], iss, placer)
     for j, iss in window.drain():
-        out[j] = _finish(ckpt, resolved[j], iss)
+        out[j] = _finish(ckpt, resolved[j], iss, placer)
+    placer.finish()
+    stats.bytes_staged = placer.staged_bytes
     return out
 
 
@@ -206,7 +211,10 @@ def _issue(
 
 
 def _finish(
-    ckpt: Checkpoint, r: ResolvedLeaf, issued: list[tuple[np.ndarray, list[tuple[Any, Any, Any]]]]
+    ckpt: Checkpoint,
+    r: ResolvedLeaf,
+    issued: list[tuple[np.ndarray, list[tuple[Any, Any, Any]]]],
+    placer: Placer,
 ) -> Any:
     b = r.binding
     hosts: dict[Any, np.ndarray] = {}
@@ -221,9 +229,7 @@ def _finish(
         out.flags.writeable = False  # it may now back device buffers (CPU places it in place)
         hosts[g.box] = out
     assert b.sharding is not None
-    return jax.make_array_from_callback(
-        b.shape, b.sharding, lambda index: hosts[index_to_box(index, b.shape)]
-    )
+    return placer.place(b.shape, b.sharding, lambda index: hosts[index_to_box(index, b.shape)])
 
 
 def _result(ckpt: Checkpoint, b: LeafBinding, atom: str | None, fut: Any) -> Any:

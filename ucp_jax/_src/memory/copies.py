@@ -14,8 +14,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from ..mapping.boxes import relative_slices, to_slices
+from ..placement import staging_memory
 from .redundancy import Fetch
 
 
@@ -86,7 +88,12 @@ def group_by_device(fetches: list[Fetch], donation_safe: bool) -> list[DeviceCop
 def dispatch(
     fetches: list[Fetch], groups: list[DeviceCopies], leaves: list[Any], rolled: dict[Any, Any]
 ) -> list[Any]:
-    """Start every copy of a snapshot: one computation per device, host values copied."""
+    """Start every copy of a snapshot: one computation per device, host values copied.
+
+    Where a device has pinned host memory and staging is on (`placement.staging_memory`), each
+    copy then goes to it (one DMA; the background thread reads it as host memory); otherwise the
+    caller starts a copy to pageable host memory (`copy_to_host_async`).
+    """
     datas: list[Any] = [None] * len(fetches)
     shard = _shard_lookup(leaves, rolled)
     for fi, f in enumerate(fetches):
@@ -94,11 +101,17 @@ def dispatch(
             datas[fi] = np.array(np.asarray(leaves[f.leaf])[to_slices(f.box)])
     for g in groups:
         srcs = tuple(shard(*src, g.device) for src in g.sources)
-        for fi, si in g.direct:
-            datas[fi] = srcs[si]
+        kind = staging_memory(SingleDeviceSharding(g.device))
+        outs = [(fi, srcs[si]) for fi, si in g.direct]
         if g.plan:
-            for fi, out in zip(g.fetches, _copies(srcs, g.plan)):
-                datas[fi] = out
+            outs += list(zip(g.fetches, _copies(srcs, g.plan)))
+        if kind is not None and outs:
+            staged = jax.device_put(
+                [x for _, x in outs], SingleDeviceSharding(g.device, memory_kind=kind)
+            )
+            outs = [(fi, x) for (fi, _), x in zip(outs, staged)]
+        for fi, x in outs:
+            datas[fi] = x
     return datas
 
 

@@ -101,6 +101,21 @@ def snapshot_device_copies() -> bool:
     return os.environ.get("UCP_SNAPSHOT_DEVICE_COPIES", "0") not in ("", "0")
 
 
+def staging() -> str:
+    """How host data reaches accelerator memory and back (`UCP_STAGING`): 'auto' (the default:
+    through the devices' `pinned_host` memory where they have one and are not CPUs),
+    'pinned_host' (always, CPUs too: the accelerator path, testable on CPU) or 'none' (pageable
+    host buffers handed to `device_put` as they are).
+
+    >>> staging() in ("auto", "pinned_host", "none")
+    True
+    """
+    raw = os.environ.get("UCP_STAGING", "").strip() or "auto"
+    if raw not in ("auto", "pinned_host", "none"):
+        raise ValueError(f"environment variable UCP_STAGING={raw!r}: use auto, pinned_host or none")
+    return raw
+
+
 def cli_caps_malloc_arenas() -> bool:
     """Whether the `ucp` command caps glibc's malloc arenas at 2 (it does unless
     `MALLOC_ARENA_MAX` is set, in which case glibc applies that value itself).
