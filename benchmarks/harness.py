@@ -64,7 +64,7 @@ def child_env(
     devices: int | None = None,
     *,
     platform: str | None = "cpu",
-    pythonpath: Sequence[os.PathLike | str] = (),
+    pythonpath: Sequence[str | os.PathLike[str]] = (),
     base: Mapping[str, str] | None = None,
     **extra: str,
 ) -> dict[str, str]:
@@ -269,7 +269,7 @@ def drop_caches() -> bool:
         return False
 
 
-def evict_pages(path: os.PathLike | str) -> bool:
+def evict_pages(path: str | os.PathLike[str]) -> bool:
     """Drop the pages of every file under `path` from the page cache (posix_fadvise DONTNEED),
     so that the next read comes from the disk; False where the kernel refused one."""
     os.sync()
@@ -286,7 +286,7 @@ def evict_pages(path: os.PathLike | str) -> bool:
     return ok
 
 
-def dir_bytes(path: os.PathLike | str) -> tuple[int, int]:
+def dir_bytes(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(total bytes, number of files) under `path`."""
     total = files = 0
     for root, _, names in os.walk(path):
@@ -348,7 +348,7 @@ def _cpu_model() -> str | None:
 
 
 def machine_info(
-    directory: os.PathLike | str | None = None, packages: Iterable[str] = DEFAULT_VERSIONS
+    directory: str | os.PathLike[str] | None = None, packages: Iterable[str] = DEFAULT_VERSIONS
 ) -> dict[str, Any]:
     """What the numbers were measured on: cores, CPU model, memory, platform, load average, the
     file system of `directory` (when given), jax's backend, device count and device kind (when
@@ -418,7 +418,7 @@ def markdown_table(
 
 
 def write_json(
-    path: os.PathLike | str, doc: dict[str, Any], *, indent: int = 1, machine: bool = True
+    path: str | os.PathLike[str], doc: dict[str, Any], *, indent: int = 1, machine: bool = True
 ) -> Path:
     """Write `doc` as JSON to `path` (folders created); returns the path.
 
@@ -426,7 +426,8 @@ def write_json(
     benchmark's own machine fields win).
     """
     if machine:
-        doc["machine"] = {**machine_info(), **doc.get("machine", {})}
+        own = doc.get("machine", {})
+        doc["machine"] = {**own, **{k: v for k, v in machine_info().items() if k not in own}}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=indent))
