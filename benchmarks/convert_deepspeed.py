@@ -17,15 +17,22 @@ Needs torch and deepspeed (pip install torch==2.13.0 deepspeed==0.19.8).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
-import threading
-import time
+
+from harness import (
+    MiB,
+    Spread,
+    child_env,
+    interleaved,
+    markdown_table,
+    run_measured,
+    sibling_executable,
+    sync,
+    write_json,
+)
 
 HERE = os.path.abspath(__file__)
 
@@ -91,45 +98,7 @@ def worker(out: str, layers: int, stage: int) -> None:
     dist.barrier()
 
 
-# ---------------------------------------------------------------------------- measurement
-
-
-def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS of the process tree in bytes, output tail) of one command."""
-    import psutil
-
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    peak = 0
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        try:
-            root = psutil.Process(p.pid)
-        except psutil.NoSuchProcess:
-            return
-        while not stop.is_set():
-            total = 0
-            try:
-                procs = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                break
-            for q in procs:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    total += q.memory_info().rss
-            peak = max(peak, total)
-            stop.wait(0.02)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    out, _ = p.communicate()
-    wall = time.perf_counter() - t0
-    stop.set()
-    th.join()
-    if p.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.decode()[-4000:]}")
-    return wall, peak, out.decode()[-400:]
+# ------------------------------------------------------------------------------- benchmark
 
 
 def build(workdir: str, layers: int, dp: int, stage: int) -> str:
@@ -171,6 +140,7 @@ def compare(ds_out: str, ucp_out: str, sample: int = 6) -> int:
 
 
 def main() -> None:
+    """Parse arguments; build the checkpoint once, convert it with both tools, compare."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--layers", type=int, default=12, help="transformer blocks (d=768)")
     ap.add_argument("--dp", type=int, default=2)
@@ -193,29 +163,27 @@ def main() -> None:
     ucp_out = os.path.join(args.workdir, "ucp_universal")
     for d in (os.path.dirname(ds_out), ucp_out):
         shutil.rmtree(d, ignore_errors=True)
-    subprocess.run(["sync"], check=False)
+    sync()
     ds_cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
               "--input_folder", tag, "--output_folder", ds_out]  # fmt: skip
-    beside = os.path.join(os.path.dirname(sys.executable), "ucp")  # the venv's, unactivated
-    ucp_exe = beside if os.path.exists(beside) else shutil.which("ucp") or "ucp"
-    ucp_cmd = [ucp_exe, "convert", "deepspeed", tag, ucp_out, "--no-progress"]
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
-    runs: dict[str, list[tuple[float, int]]] = {"ds_to_universal": [], "ucp convert deepspeed": []}
-    for i in range(args.repeat):  # alternate the tools, so that a busy moment hits both
-        for name, cmd in (("ds_to_universal", ds_cmd), ("ucp convert deepspeed", ucp_cmd)):
+    ucp_cmd = [sibling_executable("ucp"), "convert", "deepspeed", tag, ucp_out, "--no-progress"]
+    env = child_env(XLA_FLAGS="")
+    cmds = {"ds_to_universal": ds_cmd, "ucp convert deepspeed": ucp_cmd}
+    runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name in cmds}
+    # both tools in every round (a busy moment hits both), in the same order each round
+    for i, order in interleaved(list(cmds), args.repeat, alternate=False):
+        for name in order:
             shutil.rmtree(os.path.dirname(ds_out) if name == "ds_to_universal" else ucp_out,
                           ignore_errors=True)  # fmt: skip
-            subprocess.run(["sync"], check=False)  # no dirty pages of the previous run left
-            wall, peak, _ = run_measured(cmd, env)
-            t0 = time.perf_counter()
-            subprocess.run(["sync"], check=False)  # what the tool left unwritten reaches the disk
-            durable = wall + time.perf_counter() - t0
+            sync()  # no dirty pages of the previous run left
+            wall, peak, _ = run_measured(cmds[name], env)
+            durable = wall + sync()  # what the tool left unwritten reaches the disk
             runs[name].append((wall, peak, durable))
             print(f"run {i + 1}: {name}: {wall:.1f} s ({durable:.1f} s until its output is on "
-                  f"disk), peak RSS {peak / 2**20:.0f} MiB")  # fmt: skip
+                  f"disk), peak RSS {peak / MiB:.0f} MiB")  # fmt: skip
     results = {
-        name: {"wall_s": statistics.median(w for w, _, _ in r),
-               "durable_s": statistics.median(d for _, _, d in r),
+        name: {"wall_s": Spread.of(w for w, _, _ in r).median,
+               "durable_s": Spread.of(d for _, _, d in r).median,
                "peak_rss_bytes": max(p for _, p, _ in r), "runs": r}
         for name, r in runs.items()
     }  # fmt: skip
@@ -239,13 +207,9 @@ def main() -> None:
         ("identical tensors (sampled)", f"{checked} files"),
     ]  # fmt: skip
     print()
-    print("| | |\n|---|---|")
-    for k, v in rows:
-        print(f"| {k} | {v} |")
+    print(markdown_table(["", ""], rows))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"results": results, "largest_rank_file": largest, "rows": rows}, f, indent=1)
+        write_json(args.json, {"results": results, "largest_rank_file": largest, "rows": rows})
 
 
 if __name__ == "__main__":

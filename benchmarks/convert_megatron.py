@@ -16,22 +16,31 @@ Needs torch and megatron-core 0.19.2 (see the Makefile's install step).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from convert_deepspeed import run_measured  # noqa: E402  (the same RSS sampler)
+from harness import (  # noqa: E402
+    MiB,
+    Spread,
+    child_env,
+    interleaved,
+    markdown_table,
+    run_measured,
+    sibling_executable,
+    sync,
+    write_json,
+)
 
 SCRIPT = os.path.join(HERE, "..", "tests", "mcore", "train_mcore.py")
 HEADS = 16
 
 
 def build(workdir: str, dims: str) -> str:
+    """The Megatron-Core checkpoint folder (TP=2, torchrun), built once in `workdir`."""
     src = os.path.join(workdir, "ckpt")
     if os.path.isfile(os.path.join(workdir, "DONE")):
         return src
@@ -67,6 +76,7 @@ def compare(pt: str, ucp_out: str) -> int:
 
 
 def main() -> None:
+    """Parse arguments; build the checkpoint once, convert it with both tools, compare."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--workdir", default="/tmp/ucp_bench_mcore")
@@ -79,22 +89,22 @@ def main() -> None:
     ucp_out = os.path.join(args.workdir, "ucp")
     torch_cmd = [sys.executable, "-c", "import sys; from torch.distributed.checkpoint.format_utils "
                  "import dcp_to_torch_save as f; f(sys.argv[1], sys.argv[2])", src, pt]  # fmt: skip
-    beside = os.path.join(os.path.dirname(sys.executable), "ucp")
-    ucp_exe = beside if os.path.exists(beside) else shutil.which("ucp") or "ucp"
+    ucp_exe = sibling_executable("ucp")  # the venv's, unactivated
     ucp_cmd = [ucp_exe, "convert", "megatron", src, ucp_out, "--heads", str(HEADS)]
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONWARNINGS="ignore")
-    runs: dict[str, list[tuple[float, int]]] = {"dcp_to_torch_save": [], "ucp convert megatron": []}
-    for i in range(args.repeat):
-        for name, cmd, out in (("dcp_to_torch_save", torch_cmd, pt),
-                               ("ucp convert megatron", ucp_cmd, ucp_out)):  # fmt: skip
+    env = child_env(XLA_FLAGS="", PYTHONWARNINGS="ignore")
+    cmds = {"dcp_to_torch_save": (torch_cmd, pt), "ucp convert megatron": (ucp_cmd, ucp_out)}
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in cmds}
+    for i, order in interleaved(list(cmds), args.repeat, alternate=False):
+        for name in order:
+            cmd, out = cmds[name]
             shutil.rmtree(out, ignore_errors=True) if os.path.isdir(out) else None
             if os.path.isfile(out):
                 os.remove(out)
-            subprocess.run(["sync"], check=False)
+            sync()
             wall, peak, _ = run_measured(cmd, env)
             runs[name].append((wall, peak))
-            print(f"run {i + 1}: {name}: {wall:.1f} s, peak RSS {peak / 2**20:.0f} MiB")
-    results = {n: {"wall_s": statistics.median(w for w, _ in r),
+            print(f"run {i + 1}: {name}: {wall:.1f} s, peak RSS {peak / MiB:.0f} MiB")
+    results = {n: {"wall_s": Spread.of(w for w, _ in r).median,
                    "peak_rss_bytes": max(p for _, p in r), "runs": r}
                for n, r in runs.items()}  # fmt: skip
     checked = compare(pt, ucp_out)
@@ -110,12 +120,9 @@ def main() -> None:
         ("peak RSS ratio (torch / ucp)", f"{a['peak_rss_bytes'] / b['peak_rss_bytes']:.2f}x"),
         ("identical tensors (sampled)", f"{checked}"),
     ]  # fmt: skip
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows))
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"checkpoint_bytes": size, "layers": args.layers, "results": results,
-                   "table": rows}, f, indent=1)  # fmt: skip
+    print(markdown_table(None, rows, pad=True))
+    write_json(args.json, {"checkpoint_bytes": size, "layers": args.layers, "results": results,
+                           "table": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ checks both outputs hold identical atoms, and prints a table (and --json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -31,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, REPO)  # this checkout's ucp_jax, before any installed one
 
-from convert_deepspeed import run_measured  # noqa: E402  (the same measurement)
+from harness import MiB, child_env, markdown_table, run_measured, sync, write_json  # noqa: E402
 
 
 def build(path: str, embed_mib: int) -> None:
@@ -107,6 +106,7 @@ def compare(a: str, b: str) -> int:
 
 
 def main() -> None:
+    """Parse arguments; build the checkpoint once, run the three processes, compare."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--embed-mib", type=int, default=256, help="size of the largest array")
     ap.add_argument("--workdir", default="/tmp/ucp_bench_orbax")
@@ -119,11 +119,10 @@ def main() -> None:
          "idle": idle}[kind]()  # fmt: skip
         return
     src = os.path.join(args.workdir, f"orbax_{args.embed_mib}")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-               JAX_PLATFORMS="cpu")  # fmt: skip
+    env = child_env(pythonpath=[REPO])
     if not os.path.isdir(src):
         print(f"building the Orbax checkpoint in {src} ...", flush=True)
-        build_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        build_env = child_env(8, base=env)
         subprocess.run([sys.executable, HERE, "--embed-mib", str(args.embed_mib), "--worker",
                         "build", src], check=True, env=build_env)  # fmt: skip
     size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(src) for f in fs)
@@ -140,10 +139,10 @@ def main() -> None:
     for d in (out_convert, out_today):
         shutil.rmtree(d, ignore_errors=True)
     for name, cmd in cmds.items():
-        subprocess.run(["sync"], check=False)  # no dirty pages of the run before
+        sync()  # no dirty pages of the run before
         wall, peak, _ = run_measured(cmd, env)
         results[name] = {"wall_s": round(wall, 2), "peak_rss_bytes": peak}
-        print(f"{name}: {wall:.1f} s, peak RSS {peak / 2**20:.0f} MiB", flush=True)
+        print(f"{name}: {wall:.1f} s, peak RSS {peak / MiB:.0f} MiB", flush=True)
     t0 = time.perf_counter()
     checked = compare(out_convert, out_today)
     a, b = results["ucp convert orbax"], results["Orbax restore + ucp.save"]
@@ -162,14 +161,10 @@ def main() -> None:
         ("identical atoms", f"{checked} arrays compared in {time.perf_counter() - t0:.1f} s"),
     ]  # fmt: skip
     print()
-    print("| | |\n|---|---|")
-    for k, v in rows:
-        print(f"| {k} | {v} |")
+    print(markdown_table(["", ""], rows))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"results": results, "largest_array_bytes": largest, "checkpoint_bytes": size,
-                       "rows": rows}, f, indent=1)  # fmt: skip
+        write_json(args.json, {"results": results, "largest_array_bytes": largest,
+                               "checkpoint_bytes": size, "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

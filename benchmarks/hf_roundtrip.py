@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from harness import MiB, child_env, markdown_table, peak_rss, reset_peak_rss, sync
+
 HERE = os.path.abspath(__file__)
 SHARD = "400MB"
 LAYOUT = dict(data=2, tensor=4)
@@ -34,19 +36,6 @@ def _hf_config(layers: int) -> dict:
     return dict(model_type="llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
                 num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
                 rope_theta=500000.0, tie_word_embeddings=False)  # fmt: skip
-
-
-def _hwm_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _mesh_params(ck: str):
@@ -77,7 +66,7 @@ def _sd_to_canonical(sd: dict, cfg) -> dict:
 
 
 def worker(phase: str, work: str) -> dict:
-    """One measured phase; returns its numbers."""
+    """One measured phase; returns its numbers (peak RSS: what the phase adds after the imports)."""
     import jax
     import numpy as np
     import torch
@@ -92,8 +81,8 @@ def worker(phase: str, work: str) -> dict:
     if phase in ("out-ucp", "out-torch"):
         cfg, layout, mesh, params = _mesh_params(ck)  # the JAX job's params: not timed
         jax.block_until_ready(params)
-    _hwm_reset()
-    base = _hwm()
+    reset_peak_rss()
+    base = peak_rss()
     t0 = time.perf_counter()
     if phase == "in-ucp":
         shutil.rmtree(ck, ignore_errors=True)
@@ -135,7 +124,7 @@ def worker(phase: str, work: str) -> dict:
             model = T.AutoModelForCausalLM.from_config(T.AutoConfig.for_model(**cfg.to_hf()))
         model.save_pretrained(os.path.join(work, "out_torch"), state_dict=sd, max_shard_size=SHARD)
     out["wall_s"] = time.perf_counter() - t0
-    out["peak_rss_added"] = _hwm() - base
+    out["peak_rss_added"] = peak_rss() - base
     return out
 
 
@@ -157,6 +146,7 @@ def build(work: str, layers: int) -> int:
 
 
 def main() -> None:
+    """Parse arguments; build the HF folder once, run each phase in a fresh process, print."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default="/tmp/ucp_bench_hf")
     ap.add_argument("--layers", type=int, default=16)
@@ -169,31 +159,31 @@ def main() -> None:
     largest = build(args.workdir, args.layers)
     total = sum(os.path.getsize(os.path.join(args.workdir, "hf_src", f))
                 for f in os.listdir(os.path.join(args.workdir, "hf_src")))  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = child_env(8, platform=None)
     rows = []
     for phase in ("in-ucp", "import-only", "in-torch", "out-ucp", "export-only", "out-torch"):
-        subprocess.run(["sync"], check=False)
+        sync()
         r = subprocess.run([sys.executable, HERE, "--phase", phase, "--workdir", args.workdir],
                            env=env, capture_output=True, text=True)  # fmt: skip
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if r.returncode or not line:
             sys.exit(f"{phase} failed:\n{r.stderr[-3000:]}")
         rows.append(json.loads(line[0][7:]))
-    mib = 2**20
-    print(f"model: {total / mib:.0f} MiB of safetensors, largest shard {largest / mib:.0f} MiB, "
+    print(f"model: {total / MiB:.0f} MiB of safetensors, largest shard {largest / MiB:.0f} MiB, "
           f"mesh {LAYOUT}")  # fmt: skip
-    print("| route | wall s | peak RSS added (MiB) | x largest shard | detail |")
-    print("|---|---|---|---|---|")
     names = {"in-ucp": "HF -> mesh: ucp import_hf + restore",
              "import-only": "HF -> checkpoint: import_hf alone",
              "in-torch": "HF -> mesh: from_pretrained + numpy + device_put",
              "out-ucp": "mesh -> HF: ucp.save + export_hf",
              "export-only": "checkpoint -> HF: export_hf alone",
              "out-torch": "mesh -> HF: device_get + torch + save_pretrained"}  # fmt: skip
+    table = []
     for r in rows:
         detail = ", ".join(f"{k} {r[k]:.2f}" for k in ("import_s", "save_s", "export_s") if k in r)
-        print(f"| {names[r['phase']]} | {r['wall_s']:.2f} | {r['peak_rss_added'] / mib:.0f} | "
-              f"{r['peak_rss_added'] / largest:.2f} | {detail} |")  # fmt: skip
+        table.append([names[r["phase"]], f"{r['wall_s']:.2f}", f"{r['peak_rss_added'] / MiB:.0f}",
+                      f"{r['peak_rss_added'] / largest:.2f}", detail])  # fmt: skip
+    print(markdown_table(["route", "wall s", "peak RSS added (MiB)", "x largest shard", "detail"],
+                         table))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -117,12 +116,6 @@ class OrbaxEmergency(OrbaxLocal):
         shutil.rmtree(self.persist, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.directory.parent.rmdir()  # the per-host folders' parent, once both are gone
-
-
-def timed(fn: Any) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
 
 
 def orbax_summary(r: dict[str, Any], names: list[str], errors: dict[str, str]) -> dict[str, Any]:

@@ -25,298 +25,42 @@ Usage::
 
 from __future__ import annotations
 
-import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import argparse
-import contextlib
 import dataclasses
-import gc
-import json
-import math
-import platform
-import resource
+import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-import numpy as np
-import optax
-import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+import harness
+from harness import GB, Spread, Timing, drop_caches, interleaved, timed
 
-import ucp_jax as ucp
+harness.force_cpu_devices(8)  # before jax is imported
 
-GB = 1e9  # throughput unit: 1 GB = 1e9 bytes
+import jax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from save_restore_state import (  # noqa: E402
+    ModelShape,
+    build_state,
+    check_equal,
+    meshes,
+    model_shape,
+    param_layout,
+    spec_json,
+    targets_for,
+    tgt_tree,
+    tree_bytes,
+)
+
+import ucp_jax as ucp  # noqa: E402
+
 SAVE_TARGET = 1.0  # ucp save throughput >= 1.0 x Orbax save throughput
 RESHARD_TARGET = 1.1  # ucp reshard restore time <= 1.1 x Orbax same-mesh restore time
-
-
-# --------------------------------------------------------------------------------- train state
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Sizes of the transformer-like parameter tree."""
-
-    d_model: int
-    d_ff: int
-    vocab: int
-    layers: int
-
-    @property
-    def param_bytes(self) -> int:
-        """float32 bytes of all parameters."""
-        per_layer = 4 * self.d_model**2 + 2 * self.d_model * self.d_ff + 2 * self.d_model
-        return 4 * (per_layer * self.layers + self.vocab * self.d_model + self.d_model)
-
-
-def model_shape(gib: float) -> ModelShape:
-    """The smallest layer count whose train state (params x 3) holds at least `gib` GiB."""
-    d = 1024 if gib >= 0.5 else 512
-    base = ModelShape(d_model=d, d_ff=4 * d, vocab=8 * d, layers=0)
-    per_layer = ModelShape(d, 4 * d, 0, 1).param_bytes - 4 * d
-    want = gib * 2**30 / 3 - base.param_bytes
-    return ModelShape(d, 4 * d, 8 * d, max(1, math.ceil(want / per_layer)))
-
-
-# Megatron-style: column-parallel in, row-parallel out, vocab-parallel embedding, norms replicated.
-# The reshard target uses a (4, 2) mesh over the devices in reverse order with 2-D (FSDP x TP) specs.
-_SPECS: dict[str, tuple[P, P]] = {
-    "embed": (P("model", None), P(None, "model")),
-    "column": (P(None, "model"), P("data", "model")),
-    "row": (P("model", None), P("model", "data")),
-    "norm": (P(), P("model")),
-}
-_KINDS = {"wq": "column", "wk": "column", "wv": "column", "wo": "row", "w1": "column", "w2": "row"}
-
-
-def param_layout(m: ModelShape) -> dict[str, Any]:
-    """Nested dict of (shape, spec kind) for every parameter."""
-    d, f = m.d_model, m.d_ff
-    shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w1": (d, f), "w2": (f, d)}
-    tree: dict[str, Any] = {"embed": ((m.vocab, d), "embed")}
-    for i in range(m.layers):
-        tree[f"layer_{i}"] = {
-            "attn": {k: (shapes[k], _KINDS[k]) for k in ("wq", "wk", "wv", "wo")},
-            "mlp": {k: (shapes[k], _KINDS[k]) for k in ("w1", "w2")},
-            "norm1": ((d,), "norm"),
-            "norm2": ((d,), "norm"),
-        }
-    tree["final_norm"] = ((d,), "norm")
-    return tree
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str)
-
-
-def meshes() -> tuple[Mesh, Mesh]:
-    """The save mesh (2, 4) and the reshard mesh (4, 2), both ('data', 'model')."""
-    devs = np.array(jax.devices()[:8])
-    return Mesh(devs.reshape(2, 4), ("data", "model")), Mesh(
-        devs[::-1].reshape(4, 2), ("data", "model")
-    )
-
-
-def shardings(layout: dict[str, Any], mesh: Mesh, which: int) -> dict[str, Any]:
-    """NamedShardings of the params on `mesh`, spec set `which` (0: save layout, 1: reshard)."""
-    return jax.tree.map(
-        lambda s: NamedSharding(mesh, _SPECS[s[1]][which]), layout, is_leaf=_is_spec
-    )
-
-
-def build_state(m: ModelShape, mesh: Mesh, seed: int = 0) -> tuple[Any, Any]:
-    """Random params and an `optax.adam` state with random mu/nu (as after some steps).
-
-    Values come from numpy's generator (fast on a small CPU) and are placed with the params'
-    Megatron shardings; mu/nu mirror them, `count` is replicated. Returns (params, opt_state).
-    """
-    layout = param_layout(m)
-    p_sh = shardings(layout, mesh, 0)
-    shapes = jax.tree.map(lambda s: s[0], layout, is_leaf=_is_spec)
-    rng = np.random.default_rng(seed)
-
-    def rand(scale: float, positive: bool = False) -> Any:
-        def one(shape: tuple[int, ...], sh: NamedSharding) -> jax.Array:
-            x = rng.standard_normal(shape, dtype=np.float32)
-            x *= np.float32(scale)
-            return jax.device_put(np.abs(x) if positive else x, sh)
-
-        return jax.tree.map(one, shapes, p_sh, is_leaf=lambda x: isinstance(x, tuple))
-
-    params = rand(0.02)
-    tx = optax.adam(1e-3)
-    adam, *rest = jax.eval_shape(tx.init, params)
-    count = jax.device_put(np.asarray(7, np.int32), NamedSharding(mesh, P()))
-    opt_state = (adam._replace(count=count, mu=rand(1e-3), nu=rand(1e-6, positive=True)), *rest)
-    jax.block_until_ready((params, opt_state))
-    return params, opt_state
-
-
-def targets_for(
-    params: Any, opt_state: Any, layout: dict[str, Any], mesh: Mesh, which: int
-) -> tuple[Any, Any]:
-    """Abstract (ShapeDtypeStruct with sharding) params and opt_state for a restore."""
-    p_sh = shardings(layout, mesh, which)
-    p_tgt = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, p_sh
-    )
-    rep = NamedSharding(mesh, P())
-
-    def opt_leaf(x: jax.Array) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
-
-    # adam state: (ScaleByAdamState(count, mu, nu), EmptyState()); mu and nu mirror params.
-    adam = opt_state[0]
-    o_tgt = (
-        adam._replace(count=opt_leaf(adam.count), mu=p_tgt, nu=p_tgt),
-        *opt_state[1:],
-    )
-    return p_tgt, o_tgt
-
-
-def tree_bytes(tree: Any) -> int:
-    """Logical (global, replicas counted once) bytes of all leaves."""
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-# ------------------------------------------------------------------------------------ helpers
-
-
-def drop_caches() -> bool:
-    """Flush dirty pages and drop the page cache; False when not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def dir_bytes(path: str) -> tuple[int, int]:
-    """(total bytes, number of files) under `path`."""
-    total = files = 0
-    for root, _, names in os.walk(path):
-        for n in names:
-            total += os.path.getsize(os.path.join(root, n))
-            files += 1
-    return total, files
-
-
-def cpu_seconds() -> float:
-    """User + system CPU time of this process (all threads)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def load_average() -> float:
-    """The 1-minute load average (other work on the machine competes for its cores)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
-@dataclass
-class Timing:
-    """One timed run: wall seconds, CPU seconds of this process, load average at its start."""
-
-    wall: float
-    cpu: float
-    load: float
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Timing, Any]:
-    """Run `fn` until its result is ready (after a sync and a GC, so neither lands inside)."""
-    gc.collect()
-    os.sync()
-    load = load_average()
-    c0, t0 = cpu_seconds(), time.perf_counter()
-    out = fn()
-    jax.block_until_ready(out)
-    return Timing(time.perf_counter() - t0, cpu_seconds() - c0, load), out
-
-
-def check_equal(restored: Any, expected_host: Any, target: Any, what: str) -> None:
-    """Raise unless every restored leaf is bit-identical and laid out as the target asks."""
-    r_leaves = jax.tree.leaves(restored)
-    e_leaves = jax.tree.leaves(expected_host)
-    t_leaves = jax.tree.leaves(target)
-    if not (len(r_leaves) == len(e_leaves) == len(t_leaves)):
-        raise AssertionError(f"{what}: {len(r_leaves)} leaves restored, {len(e_leaves)} expected")
-    for r, e, t in zip(r_leaves, e_leaves, t_leaves):
-        if not r.sharding.is_equivalent_to(t.sharding, len(t.shape)):
-            raise AssertionError(f"{what}: sharding {r.sharding} != target {t.sharding}")
-        got = np.asarray(r)
-        if got.dtype != e.dtype or got.shape != e.shape:
-            raise AssertionError(f"{what}: {got.dtype}{got.shape} != {e.dtype}{e.shape}")
-        if got.tobytes() != np.ascontiguousarray(e).tobytes():
-            raise AssertionError(f"{what}: restored bytes differ from the original")
-
-
-def versions() -> dict[str, str]:
-    """Versions of the libraries involved."""
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in ("jax", "jaxlib", "orbax-checkpoint", "tensorstore", "optax", "numpy", "ucp_jax"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "?"
-    return out
-
-
-def machine_info(directory: str) -> dict[str, Any]:
-    """Cores, memory, file system of `directory`, platform."""
-    mem = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    fs = None
-    with contextlib.suppress(OSError, IndexError):
-        fs = subprocess.run(
-            ["df", "-T", directory], capture_output=True, text=True, check=False
-        ).stdout.splitlines()[-1]
-    cpu = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None
-            )
-    except OSError:
-        pass
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu,
-        "memory_bytes": mem,
-        "platform": platform.platform(),
-        "directory": directory,
-        "filesystem": fs,
-        "jax_backend": jax.default_backend(),
-        "jax_devices": jax.device_count(),
-        "versions": versions(),
-    }
+VERSIONS = ("jax", "jaxlib", "orbax-checkpoint", "tensorstore", "optax", "numpy", "ucp_jax")
 
 
 def orbax_settings(ckptr: ocp.StandardCheckpointer) -> dict[str, Any]:
@@ -351,11 +95,11 @@ class Result:
 
     @property
     def median(self) -> float:
-        return statistics.median(t.wall for t in self.runs)
+        return Spread.of(t.wall for t in self.runs).median
 
     @property
     def cpu(self) -> float:
-        return statistics.median(t.cpu for t in self.runs)
+        return Spread.of(t.cpu for t in self.runs).median
 
     @property
     def gbps(self) -> float:
@@ -446,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = args.dir or tempfile.mkdtemp(prefix="ucp-bench-")
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=base)
-    machine = machine_info(work)
+    machine = harness.machine_info(work, VERSIONS)
     results: dict[tuple[str, str, str], Result] = {}
 
     def record(op: str, tool: str, cache: str, t: Timing, rep: int) -> None:
@@ -468,13 +212,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warm_up(mesh, mesh2, work)
         # Checkpoints stay until the end: deleting 1 GiB between runs makes the disk discard
         # blocks while the next run writes.
-        for rep in range(args.repeats):
-            order = ["orbax", "ucp"] if rep % 2 == 0 else ["ucp", "orbax"]
+        for rep, order in interleaved(("orbax", "ucp"), args.repeats):
             paths = {t: os.path.join(work, f"{t}-{rep}") for t in order}
             for tool in order:
                 record("save", tool, "-", tools.save(tool, paths[tool]), rep)
                 if rep == 0:
-                    size, files = dir_bytes(paths[tool])
+                    size, files = harness.dir_bytes(paths[tool])
                     disk[tool] = {"bytes": size, "files": files}
             for cache in caches:
                 for name, tgt in tgts.items():
@@ -497,11 +240,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report(
         args, m, nbytes, pbytes, results, caches, verified, disk, orbax_conf, machine, leaves
     )
-
-
-def tgt_tree(tgt: tuple[Any, Any]) -> dict[str, Any]:
-    """The restore target in the {'params', 'opt_state'} layout used for both tools."""
-    return {"params": tgt[0], "opt_state": tgt[1]}
 
 
 def report(
@@ -564,7 +302,7 @@ def report(
         )
     for v in verdicts:
         print(f"{'PASS' if v['pass'] else 'FAIL'}  {v['target']}: {v['value']:.2f}x")
-    loads = [t.load for r in results.values() for t in r.runs]
+    load = Spread.of(t.load for r in results.values() for t in r.runs)
     cores = os.cpu_count() or 1
     notes = [
         "GB/s = logical state bytes (each replica counted once) / median seconds; 1 GB = 1e9 B. "
@@ -578,11 +316,11 @@ def report(
         f"compression={orbax_conf['compression']}; ucp: zarr3 + crc32c per chunk, no compression.",
         f"On disk: Orbax {disk['orbax']['bytes'] / 2**20:.0f} MiB in {disk['orbax']['files']} "
         f"files, ucp {disk['ucp']['bytes'] / 2**20:.0f} MiB in {disk['ucp']['files']} files.",
-        f"Load average at the start of the runs: median {statistics.median(loads):.1f}, max "
-        f"{max(loads):.1f} on {cores} cores"
+        f"Load average at the start of the runs: median {load.median:.1f}, max "
+        f"{load.max:.1f} on {cores} cores"
         + (
             " -- other work shared the machine; expect noisy wall times"
-            if statistics.median(loads) > cores
+            if load.median > cores
             else ""
         )
         + ". Tools run interleaved, order alternating per repeat.",
@@ -610,8 +348,8 @@ def report(
             "leaves": leaves,
             "model": dataclasses.asdict(m),
             "dtype": "float32",
-            "save_mesh": {"shape": [2, 4], "axes": ["data", "model"], "specs": _spec_json(0)},
-            "reshard_mesh": {"shape": [4, 2], "axes": ["data", "model"], "specs": _spec_json(1)},
+            "save_mesh": {"shape": [2, 4], "axes": ["data", "model"], "specs": spec_json(0)},
+            "reshard_mesh": {"shape": [4, 2], "axes": ["data", "model"], "specs": spec_json(1)},
         },
         "orbax_settings": orbax_conf,
         "on_disk": disk,
@@ -636,11 +374,6 @@ def report(
     }
 
 
-def _spec_json(which: int) -> dict[str, str]:
-    """The PartitionSpec of each parameter kind in layout `which`, as text."""
-    return {kind: str(specs[which]) for kind, specs in _SPECS.items()}
-
-
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run the benchmark, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -659,9 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     res = run(args)
     res["wall_seconds"] = time.perf_counter() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
+    harness.write_json(args.out, res, indent=2)
     print(f"wrote {args.out} ({res['wall_seconds']:.0f} s)")
 
 

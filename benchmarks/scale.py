@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from typing import Any
+
+from harness import Spread, child_env, dir_bytes, load_average, markdown_table, timed, write_json
 
 LAYERS = 32
 WIDTH = 256  # every matrix is WIDTH x WIDTH (bf16: 128 KiB)
@@ -44,7 +45,8 @@ def mesh_shape(n: int) -> tuple[int, int]:
 
 
 def count_files(path: str) -> int:
-    return sum(len(fs) for _, _, fs in os.walk(path))
+    """The number of files (objects) under `path`."""
+    return dir_bytes(path)[1]
 
 
 def worker(n: int, repeats: int, work: str) -> dict[str, Any]:
@@ -91,36 +93,31 @@ def worker(n: int, repeats: int, work: str) -> dict[str, Any]:
     res: dict[str, Any] = {"devices": n, "mesh": [a, b], "leaves": 161}
     times: dict[str, list[float]] = {k: [] for k in ("ucp_save", "ucp_restore", "orbax_save",
                                                      "orbax_restore", "plan_s")}  # fmt: skip
+
+    def orbax_save(path: str) -> None:
+        ckptr.save(path, params)
+        ckptr.wait_until_finished()
+
     for rep in range(repeats + 1):  # the first round warms up (compiles, imports)
         up, op = f"{work}/ucp_{rep}", f"{work}/orbax_{rep}"
-        t0 = time.perf_counter()
-        ucp.save(up, params)
-        t1 = time.perf_counter()
-        got = ucp.restore(up, target)
-        jax.block_until_ready(got)
-        t2 = time.perf_counter()
-        ckptr.save(op, params)
-        ckptr.wait_until_finished()
-        t3 = time.perf_counter()
-        got2 = ckptr.restore(op, target)
-        jax.block_until_ready(got2)
-        t4 = time.perf_counter()
-        t5 = time.perf_counter()
-        save_mod.SaveJob(f"{work}/plan", params, None, step=None, rules=(), extra=None,
-                         overwrite=True)  # fmt: skip
-        times["plan_s"].append(time.perf_counter() - t5)
+        # back to back: no GC or sync between the timed calls (settle=False)
+        t_us, _ = timed(partial(ucp.save, up, params), settle=False)
+        t_ur, got = timed(partial(ucp.restore, up, target), settle=False)
+        t_os, _ = timed(partial(orbax_save, op), settle=False)
+        t_or, _ = timed(partial(ckptr.restore, op, target), settle=False)
+        plan = partial(save_mod.SaveJob, f"{work}/plan", params, None, step=None, rules=(),
+                       extra=None, overwrite=True)  # fmt: skip
+        t_plan, _ = timed(plan, settle=False, ready=False)
         if rep == 0:
             for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params)):
                 assert np.array_equal(np.asarray(x), np.asarray(y))
             res["ucp_objects"] = count_files(up)
             res["orbax_objects"] = count_files(op)
             continue
-        times["plan_s"].pop()  # the warm-up round's
-        times["ucp_save"].append(t1 - t0)
-        times["ucp_restore"].append(t2 - t1)
-        times["orbax_save"].append(t3 - t2)
-        times["orbax_restore"].append(t4 - t3)
-    res.update({k: statistics.median(v) for k, v in times.items()})
+        for k, t in (("ucp_save", t_us), ("ucp_restore", t_ur), ("orbax_save", t_os),
+                     ("orbax_restore", t_or), ("plan_s", t_plan)):  # fmt: skip
+            times[k].append(t.wall)
+    res.update({k: Spread.of(v).median for k, v in times.items()})
     return res
 
 
@@ -160,10 +157,8 @@ def plan_sim(devices: list[int], leaves: int, per_process: int) -> list[dict[str
 
 
 def run_worker(n: int, repeats: int, layout: str) -> dict[str, Any]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["UCP_LAYOUT"] = layout
+    """`worker(n, ...)` in a subprocess with `n` forced CPU devices; its result."""
+    env = child_env(n, UCP_LAYOUT=layout)
     with tempfile.TemporaryDirectory(prefix=f"ucp-scale-{n}-") as work:
         cmd = [sys.executable, __file__, "--worker", str(n), "--repeats", str(repeats),
                "--work", work]  # fmt: skip
@@ -174,30 +169,32 @@ def run_worker(n: int, repeats: int, layout: str) -> dict[str, Any]:
 
 
 def report(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> str:
-    lines = [
-        "| devices | ucp save | ucp restore (reshard) | ucp files | Orbax save | Orbax restore "
-        "| Orbax files | save × | restore × | files × |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['devices']} | {r['ucp_save']:.2f} s | {r['ucp_restore']:.2f} s | "
-            f"{r['ucp_objects']:,} | {r['orbax_save']:.2f} s | {r['orbax_restore']:.2f} s | "
-            f"{r['orbax_objects']:,} | {r['save_ratio']:.2f} | {r['restore_ratio']:.2f} | "
-            f"{r['objects_ratio']:.2f} |"
-        )
-    lines += ["", "| devices | leaves | planning (measured) |", "|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['devices']:,} | {r['leaves']} | {r['plan_s'] * 1e3:.1f} ms |")
-    lines += ["", "| devices | processes | leaves | planning per process (simulated) "
-              "| local regions |", "|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for p in plans:
-        lines.append(f"| {p['devices']:,} | {p['processes']:,} | {p['leaves']} | "
-                     f"{p['plan_s'] * 1e3:.1f} ms | {p['local_regions']:,} |")  # fmt: skip
-    return "\n".join(lines)
+    """Three Markdown tables: the measured runs, planning at each N, simulated planning."""
+    runs = markdown_table(
+        ["devices", "ucp save", "ucp restore (reshard)", "ucp files", "Orbax save",
+         "Orbax restore", "Orbax files", "save ×", "restore ×", "files ×"],
+        [[r["devices"], f"{r['ucp_save']:.2f} s", f"{r['ucp_restore']:.2f} s",
+          f"{r['ucp_objects']:,}", f"{r['orbax_save']:.2f} s", f"{r['orbax_restore']:.2f} s",
+          f"{r['orbax_objects']:,}", f"{r['save_ratio']:.2f}", f"{r['restore_ratio']:.2f}",
+          f"{r['objects_ratio']:.2f}"] for r in rows],
+        align="r" * 10,
+    )  # fmt: skip
+    planning = markdown_table(
+        ["devices", "leaves", "planning (measured)"],
+        [[f"{r['devices']:,}", r["leaves"], f"{r['plan_s'] * 1e3:.1f} ms"] for r in rows],
+        align="rrr",
+    )
+    simulated = markdown_table(
+        ["devices", "processes", "leaves", "planning per process (simulated)", "local regions"],
+        [[f"{p['devices']:,}", f"{p['processes']:,}", p["leaves"], f"{p['plan_s'] * 1e3:.1f} ms",
+          f"{p['local_regions']:,}"] for p in plans],
+        align="rrrrr",
+    )  # fmt: skip
+    return "\n\n".join([runs, planning, simulated])
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse arguments; one worker per device count, the planning simulation, the tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, nargs="*", default=[8, 64, 256])
     ap.add_argument("--plan-devices", type=int, nargs="*",
@@ -223,12 +220,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{n} devices done", file=sys.stderr)
     plans = plan_sim(args.plan_devices, args.plan_leaves, args.per_process)
     print(report(rows, plans))
-    doc = {"targets": TARGETS, "repeats": args.repeats, "layout": args.layout, "rows": rows, "planning": plans,
-           "load_average": os.getloadavg()[0]}  # fmt: skip
+    doc = {"targets": TARGETS, "repeats": args.repeats, "layout": args.layout, "rows": rows,
+           "planning": plans, "load_average": load_average()}  # fmt: skip
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(args.out, doc, indent=1)
 
 
 if __name__ == "__main__":
