@@ -49,9 +49,9 @@ if TYPE_CHECKING:
     from ._src.restore import ReadStats as ReadStats
     from ._src.restore import last_read_stats as last_read_stats
     from ._src.restore import restore as restore
-    from ._src.save import SaveHandle as SaveHandle
-    from ._src.save import async_save as async_save
-    from ._src.save import save as save
+    from ._src.save_api import SaveHandle as SaveHandle
+    from ._src.save_api import async_save as async_save
+    from ._src.save_api import save as save
     from ._src.targets import make_mesh as make_mesh
     from ._src.targets import targets as targets
 
@@ -68,9 +68,9 @@ _LAZY = {
     "restore": ("._src.restore", "restore"),
     "ReadStats": ("._src.restore", "ReadStats"),
     "last_read_stats": ("._src.restore", "last_read_stats"),
-    "SaveHandle": ("._src.save", "SaveHandle"),
-    "async_save": ("._src.save", "async_save"),
-    "save": ("._src.save", "save"),
+    "SaveHandle": ("._src.save_api", "SaveHandle"),
+    "async_save": ("._src.save_api", "async_save"),
+    "save": ("._src.save_api", "save"),
     "make_mesh": ("._src.targets", "make_mesh"),
     "targets": ("._src.targets", "targets"),
 }

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import itertools
 import json
 import logging
 import os
-import sys
-import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -19,7 +16,7 @@ import jax
 import numpy as np
 
 from .errors import MismatchError
-from .format import aggregate, commit, integrity, remote, store
+from .format import aggregate, commit, integrity, store
 from .format.integrity import keys_in_box
 from .format.manifest import (
     PER_ARRAY_VERSION,
@@ -386,155 +383,3 @@ def _create(loc: store.Location, shape: tuple[int, ...], info: SlotInfo, txn: An
 
     spec = store.array_spec(loc, shape, info)
     return ts.open(spec, create=True, context=loc.ctx, transaction=txn)
-
-
-class SaveHandle:
-    """A save running in the background; `.wait()` returns once it is committed.
-
-    >>> h = ucp.async_save("/tmp/ckpt/step_1", params)  # doctest: +SKIP
-    >>> h.wait()  # doctest: +SKIP
-    """
-
-    def __init__(self, job: SaveJob, host: list[np.ndarray]) -> None:
-        self.path = job.loc.url
-        self.step = job.manifest.step
-        self._error: BaseException | None = None
-        self._reported = False
-        self._thread = threading.Thread(
-            target=self._run, args=(job, host), name=f"ucp-save-{job.seq}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, job: SaveJob, host: list[np.ndarray]) -> None:
-        try:
-            job.write(host)
-        except BaseException as e:  # re-raised on wait() or on the next save
-            self._error = remote.translate(e, job.loc.kvstore, "the save's writes")
-
-    def done(self) -> bool:
-        """Whether the save has finished (committed or failed)."""
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until committed; raise the save's error if it failed.
-
-        Raises:
-            TimeoutError: still running after `timeout` seconds.
-        """
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
-        if self._error is not None and not self._reported:
-            self._reported = True
-            raise RuntimeError(f"background save to {self.path} failed: {self._error}") from (
-                self._error
-            )
-
-
-_pending: SaveHandle | None = None
-_lock = threading.Lock()
-
-
-def _finish_pending() -> None:
-    """One save in flight: wait for the previous one, and raise its error if it was never seen."""
-    global _pending
-    with _lock:
-        prev, _pending = _pending, None
-    if prev is not None:
-        prev.wait()
-
-
-@atexit.register
-def _drain_at_exit() -> None:
-    try:
-        _finish_pending()
-    except Exception as e:
-        print(f"ucp_jax: {e}", file=sys.stderr)
-
-
-def save(
-    path: Any,
-    params: Any,
-    opt_state: Any = None,
-    *,
-    step: int | None = None,
-    rules: Sequence[Rule] = (),
-    extra: Any = None,
-    overwrite: bool = False,
-    max_inflight_bytes: int | None = None,
-) -> None:
-    """Save params (and optax state) as a universal checkpoint; returns once committed.
-
-    Every process writes only the shards it owns, each distinct shard once, streaming device to
-    storage with at most `max_inflight_bytes` of host copies in flight.
-
-    Args:
-        path: local directory or TensorStore kvstore URL (file://, gs://, s3://, memory://).
-        params: pytree of jax.Array (any sharding), numpy arrays or scalars.
-        opt_state: optax state for these params, or None.
-        step: training step recorded in the manifest.
-        rules: (regex, pattern) pairs mapping leaves to atoms; see "Patterns and rules" in
-            docs/reconfigure.md.
-        extra: JSON-serialisable user data stored in the manifest.
-        overwrite: replace an existing checkpoint at `path`.
-        max_inflight_bytes: bound on host memory held by copies waiting to be written
-            (default: `UCP_INFLIGHT_BYTES`, 1 GiB).
-
-    Raises:
-        FileExistsError: `path` holds a checkpoint and overwrite is False.
-        PatternError: a rule matches nothing or cannot map its leaf.
-
-    >>> ucp.save("/tmp/ckpt/step_10", params, opt_state, step=10)  # doctest: +SKIP
-    """
-    _finish_pending()
-    job = SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
-                   overwrite=overwrite, max_inflight_bytes=max_inflight_bytes)  # fmt: skip
-    try:
-        job.write(None)
-    except ValueError as e:  # an object store that stopped answering: say so, name it
-        err = remote.translate(e, job.loc.kvstore, "the save's writes")
-        if err is e:
-            raise
-        raise err from e
-
-
-def async_save(
-    path: Any,
-    params: Any,
-    opt_state: Any = None,
-    *,
-    step: int | None = None,
-    rules: Sequence[Rule] = (),
-    extra: Any = None,
-    overwrite: bool = False,
-) -> SaveHandle:
-    """Start a save; returns once this process's shards are copied to host memory.
-
-    Training may go on (and donate its buffers) as soon as this returns; the write and commit run
-    in the background. One save is in flight at a time: a new save first waits for the previous
-    one, and an error of a background save is raised by its `wait()` or by the next save call.
-
-    Args:
-        path: local directory or TensorStore kvstore URL, as for `save`.
-        params: pytree of jax.Array (any sharding), numpy arrays or scalars.
-        opt_state: optax state for these params, or None.
-        step: training step recorded in the manifest.
-        rules: (regex, pattern) pairs mapping leaves to atoms, as for `save`.
-        extra: JSON-serialisable user data stored in the manifest.
-        overwrite: replace an existing checkpoint at `path`.
-
-    Returns:
-        A SaveHandle; `.wait()` returns once the checkpoint is committed.
-
-    >>> h = ucp.async_save("/tmp/ckpt/step_10", params, opt_state, step=10)  # doctest: +SKIP
-    >>> h.wait()  # doctest: +SKIP
-    """
-    global _pending
-    _finish_pending()
-    job = SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
-                   overwrite=overwrite)  # fmt: skip
-    host = job.copy_all_to_host()
-    handle = SaveHandle(job, host)
-    with _lock:
-        _pending = handle
-    return handle
