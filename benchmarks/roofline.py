@@ -25,16 +25,16 @@ Usage::
 from __future__ import annotations
 
 import os
+import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness
+
+if "--accelerator" not in sys.argv:
+    harness.force_cpu_devices(8)
 
 import argparse
-import json
 import math
-import platform
 import shutil
 import statistics
 import tempfile
@@ -45,17 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import roofline_limits as lim
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax as ucp
 
-try:
-    from . import roofline_limits as lim
-except ImportError:
-    import roofline_limits as lim  # type: ignore[no-redef]
-
-GB = 1e9
+GB = harness.GB
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
@@ -63,10 +59,13 @@ DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 def meshes() -> tuple[Mesh, Mesh]:
-    """The save mesh (2, 4) and the reshard mesh (4, 2) over the devices in reverse order."""
-    devs = np.array(jax.devices()[:8])
-    return (Mesh(devs.reshape(2, 4), ("data", "model")),
-            Mesh(devs[::-1].reshape(4, 2), ("data", "model")))  # fmt: skip
+    """The save mesh (2, n/2) and the reshard mesh (n/2, 2) over the devices in reverse order
+    (n: up to 8 devices; one device: both (1, 1))."""
+    n = min(jax.device_count(), 8)
+    a = 2 if n % 2 == 0 else 1
+    devs = np.array(jax.devices()[:n])
+    return (Mesh(devs.reshape(a, n // a), ("data", "model")),
+            Mesh(devs[::-1].reshape(n // a, a), ("data", "model")))  # fmt: skip
 
 
 def large_leaves(gb: float) -> dict[str, tuple[tuple[int, ...], P, P]]:
@@ -180,7 +179,7 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
             ("orbax", osave, lambda p: ck.restore(p, {"params": tp, "opt_state": to}), None)
         )
 
-    for r in range(args.repeats):
+    for r, order in harness.interleaved(tools, args.repeats):
         # limits
         d = os.path.join(root, f"raw{r}")
         t, paths = lim.write_fsync(shards, d, threads)
@@ -197,7 +196,7 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
             )
         rec("limit_place_reshard", {"seconds": lim.placement_seconds(re_shards, (rp, ro))})
 
-        for tool, save, restore_same, restore_re in tools if r % 2 == 0 else tools[::-1]:
+        for tool, save, restore_same, restore_re in order:
             p = os.path.join(root, f"{tool}{r}")
             with lim.accounting() as m:
                 save(p)
@@ -293,20 +292,52 @@ def ratios(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "device": str(jax.devices()[0].device_kind),
-            "devices": jax.device_count(), "platform": jax.devices()[0].platform,
-            "memcpy_gbps": lim.memcpy_gbps(), "pinned_host": lim.pinned_host_supported(),
-            "drop_caches": lim.drop_caches(), "python": platform.python_version(),
-            "jax": jax.__version__}  # fmt: skip
+def machine(directory: str | None) -> dict[str, Any]:
+    """The harness's machine description, plus memcpy speed and what the kernel lets us do."""
+    info = harness.machine_info(directory or tempfile.gettempdir())
+    info.update(memcpy_gbps=lim.memcpy_gbps(), pinned_host=lim.pinned_host_supported(),
+                drop_caches=harness.drop_caches(), device=str(jax.devices()[0].device_kind),
+                platform_name=jax.devices()[0].platform)  # fmt: skip
+    return info
+
+
+def tiny_cost(repeats: int, root: str | None) -> dict[str, Any]:
+    """The fixed cost of a checkpoint: save and restore of one 4-byte leaf, in ms (median)."""
+    mesh = meshes()[0]
+    x = jax.device_put(jnp.zeros((1,), jnp.float32), NamedSharding(mesh, P()))
+    tgt = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    d = tempfile.mkdtemp(prefix="ucp-tiny-", dir=root)
+    saves, restores = [], []
+    for i in range(repeats + 1):  # the first is a warm-up (imports, compilation)
+        p = os.path.join(d, f"t{i}")
+        t, _ = harness.timed(lambda p=p, i=i: ucp.save(p, {"x": x}, step=i), settle=False)
+        r, _ = harness.timed(lambda p=p: ucp.restore(p, {"x": tgt}), settle=False)
+        if i:
+            saves.append(t.wall * 1e3)
+            restores.append(r.wall * 1e3)
+    shutil.rmtree(d, ignore_errors=True)
+    return {"save_ms": statistics.median(saves), "restore_ms": statistics.median(restores),
+            "save_ms_max": max(saves), "restore_ms_max": max(restores), "runs": repeats}  # fmt: skip
+
+
+def by_cores(argv: list[str], cores: list[int]) -> list[dict]:
+    """Run this script once per core count, pinned with `taskset` to the first k processors."""
+    out = []
+    for k in cores:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = ["taskset", "-c", f"0-{k - 1}", sys.executable, os.path.abspath(__file__),
+                   *argv, "--out", f.name]  # fmt: skip
+            import subprocess
+
+            subprocess.run(cmd, check=True)
+            import json
+
+            with open(f.name) as g:
+                doc = json.load(g)
+        for r in doc["results"]:
+            r["cores"] = k
+        out += doc["results"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,20 +351,57 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=max(4, os.cpu_count() or 1))
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: TMPDIR)")
     ap.add_argument("--no-orbax", action="store_true")
+    ap.add_argument(
+        "--accelerator",
+        action="store_true",
+        help="run on the accelerator jax finds (no forced CPU devices)",
+    )
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="state sizes in GB for a scaling table, e.g. 0.25,0.5,1,2,4 (instead of --gb)",
+    )
+    ap.add_argument(
+        "--cores", default=None, help="core counts, e.g. 1,2: one run per count under taskset"
+    )
+    ap.add_argument(
+        "--tiny",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N saves and restores of a 4-byte checkpoint (fixed cost)",
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    info = machine()
+    info = machine(args.dir)
     print(f"machine: {info}")
-    results = []
-    builders = {"large": large_leaves, "model": model_like}
-    for st in args.states.split(","):
-        for dt in args.dtypes.split(","):
-            results.append(run_case(st, builders[st](args.gb), dt, args))
-            print(table(results[-1:]), flush=True)
+    doc: dict[str, Any] = {"machine": info, "args": vars(args)}
+    if args.cores:
+        rest = [
+            a for i, a in enumerate(argv) if a != "--cores" and (i == 0 or argv[i - 1] != "--cores")
+        ]
+        rest = [
+            a for i, a in enumerate(rest) if a != "--out" and (i == 0 or rest[i - 1] != "--out")
+        ]
+        results = by_cores(rest, [int(c) for c in args.cores.split(",")])
+    else:
+        results = []
+        builders = {"large": large_leaves, "model": model_like}
+        sizes = [float(x) for x in args.sizes.split(",")] if args.sizes else [args.gb]
+        for gb in sizes:
+            for st in args.states.split(","):
+                for dt in args.dtypes.split(","):
+                    results.append(run_case(st, builders[st](gb), dt, args))
+                    print(table(results[-1:]), flush=True)
     print("\n" + table(results) + "\n\n" + ratios(results))
+    if args.tiny:
+        doc["tiny"] = tiny_cost(args.tiny, args.dir)
+        print(f"\nfixed cost of a 4-byte checkpoint: save {doc['tiny']['save_ms']:.1f} ms, "
+              f"restore {doc['tiny']['restore_ms']:.1f} ms (median of {args.tiny})")  # fmt: skip
+    doc["results"] = results
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"machine": info, "args": vars(args), "results": results}, f, indent=1)
+        harness.write_json(args.out, doc)
     return 0
 
 

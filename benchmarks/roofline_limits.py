@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import harness
 import jax
 import numpy as np
 
@@ -119,13 +120,7 @@ def read_back(paths: Sequence[str], shards: Sequence[np.ndarray], threads: int) 
 
 def drop_caches() -> bool:
     """Drop the page cache (root, where the kernel allows it); False where it cannot."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    return harness.drop_caches()
 
 
 def aligned_copy(a: np.ndarray, align: int = 64) -> np.ndarray:
@@ -187,25 +182,6 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def reset_peak() -> bool:
-    """Reset this process's peak RSS (VmHWM) to its current RSS; False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5\n")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """Peak RSS (VmHWM) of this process since the last `reset_peak`."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def read_chars() -> int:
     """Bytes this process has read through read/pread calls (page cache included)."""
     with open("/proc/self/io") as f:
@@ -220,9 +196,9 @@ def accounting() -> Iterator[dict[str, float]]:
     """Measure an operation: wall seconds, peak RSS above the start, bytes read."""
     out: dict[str, float] = {}
     base, r0 = rss_bytes(), read_chars()
-    reset_peak()
+    harness.reset_peak_rss()
     t = time.perf_counter()
     yield out
     out["seconds"] = time.perf_counter() - t
-    out["peak_above_start"] = max(0, peak_rss_bytes() - base)
+    out["peak_above_start"] = max(0, harness.peak_rss() - base)
     out["read_bytes"] = read_chars() - r0
