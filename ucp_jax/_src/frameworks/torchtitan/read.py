@@ -177,10 +177,10 @@ def import_torchtitan(
             f"{folder}: torchtitan does not record the number of attention heads; pass heads= "
             "(--heads), e.g. 32 for Llama 3 8B"
         )
+    objects = read_objects(folder, md)  # every pickled entry, through the allow-list, first
     model, optim = _classify(folder, md)
     shapes = {n: tuple(int(d) for d in md.state_dict_metadata[k].size) for n, k in model.items()}
     cfg = infer_config(shapes, heads, norm_eps, rope_theta, rope_scaling, folder)
-    objects = read_objects(folder, md)
     by_param: dict[str, dict[str, str]] = {}
     for key, (param, field) in optim.items():
         by_param.setdefault(param, {})[field] = key
