@@ -1,4 +1,4 @@
-# Two commands: `make demo` and `make test` (lint: ruff + mypy + import layers; the docs site; then doctests and pytest). Each creates .venv if it is missing and installs what it needs.
+# Two commands: `make demo` and `make test` (lint: ruff + mypy + import layers; the docs site; then doctests and pytest); `make referees` runs the slow checks by the trainers themselves (torchtitan resumes). Each creates .venv if it is missing and installs what it needs.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-dev
 XLA     := XLA_FLAGS=--xla_force_host_platform_device_count=8
 SRC     := ucp_jax tests $(wildcard benchmarks)
 
-.PHONY: demo test test-gpu lint docs format bench clean
+.PHONY: demo test test-gpu lint docs format bench clean referees
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,12 @@ format: $(STAMP)
 test: lint docs
 	$(XLA) $(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules ucp_jax
 	$(XLA) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The referees (not part of `make test`): torchtitan 0.3.0 itself resumes from `ucp export
+# torchtitan`. Makes torchtitan's own virtualenv with pip on first use (~2.5 GB, REF_DIR or
+# /tmp/ucp-referees; see tests/torchtitan/runner.py).
+referees: $(STAMP)
+	UCP_REFEREES=1 $(XLA) $(BIN)/python -m pytest -q -s tests/test_torchtitan_referee.py
 
 # On a machine with an accelerator and a Python that has jax for it (GPU_PY): the suite on that
 # accelerator, no CPU devices forced (see tests/conftest.py). Installs nothing.

@@ -111,7 +111,7 @@ def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
 
 
 def _add_torch_commands(sub: Any) -> None:
-    """`ucp convert deepspeed|safetensors|hf|dcp|megatron|orbax SRC DST`; `ucp export deepspeed-universal|hf|megatron SRC DST`."""
+    """`ucp convert deepspeed|safetensors|hf|dcp|megatron|torchtitan|orbax SRC DST`; `ucp export deepspeed-universal|hf|megatron|torchtitan|dcp SRC DST`."""
     conv = sub.add_parser("convert", help="import a PyTorch checkpoint as a universal checkpoint")
     kinds = conv.add_subparsers(dest="kind", required=True)
     p = kinds.add_parser(
@@ -136,6 +136,11 @@ def _add_torch_commands(sub: Any) -> None:
     )
     p.add_argument("--norm-eps", type=float, default=1e-5, help="RMSNorm epsilon")
     p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base")
+    p = kinds.add_parser("torchtitan", help="a torchtitan step folder of a Llama 3 model")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (not recorded)")
+    p.add_argument("--norm-eps", type=float, default=1e-5, help="RMSNorm epsilon")
+    p.add_argument("--rope-theta", type=float, default=500000.0, help="RoPE base")
+    p.add_argument("--no-rope-scaling", action="store_true", help="no Llama 3 RoPE scaling")
     p = kinds.add_parser(
         "orbax", help="an Orbax checkpoint: item folder, CheckpointManager step folder or root"
     )
@@ -152,6 +157,14 @@ def _add_torch_commands(sub: Any) -> None:
     p = ekinds.add_parser("megatron", help="a Megatron-Core torch_dist folder (any TP/PP loads it)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="model dtype")
     p.add_argument("--padded-vocab", type=int, default=None, help="vocabulary rows Megatron holds")
+    p = ekinds.add_parser("torchtitan", help="a torchtitan step folder it resumes from")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="data-parallel ranks of the resuming job (default: the source's)")  # fmt: skip
+    p.add_argument("--lr", type=float, default=8e-4, help="optimizer lr if the source has none")
+    p = ekinds.add_parser("dcp", help="a plain torch.distributed.checkpoint folder")
+    p.add_argument("--names", default="atoms", choices=("atoms", "hf", "torchtitan"),
+                   help="tensor names: the atoms', Hugging Face's or torchtitan's")  # fmt: skip
+    p.add_argument("--no-optimizer", action="store_true", help="the model's tensors only")
     for parser in (*kinds.choices.values(), *ekinds.choices.values()):
         parser.add_argument("src")
         parser.add_argument("dst")
@@ -175,7 +188,9 @@ def _run_torch_command(args: Any) -> int:
     # the modules of ucp_jax._src.frameworks that serve the command, imported on demand
     modules = {"deepspeed": ("deepspeed.zero", "deepspeed.universal"), "safetensors": ("hf.safetensors",),
                "dcp": ("dcp.read",), "hf": ("hf.read",), "megatron": ("megatron.read",)}.get(args.kind, ("deepspeed.export",))  # fmt: skip
-    if args.cmd == "export" and args.kind in ("hf", "megatron"):
+    if args.kind == "torchtitan":
+        modules = ("torchtitan.read", "torchtitan.export")
+    if args.cmd == "export" and args.kind in ("hf", "megatron", "dcp"):
         modules = (f"{args.kind}.export",)
     try:  # DeepSpeed and safetensors imports need no torch; DCP and the export do
         mods = [importlib.import_module(f"ucp_jax._src.frameworks.{m}") for m in modules]
@@ -204,6 +219,21 @@ def _run_torch_command(args: Any) -> int:
         )  # fmt: skip
         print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (dist_checkpointing.load loads it)")
         return 0
+    if args.cmd == "export" and args.kind == "torchtitan":
+        out = mods[1].export_torchtitan(args.src, args.dst, world_size=args.world_size, lr=args.lr,
+                                        overwrite=args.overwrite, progress=progress)  # fmt: skip
+        note = "" if mods[1].dataloader_kept(args.src, args.world_size) else (
+            "; no data loader state for this world size: resume with "
+            "--checkpoint.exclude-from-loading dataloader")  # fmt: skip
+        print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (torchtitan resumes from it{note})")
+        return 0
+    if args.cmd == "export" and args.kind == "dcp":
+        out = mod.export_dcp(args.src, args.dst, names=args.names, optimizer=not args.no_optimizer,
+                             overwrite=args.overwrite, progress=progress)  # fmt: skip
+        print(
+            f"wrote {out} in {time.perf_counter() - t0:.2f} s (torch.distributed.checkpoint.load)"
+        )
+        return 0
     if args.cmd == "export":
         out = mod.export_deepspeed_universal(
             args.src, args.dst, expert_parallel=args.expert_parallel, overwrite=args.overwrite,
@@ -224,6 +254,12 @@ def _run_torch_command(args: Any) -> int:
         out = mod.import_safetensors(
             args.src, args.dst, preset=args.preset, dtype=args.dtype, overwrite=args.overwrite
         )
+    elif args.kind == "torchtitan":
+        out = mod.import_torchtitan(
+            args.src, args.dst, heads=args.heads, norm_eps=args.norm_eps,
+            rope_theta=args.rope_theta, rope_scaling=not args.no_rope_scaling,
+            overwrite=args.overwrite,
+        )  # fmt: skip
     elif args.kind == "megatron":
         out = mod.import_megatron(
             args.src, args.dst, heads=args.heads, vocab_size=args.vocab_size,
@@ -236,9 +272,10 @@ def _run_torch_command(args: Any) -> int:
         )  # fmt: skip
     ck = Checkpoint(args.dst)  # DST, not `out`: a kvstore spec keeps its endpoint
     total = sum(a.nbytes for a in ck.atoms.values())
+    only = (ck.manifest.source.get("torchtitan") or {}).get("model_only")
     print(
         f"wrote {ck.path}: {len(ck.atoms)} atoms, {_mib(total)} MiB, step {ck.step}, "
-        f"in {time.perf_counter() - t0:.2f} s"
+        f"in {time.perf_counter() - t0:.2f} s{' (model only: no optimizer state)' if only else ''}"
     )
     return 0
 

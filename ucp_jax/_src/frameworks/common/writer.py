@@ -391,3 +391,19 @@ def to_numpy(t: Any) -> np.ndarray:
 
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
+
+
+def write_rows(w: AtomWriter, name: str, slot: str, m: Any) -> None:
+    """Write torch tensor `m` (often a transposed view) into a slot in whole-shard row blocks: one
+    block is copied contiguous at a time, so memory holds the source and one shard, not a copy."""
+    import torch
+
+    w.array(name, slot, to_numpy(torch.empty((), dtype=m.dtype)).dtype)
+    shape = tuple(m.shape)
+    fb = w.flat_block(name, slot)
+    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
+    step = max(1, fb // inner) if fb and len(shape) > 1 else max(1, shape[0] if shape else 1)
+    for r0 in range(0, shape[0] if shape else 1, step):
+        block = (m[r0 : r0 + step] if shape else m).contiguous()
+        box = ((r0, r0 + block.shape[0]), *((0, d) for d in shape[1:])) if shape else ()
+        w.write(name, slot, box, to_numpy(block), keep=block)

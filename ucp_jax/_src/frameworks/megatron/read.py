@@ -29,7 +29,6 @@ there is one, is the atom's value (slot ``fp32``); the moments are slots ``exp_a
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +46,7 @@ from ..common.dcp_files import (
     read_objects,
     read_tensor,
 )
-from ..common.writer import AtomWriter, to_numpy
+from ..common.writer import AtomWriter, write_rows
 from .common import LAYERS, MAX_METADATA_BYTES, TENSORS, MegatronFormatError
 
 # Megatron tensor -> (atom, or the per-layer atom after "blocks.{i}.", how it maps)
@@ -135,20 +134,6 @@ def layer_maps(cfg: LlamaConfig) -> dict[str, Callable[[torch.Tensor], torch.Ten
         "qkv": qkv,
         "glu": lambda w: w.T,  # [all gate; all up] rows = [gate | up] columns
     }
-
-
-def write_rows(w: AtomWriter, name: str, slot: str, m: torch.Tensor) -> None:
-    """Write `m` (often a transposed view) into a slot in whole-shard row blocks: one block is
-    copied contiguous at a time, so memory holds the source and one shard, not a second copy."""
-    w.array(name, slot, to_numpy(torch.empty((), dtype=m.dtype)).dtype)
-    shape = tuple(m.shape)
-    fb = w.flat_block(name, slot)
-    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
-    step = max(1, fb // inner) if fb and len(shape) > 1 else max(1, shape[0] if shape else 1)
-    for r0 in range(0, shape[0] if shape else 1, step):
-        block = (m[r0 : r0 + step] if shape else m).contiguous()
-        box = ((r0, r0 + block.shape[0]), *((0, d) for d in shape[1:])) if shape else ()
-        w.write(name, slot, box, to_numpy(block), keep=block)
 
 
 def fused_of(cfg: LlamaConfig, how: str) -> list[FusedMark]:
