@@ -278,8 +278,12 @@ class Fused(Pattern):
         offsets = np.cumsum((0, *self.sizes))
         s, e = node.box[ax]
         out: list[Node] = []
-        pos = 0
-        for r, k in itertools.product(range(n), range(len(self.sizes))):
+        # only the shards r whose group of sub-params [r * total/n, (r+1) * total/n) meets the box:
+        # a region of one TP rank costs the same at any TP degree
+        group = total // n
+        first, last = s // group, (e - 1) // group if e > s else s // group - 1
+        pos = first * group
+        for r, k in itertools.product(range(first, last + 1), range(len(self.sizes))):
             length = self.sizes[k] // n
             lo, hi = max(s, pos), min(e, pos + length)
             if lo < hi:
