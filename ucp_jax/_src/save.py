@@ -46,9 +46,11 @@ from .util.inflight import InflightWindow
 from .util.sync import barrier
 
 log = logging.getLogger("ucp_jax")
-# A version-3 save commits transactions of budget / TXN_PARTS bytes, of which MAX_COMMITTING may
-# be writing their data files at once: several files written in parallel (one writer thread each).
+# A version-3 save commits transactions of budget / TXN_PARTS bytes (and at most 1/TXN_PARTS of
+# this process's share, at least TXN_MIN), of which MAX_COMMITTING may be writing their data files
+# at once: several files written in parallel (one writer thread each), little memory held.
 TXN_PARTS = 16
+TXN_MIN = 4 << 20
 MAX_COMMITTING = 4
 _SAVE_COUNTER = itertools.count()
 
@@ -327,7 +329,9 @@ class SaveJob:
                   for k, (shape, info) in self.slots.items()}  # fmt: skip
         written: dict[SlotInfo, set[str]] = {}
         in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
-        # Transactions of budget / TXN_PARTS; while one fills, up to MAX_COMMITTING earlier ones
+        share = sum(t.nbytes for t in self.tasks)
+        txn_bytes = max(TXN_MIN, min(self.budget, share) // TXN_PARTS)
+        # Transactions of txn_bytes; while one fills, up to MAX_COMMITTING earlier ones
         # are being written (copies overlap the file writes; at most a third of the budget held).
         txn, staged, committing = ts.Transaction(), 0, collections.deque[Any]()
         try:
@@ -336,7 +340,7 @@ class SaveJob:
                 for f in futs:
                     f.copy.result()
                 staged += box_size(box) * b.dtype.itemsize
-                if staged >= self.budget // TXN_PARTS:
+                if staged >= txn_bytes:
                     if len(committing) == MAX_COMMITTING:
                         committing.popleft().result()
                     committing.append(txn.commit_async())
