@@ -137,12 +137,14 @@ def aligned_copy(a: np.ndarray, align: int = 64) -> np.ndarray:
     return out
 
 
-def host_shards(host: Any, targets: Any) -> list[list[tuple[Any, np.ndarray]]]:
-    """Per leaf: (device, aligned host copy of the region it holds) for the target shardings."""
+def host_shards(tree: Any, targets: Any) -> list[list[tuple[Any, np.ndarray]]]:
+    """Per leaf of `tree` (jax.Arrays): (device, aligned host copy of the region it holds under
+    the target sharding), without a global host copy of the state."""
     out = []
-    for a, tgt in zip(jax.tree.leaves(host), jax.tree.leaves(targets)):
-        idx = tgt.sharding.addressable_devices_indices_map(a.shape)
-        out.append([(d, aligned_copy(np.asarray(a[ix]))) for d, ix in idx.items()])
+    for a, tgt in zip(jax.tree.leaves(tree), jax.tree.leaves(targets)):
+        moved = jax.device_put(a, tgt.sharding)
+        out.append([(s.device, aligned_copy(np.asarray(s.data))) for s in moved.addressable_shards])
+        del moved
     return out
 
 

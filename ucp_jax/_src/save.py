@@ -329,8 +329,7 @@ class SaveJob:
                   for k, (shape, info) in self.slots.items()}  # fmt: skip
         written: dict[SlotInfo, set[str]] = {}
         in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
-        share = sum(t.nbytes for t in self.tasks)
-        txn_bytes = max(TXN_MIN, min(self.budget, share) // TXN_PARTS)
+        txn_bytes = transaction_bytes(sum(t.nbytes for t in self.tasks), self.budget)
         # Transactions of txn_bytes; while one fills, up to MAX_COMMITTING earlier ones
         # are being written (copies overlap the file writes; at most a third of the budget held).
         txn, staged, committing = ts.Transaction(), 0, collections.deque[Any]()
@@ -368,6 +367,11 @@ class SaveJob:
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)
         barrier(self.tag + "-committed")
+
+
+def transaction_bytes(share: int, budget: int) -> int:
+    """Bytes per transaction of a version-3 save of `share` bytes within `budget`."""
+    return max(TXN_MIN, min(budget, share) // TXN_PARTS)
 
 
 def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:
