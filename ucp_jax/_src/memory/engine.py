@@ -146,9 +146,10 @@ class SnapshotManager:
         self.root = namespace_root(self.namespace, shm_dir)
         self.keep = int(keep)
         nodes = jax.process_count()
+        scheme = scheme or RedundancyScheme()
         if group_size is None:
-            group_size = (scheme or RedundancyScheme()).default_group_size(nodes)
-        self.groups = make_groups(nodes, group_size)
+            group_size = scheme.default_group_size(nodes)
+        self.groups = make_groups(nodes, group_size, scheme.min_group_size)
         self.donation_safe = donation_safe
         self.rules = tuple(rules)
         self.node = jax.process_index()
@@ -340,7 +341,8 @@ class SnapshotManager:
         """Background: commit a filled blob, retire old snapshots, maybe persist."""
         t0 = time.perf_counter()
         try:
-            if self._extra_seq is not None:  # the peers' extras this node keeps redundancy for
+            if self._extra_seq is not None:  # the peers' digests and extras this node keeps
+                self._peers.seal(prep.layout, self.node, self._extra_seq, writer.blob.array)
                 writer.index["extra_kept"] = self._peers.kept(prep.layout, self.node,
                                                               self._extra_seq)  # fmt: skip
             with self._lock:
