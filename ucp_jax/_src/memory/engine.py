@@ -83,16 +83,18 @@ class SnapshotManager:
         every: snapshot when `step % every == 0` (other calls return False at once).
         persist_every: persist every this many snapshots (`step % (every * persist_every) == 0`);
             None: never.
-        redundancy: None, 'replica' (each node also keeps the previous node of its group's share)
-            or 'xor' (each node keeps one parity lane of its group); any scheme in
-            `schemes.SCHEMES`.
+        redundancy: None, 'replica' (each node also keeps the previous node of its group's share),
+            'xor' (each node keeps one parity lane of its group: any one lost node of a group is
+            rebuilt) or 'rs2' (two parity lanes, P and Q: any two lost nodes of a group are
+            rebuilt; see docs/fault_tolerance_rs2.md); any scheme in `schemes.SCHEMES`.
         namespace: names the job's shared-memory folder; a restarted job with the same namespace
             reattaches. Default: derived from `directory_for_persist`.
         shm_dir: where namespaces live (default /dev/shm). On a tmpfs mounted with huge pages
             (`huge=within_size` or `huge=advise`) the snapshots are 2 MiB pages and a restore
             maps them ~100x faster than 4 KiB pages; `huge_pages` says which this is.
         keep: committed snapshots kept per node (at least 1).
-        group_size: nodes per redundancy group (default 2 for 'replica', up to 4 for 'xor').
+        group_size: nodes per redundancy group (default 2 for 'replica', up to 4 for 'xor', up
+            to 6 for 'rs2').
         donation_safe: True (default): `snapshot()` makes device-side copies of what it copies
             (one computation per device; on CPU devices it copies into shared memory instead),
             so the caller may donate or delete the arrays as soon as it returns; costs up to

@@ -1,5 +1,6 @@
-"""Redundancy schemes: `replica` (copies) and `xor` (one parity lane), and the registry that
-names them. The interface they implement is `scheme_base.RedundancyScheme`.
+"""Redundancy schemes: `replica` (copies) and `xor` (one parity lane) here, `rs2` (two parities,
+module `rs2`), and the registry that names them. The interface they implement is
+`scheme_base.RedundancyScheme`.
 
 A new scheme is one subclass of `RedundancyScheme`, registered in `SCHEMES` (or with
 `register_scheme`); then `SnapshotManager(redundancy="<name>")` uses it.
@@ -13,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from .rs2 import RS2
 from .scheme_base import BlobPiece, Need, ParityMismatch, RedundancyScheme, SnapshotLayout, align
 
 __all__ = [
+    "RS2",
     "SCHEMES",
     "BlobPiece",
     "Need",
@@ -209,7 +212,7 @@ class Xor(RedundancyScheme):
         return None
 
 
-SCHEMES: dict[str, RedundancyScheme] = {s.name: s for s in (Replica(), Xor())}
+SCHEMES: dict[str, RedundancyScheme] = {s.name: s for s in (Replica(), Xor(), RS2())}
 
 
 def register_scheme(scheme: RedundancyScheme) -> RedundancyScheme:
