@@ -53,8 +53,11 @@ class SnapshotStats:
         nbytes: bytes of this node's blob (own pieces + redundancy).
         copied_bytes: bytes copied device -> shared memory for it.
         dispatch_s: time `snapshot()` took on the training thread.
-        copy_s: time the background copy into shared memory took.
+        copy_s: time the background copy into shared memory took (with the commit, and the
+            exchange of digests and extras with the peers).
         rolls: leaves exchanged with collectives for redundancy.
+        fill_s: time the copy of the fetched regions into the blob took, with the parities
+            (xor's XOR, rs2's P and Q): `nbytes / fill_s` is the node's copy-and-encode rate.
     """
 
     step: int = -1
@@ -63,6 +66,7 @@ class SnapshotStats:
     dispatch_s: float = 0.0
     copy_s: float = 0.0
     rolls: int = 0
+    fill_s: float = 0.0
 
 
 class SnapshotManager:
@@ -179,6 +183,7 @@ class SnapshotManager:
         self._extra: Any = None
         self._peers = extras.PeerExchange(f"ucp-memory/{self.namespace}/{self.run}/extra")
         self._extra_seq: int | None = None
+        self._fill_s = 0.0
 
     # ------------------------------------------------------------------------------- snapshot
 
@@ -331,7 +336,9 @@ class SnapshotManager:
             writer = self.store.begin(step, index, prep.nbytes)
             self._pinned.add(writer.path)
         try:
+            t0 = time.perf_counter()
             copied = fill(writer.blob.array, prep.layout, self.node, prep.fetches, prep.gaps, datas)
+            self._fill_s = time.perf_counter() - t0
         except BaseException:
             with self._lock:
                 self._pinned.discard(writer.path)
@@ -354,7 +361,7 @@ class SnapshotManager:
                 self._pinned.discard(writer.path)
         copy_s += time.perf_counter() - t0
         self.stats = SnapshotStats(step, prep.nbytes, copied, dispatch_s, copy_s,
-                                   sum(map(len, prep.rolls.values())))  # fmt: skip
+                                   sum(map(len, prep.rolls.values())), self._fill_s)  # fmt: skip
         layout = prep.layout
         if job is not None:
             if self._persisting is not None:

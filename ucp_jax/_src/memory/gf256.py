@@ -115,26 +115,15 @@ def mul_xor(dst: np.ndarray, src: np.ndarray, c: int) -> None:
         xor_into(dst[d : d + b - a], src[a:b])
 
 
-def mul(src: np.ndarray, c: int) -> np.ndarray:
-    """c * src (a new lane)."""
-    out = np.zeros(len(src), np.uint8)
-    mul_xor(out, src, c)
+def mul(src: np.ndarray, c: int, out: np.ndarray | None = None) -> np.ndarray:
+    """c * src, into `out` (a new lane by default; not `src` itself)."""
+    if len(src) % 8:
+        raise ValueError(f"a lane of {len(src)} bytes (need a multiple of 8)")
+    out = np.empty(len(src), np.uint8) if out is None else out
+    w = len(src) // 8
+    for ob, srcs in enumerate(columns(c)):  # the first input packet copied, the others XORed
+        dst = out[ob * w : (ob + 1) * w]
+        dst[:] = src[srcs[0] * w : (srcs[0] + 1) * w]
+        for s in srcs[1:]:
+            xor_into(dst, src[s * w : (s + 1) * w])
     return out
-
-
-def sum64(a: np.ndarray) -> int:
-    """The sum of a byte range's 64-bit words (wrapping; a tail shorter than 8 bytes zero-padded).
-
-    A quick digest of a lane, at memory speed: not a cryptographic hash; it tells a lane rebuilt
-    from a stale or damaged parity from the lane that was encoded.
-    """
-    n8 = len(a) // 8 * 8
-    words = (
-        np.frombuffer(a[:n8].tobytes(), np.uint64) if a.ctypes.data % 8 else a[:n8].view(np.uint64)
-    )
-    total = int(np.add.reduce(words, dtype=np.uint64)) if n8 else 0
-    if n8 < len(a):
-        tail = np.zeros(8, np.uint8)
-        tail[: len(a) - n8] = a[n8:]
-        total += int(tail.view(np.uint64)[0])
-    return total & 0xFFFFFFFFFFFFFFFF

@@ -11,12 +11,13 @@ redundancy area is
     [P of its stripe (C) | Q of the previous stripe (C) | digest table]
 
 - P = the XOR of the stripe's data lanes, Q = sum c_i * lane_i, c_i the coefficient of member i's
-  position (`gf256.COEFFS`: the cheapest first). Q is computed in bit-sliced form
+  place among the stripe's data members (`gf256.COEFFS`: the cheapest first; 1 for the first,
+  so its share of Q is a plain XOR). Q is computed in bit-sliced form
   (`gf256.segments`), so both parities are XORs of byte ranges of other nodes' pieces, and the
   engine fills them exactly as it fills `xor`'s lane (device copies or rolls, then XOR on the
   host).
-- The digest table: the 64-bit word sums (`gf256.sum64`) of the data lanes of the two stripes,
-  as their owners computed them from their own filled blobs (exchanged through the coordination
+- The digest table: the CRC-32s of the data lanes of the two stripes, as their owners computed
+  them from their own filled blobs (exchanged through the coordination
   service before the snapshot commits). A rebuilt lane that does not match raises
   `ParityMismatch`: a stale or damaged parity never gives wrong values.
 
@@ -32,12 +33,13 @@ Rebuild, per stripe with lost data lanes:
 from __future__ import annotations
 
 import base64
+import zlib
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .gf256 import COEFFS, ginv, mul, mul_xor, segments, sum64, xor_into
+from .gf256 import COEFFS, ginv, mul, mul_xor, segments, xor_into
 from .scheme_base import Need, ParityMismatch, RedundancyScheme, SnapshotLayout, align
 
 LANE_ALIGN = 512  # C / 8 (a packet) is a multiple of 64 bytes
@@ -105,7 +107,13 @@ class RS2(RedundancyScheme):
         return layout.primary[node] + m * self.lane_bytes(layout, node), align(8 * (1 + m * k))
 
     def coef(self, g: Sequence[int], n: int) -> int:
+        """The Q coefficient of member n of group g (for the extras: by position in the group)."""
         return COEFFS[list(g).index(n)]
+
+    def stripe_coef(self, layout: SnapshotLayout, g: Sequence[int], s: int, n: int) -> int:
+        """The Q coefficient of data member n in stripe s: by its place among the stripe's k-2
+        data members, so every stripe takes the k-2 cheapest (1 is a plain XOR, 2 costs 11/8)."""
+        return COEFFS[self.data_of(layout, g, s).index(n)]
 
     def extra_bytes(self, layout: SnapshotLayout, node: int) -> int:
         if len(layout.group_of[node]) < 2:
@@ -133,7 +141,8 @@ class RS2(RedundancyScheme):
                     if w == 0:
                         out.append((p, lo - p.offset, hi - p.offset, base + lo - a, True))
                         continue
-                    for x, y, d in segments(self.coef(g, i), c_len // 8, lo - a, hi - a):
+                    c = self.stripe_coef(layout, g, s, i)
+                    for x, y, d in segments(c, c_len // 8, lo - a, hi - a):
                         out.append((p, x + a - p.offset, y + a - p.offset, base + d, True))
         return out
 
@@ -198,14 +207,16 @@ class RS2(RedundancyScheme):
                 a, b = self.lane(layout, i, s)
                 if i in missing or b <= a:
                     continue
-                d = np.zeros(c_len, np.uint8)
-                d[: b - a] = blobs[i].view(a, b - a)
+                d = blobs[i].view(a, b - a)
+                if b - a < c_len:  # a short last lane: zeros after it
+                    d = np.concatenate([d, np.zeros(c_len - (b - a), np.uint8)])
                 for t, w in enumerate(use):
-                    mul_xor(acc[t], d, 1 if w == 0 else self.coef(g, i))
+                    mul_xor(acc[t], d, 1 if w == 0 else self.stripe_coef(layout, g, s, i))
             if len(gone) == 1:
-                lanes = [acc[0] if use == [0] else mul(acc[0], ginv(self.coef(g, gone[0])))]
+                cu = self.stripe_coef(layout, g, s, gone[0])
+                lanes = [acc[0] if use == [0] else mul(acc[0], ginv(cu))]
             else:  # P' = D_u ^ D_v, Q' = c_u D_u ^ c_v D_v
-                cu, cv = self.coef(g, gone[0]), self.coef(g, gone[1])
+                cu, cv = (self.stripe_coef(layout, g, s, n) for n in gone)
                 mul_xor(acc[1], acc[0], cv)
                 du = mul(acc[1], ginv(cu ^ cv))
                 xor_into(acc[0], du)
@@ -215,13 +226,13 @@ class RS2(RedundancyScheme):
             for n, d in zip(gone, lanes):
                 a, b = self.lane(layout, n, s)
                 want = int(table[1 + use[0] * len(g) + g.index(n)])
-                got = sum64(d[: b - a])
+                got = zlib.crc32(d[: b - a])
                 if got != want:
                     raise ParityMismatch(
                         f"rs2: node {n}'s lane of stripe {s}, rebuilt from the parities of node(s) "
                         f"{[self.holders(layout, g, s)[w] for w in use]} with node(s) "
                         f"{sorted(missing)} of group {g} lost, does not match the digest node {h} "
-                        f"kept of it ({got:#018x} != {want:#018x}): a parity or a surviving "
+                        f"kept of it (CRC-32 {got:#010x} != {want:#010x}): a parity or a surviving "
                         "member's bytes are stale or damaged"
                     )
                 out[n][a:b] = d[: b - a]
@@ -243,10 +254,15 @@ class RS2(RedundancyScheme):
         return [n for n in layout.group_of[node] if n != node]
 
     def digest(self, layout: SnapshotLayout, node: int, blob: np.ndarray) -> Any:
-        """The word sums of `node`'s data lanes, in stripe order."""
+        """The CRC-32s of `node`'s data lanes, in stripe order.
+
+        A rebuild from a damaged parity spreads an error over the bytes of a lane (bit-sliced
+        symbols), in patterns that can cancel in a sum of words; CRC-32 catches every error of
+        one or two bits in a lane (under 512 MiB) and any other but about one in 2^32.
+        """
         if len(layout.group_of[node]) < 2:
             return None
-        return [sum64(blob[a:b]) for a, b in
+        return [zlib.crc32(blob[a:b]) for a, b in
                 (self.lane(layout, node, s) for s in self.stripes_of(layout, node))]  # fmt: skip
 
     def keep_digests(
