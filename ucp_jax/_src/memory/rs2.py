@@ -42,6 +42,11 @@ import numpy as np
 from .gf256 import COEFFS, ginv, mul, mul_xor, segments, xor_into
 from .scheme_base import Need, ParityMismatch, RedundancyScheme, SnapshotLayout, align
 
+def _crc(a: np.ndarray) -> int:
+    """The CRC-32 of a byte range (a contiguous uint8 array)."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(a)))
+
+
 LANE_ALIGN = 512  # C / 8 (a packet) is a multiple of 64 bytes
 _MAGIC = int.from_bytes(b"ucp-rs2\x01", "little")
 
@@ -226,7 +231,7 @@ class RS2(RedundancyScheme):
             for n, d in zip(gone, lanes):
                 a, b = self.lane(layout, n, s)
                 want = int(table[1 + use[0] * len(g) + g.index(n)])
-                got = zlib.crc32(d[: b - a])
+                got = _crc(d[: b - a])
                 if got != want:
                     raise ParityMismatch(
                         f"rs2: node {n}'s lane of stripe {s}, rebuilt from the parities of node(s) "
@@ -262,7 +267,7 @@ class RS2(RedundancyScheme):
         """
         if len(layout.group_of[node]) < 2:
             return None
-        return [zlib.crc32(blob[a:b]) for a, b in
+        return [_crc(blob[a:b]) for a, b in
                 (self.lane(layout, node, s) for s in self.stripes_of(layout, node))]  # fmt: skip
 
     def keep_digests(
