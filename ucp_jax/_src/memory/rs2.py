@@ -42,9 +42,10 @@ import numpy as np
 from .gf256 import COEFFS, ginv, mul, mul_xor, segments, xor_into
 from .scheme_base import Need, ParityMismatch, RedundancyScheme, SnapshotLayout, align
 
+
 def _crc(a: np.ndarray) -> int:
     """The CRC-32 of a byte range (a contiguous uint8 array)."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(a)))
+    return zlib.crc32(np.ascontiguousarray(a).data)
 
 
 LANE_ALIGN = 512  # C / 8 (a packet) is a multiple of 64 bytes
