@@ -11,6 +11,8 @@ in the same run (best of `--repeats`):
 - `numpy table lookup`: byte-wise Q, `dst ^= MUL[c][src]` (a 256-entry table per coefficient);
 - `JAX jit Horner`: the same Horner rule fused by XLA (CPU), the lanes copied in and P, Q out
   (the device-resident time, without the copies, is shown too);
+- with `--engine`: the snapshot engine's own fill of one node's blob for none, xor and rs2 (a
+  simulated job of k nodes), and rebuilds of one and two lost nodes, against memcpy;
 - libraries, where installed: pyeclib with ISA-L (`isa_l_rs_vand`, whose m=2 parities are exactly
   RAID-6's P and byte-wise Q), zfec (its own Vandermonde code), galois (GF(2^8) arrays).
 
@@ -18,6 +20,7 @@ Usage::
 
     python benchmarks/rs2_encode.py --lanes 2 --mib 8     # a group of 4
     python benchmarks/rs2_encode.py --lanes 6 --mib 8     # a group of 8
+    python benchmarks/rs2_encode.py --engine              # + the engine's fill and rebuild
     pip install pyeclib zfec galois  # to measure the libraries too
 """
 
@@ -195,11 +198,105 @@ def candidates(lanes: np.ndarray) -> dict[str, Callable[[], tuple[np.ndarray, np
     return out
 
 
+def engine(k: int, mib: float, repeats: int) -> list[str]:
+    """The engine's own fill of one node's blob (none, xor, rs2) and rebuilds, in one process.
+
+    A job of k nodes x 2 fake devices with one leaf sharded over all devices (each node's share
+    `mib` MiB); node 0's blob is filled from numpy copies of its fetches' regions exactly as the
+    snapshot engine fills it, best of `repeats` interleaved; then rs2 (and xor) rebuild one and
+    two lost nodes from the others' blobs.
+    """
+    import dataclasses
+
+    from ucp_jax._src.memory.layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
+    from ucp_jax._src.memory.redundancy import Sources, decode_nodes, fill, plan_fetches
+    from ucp_jax._src.memory.schemes import scheme_for
+
+    @dataclasses.dataclass(frozen=True)
+    class Dev:
+        id: int
+        process_index: int
+
+    devs = [Dev(i, i // 2) for i in range(2 * k)]
+    rows = max(1, int(mib * 2**20) // (2 * 4096 * 4))  # float32 rows of 4096 per device
+    arr = np.random.default_rng(0).standard_normal((rows * 2 * k, 4096)).astype(np.float32)
+    boxes = {d: ((rows * d.id, rows * (d.id + 1)), (0, 4096)) for d in devs}
+    meta = [LeafMeta("w", arr.shape, arr.dtype, "param")]
+    regions = [[(boxes[d], d.process_index) for d in devs]]
+    writers = {(0, boxes[d], d.process_index): (d, boxes[d]) for d in devs}
+    jobs, blobs = {}, {}
+    for name in ("none", "xor", "rs2"):
+        red = None if name == "none" else name
+        lay = SnapshotLayout(meta, k, make_groups(k, k, 3 if red == "rs2" else 2), red,
+                             build_pieces(meta, regions, k))  # fmt: skip
+        per = []
+        for n in range(k):
+            f, _ = plan_fetches(lay, Sources([boxes], writers), devs, n)
+            datas = [np.ascontiguousarray(arr[tuple(slice(a, b) for a, b in x.box)]) for x in f]
+            per.append((f, datas))
+        jobs[name] = (lay, per)
+        blobs[name] = {n: np.zeros(lay.size(n), np.uint8) for n in range(k)}
+        for n, (f, datas) in enumerate(per):
+            fill(blobs[name][n], lay, n, f, lay.gaps(n), list(datas))
+    rs2 = scheme_for("rs2")
+    lay = jobs["rs2"][0]
+    digests = {n: rs2.digest(lay, n, blobs["rs2"][n]) for n in range(k)}
+    for n in range(k):
+        rs2.keep_digests(lay, n, blobs["rs2"][n], {m: digests[m] for m in range(k) if m != n})
+
+    class View:
+        def __init__(self, a: np.ndarray) -> None:
+            self.a = a
+
+        def view(self, off: int, nb: int) -> np.ndarray:
+            return self.a[off : off + nb]
+
+    share = jobs["none"][0].size(0)
+    src, dst = np.ones(share, np.uint8), np.zeros(share, np.uint8)
+    tasks: dict[str, Callable[[], object]] = {
+        "memcpy of a node's share": lambda: np.copyto(dst, src)
+    }
+    for name, (lay, per) in jobs.items():
+        f, datas = per[0]
+        scratch = np.zeros_like(blobs[name][0])  # (the sealed blobs stay for the rebuilds)
+        tasks[f"fill, {name}"] = lambda lay=lay, f=f, datas=datas, b=scratch: fill(
+            b, lay, 0, f, lay.gaps(0), list(datas)
+        )
+    for name, losses in (("xor", [[1]]), ("rs2", [[1], [1, 2]])):
+        lay = jobs[name][0]
+        for lost in losses:
+            others = {m: View(blobs[name][m]) for m in range(k) if m not in lost}
+            tasks[f"rebuild {len(lost)} lost, {name}"] = lambda lay=lay, lost=lost, others=others: (
+                decode_nodes(lay, lost, others)
+            )
+    times = best(tasks, repeats)
+    m = times["memcpy of a node's share"]
+    out = [f"the engine, k = {k}: a node's share {share / 2**20:.1f} MiB; best of {repeats}",
+           f"{'':30}{'bytes':>10}{'ms':>9}{'GB/s':>8}{'of memcpy':>11}{'vs xor':>8}"]  # fmt: skip
+    for name, t in times.items():
+        if name.startswith("fill"):
+            nb = jobs[name.split(", ")[1]][0].size(0)
+        elif name.startswith("rebuild"):
+            nb = share * int(name.split()[1])
+        else:
+            nb = share
+        ref = times.get(name.replace("rs2", "xor").replace("2 lost", "1 lost"), t)
+        out.append(f"{name:30}{nb / 2**20:7.1f}MiB{t * 1e3:9.1f}{nb / t / 1e9:8.2f}"
+                   f"{m / t * nb / share:10.0%}{t / ref:7.2f}x")  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lanes", type=int, default=2, help="data lanes per stripe (k - 2)")
     ap.add_argument("--mib", type=float, default=8.0, help="MiB per lane")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="also time the engine's fill of a node's blob (none, xor, rs2) and rs2's rebuilds "
+        "(needs ucp_jax importable)",
+    )
     args = ap.parse_args()
     n = int(args.mib * 2**20) // 512 * 512
     lanes = np.random.default_rng(0).integers(0, 256, (args.lanes, n), dtype=np.uint8)
@@ -210,6 +307,9 @@ def main() -> None:
     print(f"{'method':46}{'ms':>9}{'GB/s':>8}{'of memcpy':>11}")
     for name, t in rows:
         print(f"{name:46}{t * 1e3:9.1f}{lanes.nbytes / t / 1e9:8.2f}{base / t:10.0%}")
+    if args.engine:
+        print()
+        print("\n".join(engine(args.lanes + 2, args.mib * args.lanes, args.repeats)))
 
 
 if __name__ == "__main__":
