@@ -14,6 +14,9 @@ job dies. Then:
 - with the shared memory of nodes 1 and 2 wiped, a 4 x 2 job (the same mesh) resumes step 3
   bit-exact from P and Q, every process with its own extra, and trains on with the same bits;
   a 2 x 4 job (a smaller mesh) does the same.
+
+On a cluster (each process's shared memory on its own "machine"), two replaced machines get the
+bytes that rebuild their nodes from the other two.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import shutil
 import signal
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -102,3 +106,34 @@ def test_two_killed_processes_resume_on_the_same_mesh(rs2):
 def test_two_killed_processes_resume_on_a_smaller_mesh(rs2):
     _check(rs2["smaller_mesh"], rs2["train"], 3, "redundancy")
     assert all(r["lost"] == [1, 2] for r in rs2["smaller_mesh"])
+
+
+@pytest.fixture(scope="module")
+def rs2_machines(tmp_path_factory):
+    """Every process keeps its shared memory on its own 'machine' (a folder no other one sees)."""
+    root = tmp_path_factory.mktemp("mem_rs2_machines")
+    ns = f"test-rs2m-{uuid.uuid4().hex[:8]}"
+    shm = Path("/dev/shm") / f"ucp-rs2-machines-{uuid.uuid4().hex[:8]}"
+    base = {"ckpt": str(root / "ckpt"), "namespace": ns, "machines": str(shm)}
+    out: dict = {}
+    try:
+        job = Job(root, "train", 4, 2, mode="train", steps=2, redundancy="rs2", **base)
+        job.wait_for("SNAPSHOTS DONE")
+        out["train"] = job.reports()
+        job.crash(victim=1)
+        shutil.rmtree(shm / "m1" / f"ucp-{ns}")  # machines 1 and 2 are replaced: memory gone
+        shutil.rmtree(shm / "m2" / f"ucp-{ns}")
+        _resume(root, out, "replaced", 4, 2, **base, **{"continue": True})
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return out
+
+
+def test_two_replaced_machines_rebuild_from_bytes_the_others_send(rs2_machines):
+    """Processes 1 and 2 see no snapshot: 0 and 3 send them the lanes, parities and digest
+    tables that rebuild nodes 1 and 2 (each process only the ranges it needs)."""
+    reports = rs2_machines["replaced"]
+    _check(reports, rs2_machines["train"], 2, "redundancy")
+    assert all(r["lost"] == [1, 2] for r in reports)
+    assert reports[1]["fetched_bytes"] > 0 and reports[2]["fetched_bytes"] > 0
+    assert "decoded from rs2" in rs2_machines["replaced_log"]
