@@ -53,11 +53,9 @@ class SnapshotStats:
         nbytes: bytes of this node's blob (own pieces + redundancy).
         copied_bytes: bytes copied device -> shared memory for it.
         dispatch_s: time `snapshot()` took on the training thread.
-        copy_s: time the background copy into shared memory took (with the commit, and the
-            exchange of digests and extras with the peers).
+        copy_s: time the background copy into shared memory took (with the commit).
         rolls: leaves exchanged with collectives for redundancy.
-        fill_s: time the copy of the fetched regions into the blob took, with the parities
-            (xor's XOR, rs2's P and Q): `nbytes / fill_s` is the node's copy-and-encode rate.
+        fill_s: of it, the fill of the blob alone (copies and parities: xor's, rs2's P and Q).
     """
 
     step: int = -1
@@ -88,17 +86,15 @@ class SnapshotManager:
         persist_every: persist every this many snapshots (`step % (every * persist_every) == 0`);
             None: never.
         redundancy: None, 'replica' (each node also keeps the previous node of its group's share),
-            'xor' (each node keeps one parity lane of its group: any one lost node of a group is
-            rebuilt) or 'rs2' (two parity lanes, P and Q: any two lost nodes of a group are
-            rebuilt; see docs/fault_tolerance_rs2.md); any scheme in `schemes.SCHEMES`.
+            'xor' (one parity lane per node of a group) or 'rs2' (two, P and Q: any two lost
+            nodes of a group rebuilt; docs/fault_tolerance_rs2.md); any of `schemes.SCHEMES`.
         namespace: names the job's shared-memory folder; a restarted job with the same namespace
             reattaches. Default: derived from `directory_for_persist`.
         shm_dir: where namespaces live (default /dev/shm). On a tmpfs mounted with huge pages
             (`huge=within_size` or `huge=advise`) the snapshots are 2 MiB pages and a restore
             maps them ~100x faster than 4 KiB pages; `huge_pages` says which this is.
         keep: committed snapshots kept per node (at least 1).
-        group_size: nodes per redundancy group (default 2 for 'replica', up to 4 for 'xor', up
-            to 6 for 'rs2').
+        group_size: nodes per redundancy group (default 2 for 'replica', up to 4/6 for 'xor'/'rs2').
         donation_safe: True (default): `snapshot()` makes device-side copies of what it copies
             (one computation per device; on CPU devices it copies into shared memory instead),
             so the caller may donate or delete the arrays as soon as it returns; costs up to
@@ -336,8 +332,8 @@ class SnapshotManager:
             writer = self.store.begin(step, index, prep.nbytes)
             self._pinned.add(writer.path)
         try:
-            t0 = time.perf_counter()
-            copied = fill(writer.blob.array, prep.layout, self.node, prep.fetches, prep.gaps, datas)
+            t0, copied = time.perf_counter(), fill(writer.blob.array, prep.layout, self.node,
+                                                   prep.fetches, prep.gaps, datas)  # fmt: skip
             self._fill_s = time.perf_counter() - t0
         except BaseException:
             with self._lock:
