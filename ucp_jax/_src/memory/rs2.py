@@ -33,8 +33,10 @@ Rebuild, per stripe with lost data lanes:
 from __future__ import annotations
 
 import base64
+import os
 import zlib
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -202,47 +204,65 @@ class RS2(RedundancyScheme):
     def decode_all(
         self, layout: SnapshotLayout, lost: Sequence[int], blobs: Mapping[int, Any]
     ) -> dict[int, np.ndarray]:
+        """Every stripe with lost lanes is solved on its own, in threads (numpy's XORs and
+        zlib's CRC release the GIL), each writing its lanes of the lost nodes."""
         g, _, _ = self._group(layout, lost[0])
         missing = [n for n in g if n not in blobs]
-        c_len = self.lane_bytes(layout, lost[0])
         out = {n: np.zeros(layout.primary[n], np.uint8) for n in missing}
-        for s, gone, use in self._plan(layout, g, missing):
-            acc = [np.array(blobs[h].view(off, c_len)) for h, off in
-                   (self.parity_at(layout, g, s, w) for w in use)]  # fmt: skip
-            for i in self.data_of(layout, g, s):
-                a, b = self.lane(layout, i, s)
-                if i in missing or b <= a:
-                    continue
-                d = blobs[i].view(a, b - a)
-                if b - a < c_len:  # a short last lane: zeros after it
-                    d = np.concatenate([d, np.zeros(c_len - (b - a), np.uint8)])
-                for t, w in enumerate(use):
-                    mul_xor(acc[t], d, 1 if w == 0 else self.stripe_coef(layout, g, s, i))
-            if len(gone) == 1:
-                cu = self.stripe_coef(layout, g, s, gone[0])
-                lanes = [acc[0] if use == [0] else mul(acc[0], ginv(cu))]
-            else:  # P' = D_u ^ D_v, Q' = c_u D_u ^ c_v D_v
-                cu, cv = (self.stripe_coef(layout, g, s, n) for n in gone)
-                mul_xor(acc[1], acc[0], cv)
-                du = mul(acc[1], ginv(cu ^ cv))
-                xor_into(acc[0], du)
-                lanes = [du, acc[0]]
-            h = self.parity_at(layout, g, s, use[0])[0]
-            table = self._table(layout, h, blobs[h])
-            for n, d in zip(gone, lanes):
-                a, b = self.lane(layout, n, s)
-                want = int(table[1 + use[0] * len(g) + g.index(n)])
-                got = _crc(d[: b - a])
-                if got != want:
-                    raise ParityMismatch(
-                        f"rs2: node {n}'s lane of stripe {s}, rebuilt from the parities of node(s) "
-                        f"{[self.holders(layout, g, s)[w] for w in use]} with node(s) "
-                        f"{sorted(missing)} of group {g} lost, does not match the digest node {h} "
-                        f"kept of it (CRC-32 {got:#010x} != {want:#010x}): a parity or a surviving "
-                        "member's bytes are stale or damaged"
-                    )
-                out[n][a:b] = d[: b - a]
+        plan = self._plan(layout, g, missing)
+        with ThreadPoolExecutor(max(1, min(len(plan), os.cpu_count() or 1))) as pool:
+            for f in [pool.submit(self._solve, layout, g, missing, p, blobs, out) for p in plan]:
+                f.result()  # (a ParityMismatch of any stripe raises here)
         return {n: out[n] for n in lost}
+
+    def _solve(
+        self,
+        layout: SnapshotLayout,
+        g: list[int],
+        missing: list[int],
+        plan: tuple[int, list[int], list[int]],
+        blobs: Mapping[int, Any],
+        out: dict[int, np.ndarray],
+    ) -> None:
+        """Rebuild stripe s's lost data lanes (`gone`) from the parities `use`, check each
+        against the digest a parity holder kept of it, and write it into `out`."""
+        s, gone, use = plan
+        c_len = self.lane_bytes(layout, g[0])
+        acc = [np.array(blobs[h].view(off, c_len)) for h, off in
+               (self.parity_at(layout, g, s, w) for w in use)]  # fmt: skip
+        for i in self.data_of(layout, g, s):
+            a, b = self.lane(layout, i, s)
+            if i in missing or b <= a:
+                continue
+            d = blobs[i].view(a, b - a)
+            if b - a < c_len:  # a short last lane: zeros after it
+                d = np.concatenate([d, np.zeros(c_len - (b - a), np.uint8)])
+            for t, w in enumerate(use):
+                mul_xor(acc[t], d, 1 if w == 0 else self.stripe_coef(layout, g, s, i))
+        if len(gone) == 1:
+            cu = self.stripe_coef(layout, g, s, gone[0])
+            lanes = [acc[0] if use == [0] else mul(acc[0], ginv(cu))]
+        else:  # P' = D_u ^ D_v, Q' = c_u D_u ^ c_v D_v
+            cu, cv = (self.stripe_coef(layout, g, s, n) for n in gone)
+            mul_xor(acc[1], acc[0], cv)
+            du = mul(acc[1], ginv(cu ^ cv))
+            xor_into(acc[0], du)
+            lanes = [du, acc[0]]
+        h = self.parity_at(layout, g, s, use[0])[0]
+        table = self._table(layout, h, blobs[h])
+        for n, d in zip(gone, lanes):
+            a, b = self.lane(layout, n, s)
+            want = int(table[1 + use[0] * len(g) + g.index(n)])
+            got = _crc(d[: b - a])
+            if got != want:
+                raise ParityMismatch(
+                    f"rs2: node {n}'s lane of stripe {s}, rebuilt from the parities of node(s) "
+                    f"{[self.holders(layout, g, s)[w] for w in use]} with node(s) "
+                    f"{sorted(missing)} of group {g} lost, does not match the digest node {h} "
+                    f"kept of it (CRC-32 {got:#010x} != {want:#010x}): a parity or a surviving "
+                    "member's bytes are stale or damaged"
+                )
+            out[n][a:b] = d[: b - a]
 
     def _table(self, layout: SnapshotLayout, h: int, blob: Any) -> np.ndarray:
         off, nbytes = self.table_at(layout, h)
