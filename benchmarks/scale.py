@@ -132,8 +132,10 @@ def plan_sim(
     leaves cycle through the patterns a model has: fused QKV (split per TP rank), a vocabulary-
     padded embedding, layers stacked on axis 0 (32 per leaf), and plain; each local region is
     mapped through its leaf's pattern chain to atom pieces, and every leaf's atoms are listed
-    (what the manifest records), as `SaveJob` does; the mesh is (devices / 8, 8), tensor
-    parallel 8 (listing a fused leaf's atoms costs O(TP degree), not O(devices)).
+    (what the manifest records); the mesh is (devices / 8, 8), tensor parallel 8 (listing a
+    fused leaf's atoms costs O(TP degree), not O(devices)). `SaveJob` itself still finds a
+    patterned leaf's chunk boundaries from every writer's region (O(devices) per patterned leaf,
+    `binding.atom_boundaries`): that step is not in this simulation.
     """
     import numpy as np
 

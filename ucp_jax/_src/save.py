@@ -46,11 +46,14 @@ from .util.inflight import InflightWindow
 from .util.sync import barrier
 
 log = logging.getLogger("ucp_jax")
-# A version-3 save commits transactions of budget / TXN_PARTS bytes (and at most 1/TXN_PARTS of
-# this process's share, at least TXN_MIN), of which MAX_COMMITTING may be writing their data files
-# at once: several files written in parallel (one writer thread each), little memory held.
+# A version-3 save into local files commits transactions of 1/TXN_PARTS of this process's share
+# (at least TXN_MIN, at most budget / TXN_PARTS), of which MAX_COMMITTING may be writing their data
+# files at once: several files written in parallel (one writer thread each), little memory held.
+# Into an object store, a transaction is a quarter of the budget: each is one object, and a save's
+# object count stays 3 + share / (budget / 4) per process (docs/SCALE.md).
 TXN_PARTS = 16
 TXN_MIN = 4 << 20
+REMOTE_TXN_PARTS = 4
 MAX_COMMITTING = 4
 _SAVE_COUNTER = itertools.count()
 
@@ -329,7 +332,9 @@ class SaveJob:
                   for k, (shape, info) in self.slots.items()}  # fmt: skip
         written: dict[SlotInfo, set[str]] = {}
         in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
-        txn_bytes = transaction_bytes(sum(t.nbytes for t in self.tasks), self.budget)
+        txn_bytes = transaction_bytes(
+            sum(t.nbytes for t in self.tasks), self.budget, local=local is not None
+        )
         # Transactions of txn_bytes; while one fills, up to MAX_COMMITTING earlier ones
         # are being written (copies overlap the file writes; at most a third of the budget held).
         txn, staged, committing = ts.Transaction(), 0, collections.deque[Any]()
@@ -369,8 +374,14 @@ class SaveJob:
         barrier(self.tag + "-committed")
 
 
-def transaction_bytes(share: int, budget: int) -> int:
-    """Bytes per transaction of a version-3 save of `share` bytes within `budget`."""
+def transaction_bytes(share: int, budget: int, *, local: bool = True) -> int:
+    """Bytes per transaction (one data file each) of a version-3 save of `share` bytes.
+
+    >>> transaction_bytes(1 << 30, 1 << 30) >> 20, transaction_bytes(1 << 30, 1 << 30, local=False) >> 20
+    (64, 256)
+    """
+    if not local:
+        return max(TXN_MIN, budget // REMOTE_TXN_PARTS)
     return max(TXN_MIN, min(budget, share) // TXN_PARTS)
 
 
