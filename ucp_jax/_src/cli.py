@@ -128,14 +128,21 @@ def _add_torch_commands(sub: Any) -> None:
     p = kinds.add_parser("dcp", help="a torch.distributed.checkpoint folder (e.g. FSDP2)")
     p.add_argument("--model-prefix", default="model.", help="prefix stripped from model entries")
     p = kinds.add_parser(
-        "megatron", help="a Megatron-Core torch_dist checkpoint of a Llama-like GPT"
+        "megatron", help="a Megatron-Core torch_dist checkpoint of a GPTModel (dense or MoE)"
     )
-    p.add_argument("--heads", type=int, default=None, help="attention heads (if not recorded)")
+    p.add_argument("--heads", type=int, default=None,
+                   help="attention heads (asked for only where the checkpoint records none)")  # fmt: skip
+    p.add_argument("--top-k", type=int, default=None,
+                   help="experts per token of a MoE model (where not recorded)")  # fmt: skip
     p.add_argument(
         "--vocab-size", type=int, default=None, help="true vocabulary (drops TP padding)"
     )
-    p.add_argument("--norm-eps", type=float, default=1e-5, help="RMSNorm epsilon")
-    p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base")
+    p.add_argument(
+        "--norm-eps", type=float, default=None, help="norm epsilon (default: args, 1e-5)"
+    )
+    p.add_argument("--rope-theta", type=float, default=None, help="RoPE base (default: args, 1e4)")
+    p.add_argument("--activation", default=None, choices=("silu", "gelu", "gelu_pytorch_tanh"),
+                   help="the MLP's activation (default: SiLU if gated, else GELU)")  # fmt: skip
     p = kinds.add_parser(
         "orbax", help="an Orbax checkpoint: item folder, CheckpointManager step folder or root"
     )
@@ -149,8 +156,15 @@ def _add_torch_commands(sub: Any) -> None:
     p = ekinds.add_parser("hf", help="a Hugging Face model folder (from_pretrained loads it)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per shard (default 5GB)")
     p.add_argument("--dtype", default=None, help="write weights in this dtype (default: as stored)")
-    p = ekinds.add_parser("megatron", help="a Megatron-Core torch_dist folder (any TP/PP loads it)")
+    p = ekinds.add_parser(
+        "megatron", help="a Megatron-Core torch_dist folder (any TP/PP/EP loads it)"
+    )
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="model dtype")
+    p.add_argument("--optimizer", default="plain", choices=("plain", "distributed"),
+                   help="the loading job's optimizer: plain, or the distributed optimizer "
+                   "(fully_reshardable)")  # fmt: skip
+    p.add_argument("--expert-parallel", type=int, default=None,
+                   help="EP size of the MoE job that loads it (1: one optimizer; >1: chained)")  # fmt: skip
     p.add_argument("--padded-vocab", type=int, default=None, help="vocabulary rows Megatron holds")
     for parser in (*kinds.choices.values(), *ekinds.choices.values()):
         parser.add_argument("src")
@@ -200,6 +214,7 @@ def _run_torch_command(args: Any) -> int:
     if args.cmd == "export" and args.kind == "megatron":
         out = mod.export_megatron(
             args.src, args.dst, dtype=args.dtype, padded_vocab=args.padded_vocab,
+            optimizer=args.optimizer, expert_parallel=args.expert_parallel,
             overwrite=args.overwrite,
         )  # fmt: skip
         print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (dist_checkpointing.load loads it)")
@@ -227,7 +242,8 @@ def _run_torch_command(args: Any) -> int:
     elif args.kind == "megatron":
         out = mod.import_megatron(
             args.src, args.dst, heads=args.heads, vocab_size=args.vocab_size,
-            norm_eps=args.norm_eps, rope_theta=args.rope_theta, overwrite=args.overwrite,
+            norm_eps=args.norm_eps, rope_theta=args.rope_theta, top_k=args.top_k,
+            activation=args.activation, overwrite=args.overwrite,
         )  # fmt: skip
     else:
         out = mod.import_dcp(
