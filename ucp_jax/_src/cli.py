@@ -118,6 +118,11 @@ def _add_torch_commands(sub: Any) -> None:
         "deepspeed", help="DeepSpeed ZeRO-1/2/3 folder (or ds_to_universal output)"
     )
     p.add_argument("--tag", default=None, help="tag to import (default: the `latest` file)")
+    p.add_argument("--hf-config", default=None,
+                   help="the Hugging Face model's config.json: name atoms as `convert hf` does "
+                   "(default: a config.json beside the checkpoint, if any)")  # fmt: skip
+    p.add_argument("--no-hf-config", action="store_true",
+                   help="name atoms as the torch parameters even with a config.json beside")  # fmt: skip
     p = kinds.add_parser("safetensors", help="a .safetensors file, an index.json or their folder")
     p.add_argument(
         "--preset", default=None, help="map names/layouts onto a model (e.g. llama-demo)"
@@ -231,8 +236,14 @@ def _run_torch_command(args: Any) -> int:
         universal = os.path.isdir(os.path.join(src, "zero")) or os.path.isfile(
             os.path.join(src, "latest_universal")
         )
-        fn = mods[1].import_deepspeed_universal if universal else mod.import_deepspeed
-        out = fn(src, args.dst, tag=args.tag, overwrite=args.overwrite, progress=progress)
+        if universal:
+            out = mods[1].import_deepspeed_universal(
+                src, args.dst, tag=args.tag, overwrite=args.overwrite, progress=progress
+            )
+        else:
+            hf = False if args.no_hf_config else args.hf_config
+            out = mod.import_deepspeed(src, args.dst, tag=args.tag, overwrite=args.overwrite,
+                                       progress=progress, hf_config=hf)  # fmt: skip
     elif args.kind == "hf":
         out = mod.import_hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
     elif args.kind == "safetensors":
