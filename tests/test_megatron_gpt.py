@@ -286,7 +286,7 @@ def _resave(mcore_gpt_ckpts, case: str, dst, edit) -> str:  # noqa: F811
 
 def test_refuses_what_the_model_does_not_compute(mcore_gpt_ckpts, tmp_path):  # noqa: F811
     """Grouped-GEMM experts, qk-layernorm and Megatron-LM args the JAX model does not compute are
-    refused by name, before anything is written."""
+    refused by name, before anything is written; so are hostile values in the args."""
 
     def grouped(sd: dict) -> None:
         sd["decoder.layers.mlp.experts.linear_fc1.weight0"] = sd.pop(X_ + "linear_fc1.weight")
@@ -304,3 +304,16 @@ def test_refuses_what_the_model_does_not_compute(mcore_gpt_ckpts, tmp_path):  # 
         with pytest.raises(MegatronFormatError, match=match):
             import_megatron(src, tmp_path / f"u_{edit.__name__}", heads=HEADS, top_k=TOP_K)
         assert not os.path.exists(tmp_path / f"u_{edit.__name__}")
+
+    def hostile_args(sd: dict) -> None:  # untrusted values where the shape is read from
+        args = sd["common_state/shard_0_1"][0]["args"]
+        args.num_attention_heads, args.norm_epsilon = -4, float("nan")
+
+    src = _resave(mcore_gpt_ckpts, "g_tp2", tmp_path / "hostile", hostile_args)
+    with pytest.raises(MegatronFormatError, match="heads=-4; expected a positive"):
+        import_megatron(src, tmp_path / "h")
+    with pytest.raises(MegatronFormatError, match="norm epsilon=nan"):
+        import_megatron(src, tmp_path / "h", heads=HEADS)
+    with pytest.raises(MegatronFormatError, match=r"top_k=9 is not in 1\.\.4"):
+        import_megatron(mcore_gpt_ckpts.path("m_ep2"), tmp_path / "h", heads=HEADS, top_k=9)
+    assert not os.path.exists(tmp_path / "h")

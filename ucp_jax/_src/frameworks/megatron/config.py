@@ -12,6 +12,7 @@ squared ReLU, a pre-softmax or sigmoid router...), naming the argument.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ...llama_config import LlamaConfig
@@ -74,7 +75,15 @@ def _heads(heads: int | None, args: Any, where: str) -> int:
             f"{where}: the number of attention heads is not recorded in the checkpoint (its common "
             "state has no Megatron-LM args, and no tensor's shape says it); pass heads= (--heads)"
         )
+    if n <= 0:
+        raise MegatronFormatError(f"{where}: heads={n}; expected a positive head count")
     return int(n)
+
+
+def _positive(v: Any, what: str, where: str) -> float:
+    if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+        raise MegatronFormatError(f"{where}: {what}={v!r:.40}; expected a positive finite number")
+    return float(v)
 
 
 def infer_config(
@@ -150,16 +159,20 @@ def infer_config(
             f"{where}: the router's top-k is not recorded in the checkpoint (no Megatron-LM args); "
             "pass top_k= (--top-k)"
         )
+    if sparse and not 1 <= k <= experts:
+        raise MegatronFormatError(f"{where}: top_k={k} is not in 1..{experts} (the experts)")
     layer_norm = any(k in shapes for k in _LN_BIASES)
     has = {name: name in shapes for name in TENSORS}
     v = vp if vocab_size is None else int(vocab_size)
     if not 0 < v <= vp:
         raise MegatronFormatError(f"{where}: vocab_size={v} exceeds the stored (padded) {vp}")
     eps = norm_eps or _arg(args, "norm_epsilon", float) or _arg(args, "layernorm_epsilon", float)
+    eps = _positive(eps or 1e-5, "the norm epsilon", where)
     theta = rope_theta or _arg(args, "rotary_base", (int, float)) or 10000.0
+    theta = _positive(theta, "the RoPE base (rotary_base)", where)
     cfg: dict[str, Any] = dict(
         vocab_size=v, d_model=d, n_heads=n, n_kv_heads=groups, head_dim=hd, n_layers=layers,
-        d_ff=ff, norm_eps=float(eps or 1e-5), rope_theta=float(theta),
+        d_ff=ff, norm_eps=eps, rope_theta=theta,
         qkv_bias=has[LAYERS + "self_attention.linear_qkv.bias"],
         tie_embeddings=not has["output_layer.weight"], vocab_multiple=1, n_experts=experts,
         top_k=k or 2, norm="layer" if layer_norm else "rms", activation=activation,

@@ -51,6 +51,7 @@ from ...untrusted.json import read_json_file
 from ...untrusted.lazy import jsonable
 from ...untrusted.limits import ucp_errors
 from ..common.dcp_files import (
+    per_row_chunks,
     read_metadata,
     read_objects,
     read_tensor,
@@ -172,14 +173,18 @@ def _step_of(common: Any) -> int | None:
     return int(it) if isinstance(it, int) else None
 
 
-def _parts(key: str, atom: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """(atom name, tensor) of each layer (and expert) of a stacked Megatron tensor."""
+def _parts(
+    key: str, atom: str, t: torch.Tensor, lead: int | None
+) -> list[tuple[str, torch.Tensor]]:
+    """(atom name, tensor) of each layer (and expert) of a stacked Megatron tensor: all of them,
+    or those of layer `lead` when `t` is that layer's slice."""
+    if not key.startswith(LAYERS):
+        return [(atom, t)]
+    layers = [(lead, t)] if lead is not None else [(i, t[i]) for i in range(t.shape[0])]
     if key.startswith(EXPERTS):
-        return [(f"blocks.{i}." + atom.replace("{e}", str(e)), t[i, e])
-                for i in range(t.shape[0]) for e in range(t.shape[1])]  # fmt: skip
-    if key.startswith(LAYERS):
-        return [(f"blocks.{i}.{atom}", t[i]) for i in range(t.shape[0])]
-    return [(atom, t)]
+        return [(f"blocks.{i}." + atom.replace("{e}", str(e)), x[e])
+                for i, x in layers for e in range(x.shape[0])]  # fmt: skip
+    return [(f"blocks.{i}.{atom}", x) for i, x in layers]
 
 
 @ucp_errors(MegatronFormatError, "import_megatron")
@@ -262,27 +267,31 @@ def import_megatron(
     flat = bucket_tensors(folder, md, objects, shapes, cfg)  # dp_reshardable, or {}
     maps = layer_maps(cfg)
 
-    def tensor(key: str, slot: str) -> torch.Tensor | None:
+    def tensor(key: str, slot: str, lead: int | None) -> torch.Tensor | None:
         if (key, slot) in flat:
-            return flat[(key, slot)]
+            return flat[(key, slot)] if lead is None else flat[(key, slot)][lead]
         fqn = opt.get((key, slot), key if slot == "fp32" else None)
-        return read_tensor(folder, md, fqn, MegatronFormatError) if fqn else None
+        return read_tensor(folder, md, fqn, MegatronFormatError, lead) if fqn else None
 
     with AtomWriter(dst, overwrite=overwrite) as w:
         for key, (_, how) in TENSORS.items():
             if key not in shapes:
                 continue
             atom = atom_of(key, cfg)
+            # a stacked tensor saved one layer per chunk (as Megatron saves) is read layer by
+            # layer: memory ~ one layer's tensor, not all layers' (experts: all of one layer's)
+            by_layer = key.startswith(LAYERS) and per_row_chunks(md, key)
             for slot in ("fp32", *MOMENTS):
-                t = tensor(key, slot)
-                if t is None:
-                    continue
-                for name, part in _parts(key, atom, t):
-                    m = maps[how](part)  # a view, but for qkv's regrouping
-                    w.atom(name, m.shape, fused=fused_of(cfg, name))
-                    write_rows(w, name, slot, m)
-                del t
-            w.flush()
+                for lead in range(shapes[key][0]) if by_layer else [None]:
+                    t = tensor(key, slot, lead)
+                    if t is None:
+                        continue
+                    for name, part in _parts(key, atom, t, lead):
+                        m = maps[how](part)  # a view, but for qkv's regrouping
+                        w.atom(name, m.shape, fused=fused_of(cfg, name))
+                        write_rows(w, name, slot, m)
+                    del t
+                w.flush()
         if step is None:
             step = _step_of(common)
         info: dict[str, Any] = {"path": os.path.abspath(folder), "heads": cfg.n_heads,
