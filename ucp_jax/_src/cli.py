@@ -118,6 +118,11 @@ def _add_torch_commands(sub: Any) -> None:
         "deepspeed", help="DeepSpeed ZeRO-1/2/3 folder (or ds_to_universal output)"
     )
     p.add_argument("--tag", default=None, help="tag to import (default: the `latest` file)")
+    p.add_argument("--hf-config", default=None,
+                   help="the Hugging Face model's config.json: name atoms as `convert hf` does "
+                   "(default: a config.json beside the checkpoint, if any)")  # fmt: skip
+    p.add_argument("--no-hf-config", action="store_true",
+                   help="name atoms as the torch parameters even with a config.json beside")  # fmt: skip
     p = kinds.add_parser("safetensors", help="a .safetensors file, an index.json or their folder")
     p.add_argument(
         "--preset", default=None, help="map names/layouts onto a model (e.g. llama-demo)"
@@ -128,14 +133,21 @@ def _add_torch_commands(sub: Any) -> None:
     p = kinds.add_parser("dcp", help="a torch.distributed.checkpoint folder (e.g. FSDP2)")
     p.add_argument("--model-prefix", default="model.", help="prefix stripped from model entries")
     p = kinds.add_parser(
-        "megatron", help="a Megatron-Core torch_dist checkpoint of a Llama-like GPT"
+        "megatron", help="a Megatron-Core torch_dist checkpoint of a GPTModel (dense or MoE)"
     )
-    p.add_argument("--heads", type=int, default=None, help="attention heads (if not recorded)")
+    p.add_argument("--heads", type=int, default=None,
+                   help="attention heads (asked for only where the checkpoint records none)")  # fmt: skip
+    p.add_argument("--top-k", type=int, default=None,
+                   help="experts per token of a MoE model (where not recorded)")  # fmt: skip
     p.add_argument(
         "--vocab-size", type=int, default=None, help="true vocabulary (drops TP padding)"
     )
-    p.add_argument("--norm-eps", type=float, default=1e-5, help="RMSNorm epsilon")
-    p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base")
+    p.add_argument(
+        "--norm-eps", type=float, default=None, help="norm epsilon (default: args, 1e-5)"
+    )
+    p.add_argument("--rope-theta", type=float, default=None, help="RoPE base (default: args, 1e4)")
+    p.add_argument("--activation", default=None, choices=("silu", "gelu", "gelu_pytorch_tanh"),
+                   help="the MLP's activation (default: SiLU if gated, else GELU)")  # fmt: skip
     p = kinds.add_parser("torchtitan", help="a torchtitan step folder of a Llama 3 model")
     p.add_argument("--heads", type=int, default=None, help="attention heads (not recorded)")
     p.add_argument("--norm-eps", type=float, default=1e-5, help="RMSNorm epsilon")
@@ -154,8 +166,15 @@ def _add_torch_commands(sub: Any) -> None:
     p = ekinds.add_parser("hf", help="a Hugging Face model folder (from_pretrained loads it)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per shard (default 5GB)")
     p.add_argument("--dtype", default=None, help="write weights in this dtype (default: as stored)")
-    p = ekinds.add_parser("megatron", help="a Megatron-Core torch_dist folder (any TP/PP loads it)")
+    p = ekinds.add_parser(
+        "megatron", help="a Megatron-Core torch_dist folder (any TP/PP/EP loads it)"
+    )
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="model dtype")
+    p.add_argument("--optimizer", default="plain", choices=("plain", "distributed"),
+                   help="the loading job's optimizer: plain, or the distributed optimizer "
+                   "(fully_reshardable)")  # fmt: skip
+    p.add_argument("--expert-parallel", type=int, default=None,
+                   help="EP size of the MoE job that loads it (1: one optimizer; >1: chained)")  # fmt: skip
     p.add_argument("--padded-vocab", type=int, default=None, help="vocabulary rows Megatron holds")
     p = ekinds.add_parser("torchtitan", help="a torchtitan step folder it resumes from")
     p.add_argument("--world-size", type=int, default=None,
@@ -215,6 +234,7 @@ def _run_torch_command(args: Any) -> int:
     if args.cmd == "export" and args.kind == "megatron":
         out = mod.export_megatron(
             args.src, args.dst, dtype=args.dtype, padded_vocab=args.padded_vocab,
+            optimizer=args.optimizer, expert_parallel=args.expert_parallel,
             overwrite=args.overwrite,
         )  # fmt: skip
         print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (dist_checkpointing.load loads it)")
@@ -246,8 +266,14 @@ def _run_torch_command(args: Any) -> int:
         universal = os.path.isdir(os.path.join(src, "zero")) or os.path.isfile(
             os.path.join(src, "latest_universal")
         )
-        fn = mods[1].import_deepspeed_universal if universal else mod.import_deepspeed
-        out = fn(src, args.dst, tag=args.tag, overwrite=args.overwrite, progress=progress)
+        if universal:
+            out = mods[1].import_deepspeed_universal(
+                src, args.dst, tag=args.tag, overwrite=args.overwrite, progress=progress
+            )
+        else:
+            hf = False if args.no_hf_config else args.hf_config
+            out = mod.import_deepspeed(src, args.dst, tag=args.tag, overwrite=args.overwrite,
+                                       progress=progress, hf_config=hf)  # fmt: skip
     elif args.kind == "hf":
         out = mod.import_hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
     elif args.kind == "safetensors":
@@ -263,7 +289,8 @@ def _run_torch_command(args: Any) -> int:
     elif args.kind == "megatron":
         out = mod.import_megatron(
             args.src, args.dst, heads=args.heads, vocab_size=args.vocab_size,
-            norm_eps=args.norm_eps, rope_theta=args.rope_theta, overwrite=args.overwrite,
+            norm_eps=args.norm_eps, rope_theta=args.rope_theta, top_k=args.top_k,
+            activation=args.activation, overwrite=args.overwrite,
         )  # fmt: skip
     else:
         out = mod.import_dcp(
