@@ -26,7 +26,8 @@ def write_commit(loc: Location, manifest_bytes: bytes) -> None:
 
 
 def seal(target: Location, manifest: Manifest) -> bytes:
-    """Record the sha256 of every array's `zarr.json` in `manifest`; return the manifest's bytes.
+    """Record the sha256 of every array's `zarr.json` and of every fingerprint table in
+    `manifest`; return the manifest's bytes.
 
     Process 0 calls it at commit, after every array exists (format version 2). Format version
     3: it first merges every process's database into the root one (`aggregate.merge`).
@@ -46,6 +47,10 @@ def seal(target: Location, manifest: Manifest) -> bytes:
             raise FileNotFoundError(f"{target.url}/{info.path}/zarr.json was never written")
         sha = hashlib.sha256(bytes(r.value)).hexdigest()
         a.slots[slot] = dataclasses.replace(info, meta_sha256=sha)
+    # ... and of every fingerprint table: what ties the data to this manifest (integrity.py)
+    aggregated = manifest.version >= aggregate.AGGREGATED_VERSION
+    prefixes = [""] if aggregated else [f"{info.path}/" for _, _, info in items]
+    manifest.tables = integrity.table_digests(kv, prefixes)
     return manifest.dumps()
 
 

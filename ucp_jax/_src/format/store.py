@@ -17,7 +17,7 @@ from ..errors import ChecksumError, NotACheckpointError
 from ..util.dtypes import zarr_dtype
 from ..util.libc import libc
 from . import remote
-from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, check_commit
+from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo
 
 # One context for the whole process, so that `memory://` stores are shared between calls.
 CONTEXT = ts.Context(
@@ -327,15 +327,20 @@ def wrap_io_error(e: Exception, where: str) -> Exception:
     # in an OCDBT database (format version 3) a missing data file or an undecodable B-tree node
     # means the same (network errors say UNAVAILABLE, DEADLINE_EXCEEDED, ...: not these).
     ocdbt = "OCDBT" in msg or "ocdbt" in msg
+    if "NOT_FOUND" in msg and ("Byte range" in msg or ocdbt):  # a data file a B-tree names
+        return ChecksumError(
+            f"{where}: a data file of the checkpoint is missing ({msg}); the checkpoint is "
+            "incomplete (a file or folder was deleted or not copied): copy it again whole or "
+            "restore an earlier checkpoint"
+        )
     if (
         "Digest mismatch" in msg
         or "checksum" in msg.lower()
         or "DATA_LOSS" in msg
         or "Not enough data" in msg
         or "OUT_OF_RANGE" in msg
-        or (ocdbt and any(c in msg for c in ("NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARG")))
+        or (ocdbt and any(c in msg for c in ("FAILED_PRECONDITION", "INVALID_ARG")))
         or "Error decoding" in msg  # an OCDBT manifest or B-tree node that does not decode
-        or ("NOT_FOUND" in msg and "Byte range" in msg)  # a data file a B-tree node names
     ):
         return ChecksumError(
             f"{where}: stored bytes fail their crc32c checksum ({msg}); the checkpoint is "
@@ -363,14 +368,13 @@ def load_manifest(loc: Location) -> Manifest:
     if loc.local_path is not None:
         from ..untrusted.paths import refuse_symlinks
 
-        for name in (COMMIT, MANIFEST, "atoms"):
-            refuse_symlinks(loc.local_path, name, "checkpoint file")
+        for name, what in ((COMMIT, "COMMIT marker"), (MANIFEST, "manifest"),
+                           ("atoms", "atoms folder (the arrays of the checkpoint)")):  # fmt: skip
+            refuse_symlinks(loc.local_path, name, what)
     data = loc.read(MANIFEST)
     if data is None:
         raise NotACheckpointError(f"{loc.url}: COMMIT present but manifest.json missing")
-    manifest = Manifest.loads(data, loc.url)
-    check_commit(marker, data, manifest, loc.url)
-    return manifest
+    return Manifest.loads(data, loc.url, marker)
 
 
 def listdir(path: str) -> list[str]:
