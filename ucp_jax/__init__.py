@@ -20,6 +20,7 @@ from ._src.errors import MismatchError as MismatchError
 from ._src.errors import NotACheckpointError as NotACheckpointError
 from ._src.errors import PatternError as PatternError
 from ._src.errors import RestorePlanError as RestorePlanError
+from ._src.errors import StorageFullError as StorageFullError
 from ._src.errors import StoreError as StoreError
 from ._src.errors import StoreUnreachableError as StoreUnreachableError
 from ._src.errors import UcpError as UcpError

@@ -8,14 +8,17 @@ without `COMMIT` is never read as a checkpoint (see `store.load_manifest`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import tensorstore as ts
 
-from . import aggregate, integrity
+from . import aggregate, integrity, space
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, commit_marker
 from .store import Location, fsync_dir, listdir
 
@@ -123,6 +126,13 @@ class Staging:
                 if n.startswith(f".{self.final.name}.ucp-old-"):
                     shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
 
+    def abandon(self) -> None:
+        """After a failed save: remove its staging folder (local files; the final path is left as
+        it was). In place (object stores) nothing is removed: no COMMIT was written, and the
+        next save to the path clears what is there."""
+        if self.target != self.final:
+            self.target.remove_all()
+
     def commit(self, manifest: Manifest) -> None:
         """Write manifest and COMMIT, then publish atomically (process 0 only)."""
         data = seal(self.target, manifest)
@@ -144,3 +154,20 @@ class Staging:
         else:
             os.rename(self.target.local_path, final)
         fsync_dir(os.path.dirname(final))
+
+
+@contextlib.contextmanager
+def failing_cleanly(staging: Any, dest: Location, *, alone: bool) -> Iterator[None]:
+    """Around the writes of a save: when they fail, the staging area is removed (`alone`: this
+    process is the only writer, so nothing else writes there; with several, the next save's
+    `prepare` clears it), and a full disk is a `StorageFullError` that says so and where."""
+    try:
+        yield
+    except BaseException as e:
+        full = space.full_error(e, dest, "the checkpoint", "earlier checkpoints are intact")
+        if alone and hasattr(staging, "abandon"):
+            with contextlib.suppress(Exception):
+                staging.abandon()
+        if full is not None:
+            raise full from e
+        raise

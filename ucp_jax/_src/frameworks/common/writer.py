@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import MismatchError, UnsafePathError
-from ...format import commit, integrity, store
+from ...format import commit, integrity, space, store
 from ...format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
 from ...mapping.boxes import Box, box_shape, to_slices
 from ...mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_to_json
@@ -367,9 +367,14 @@ class AtomWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """On an error (KeyboardInterrupt too) drop what was written; the error goes on."""
+        """On an error (KeyboardInterrupt too) drop what was written; the error goes on (a full
+        disk as a `StorageFullError` that says so)."""
         if exc_type is not None:
+            kept = "the source and earlier checkpoints are intact"
+            full = space.full_error(exc, self.loc, "the imported checkpoint", kept)
             self.abort()
+            if full is not None:
+                raise full from exc
 
     def abort(self) -> None:
         """Drop what was written (the destination is left as it was)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 
 from ...checkpoint import Checkpoint
 from ...errors import UcpError
+from ...format import space
 from ...llama_config import LlamaConfig, config_from_checkpoint
 from .common import LAYERS, TENSORS
 
@@ -133,10 +133,8 @@ def export_megatron(
     meg = ck.manifest.source.get("megatron") or {}
     vp = padded_vocab or meg.get("padded_vocab") or -(-cfg.vocab_size // 128) * 128
     dst = os.fspath(dst)
-    if os.path.exists(dst):
-        if not overwrite:
-            raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
-        shutil.rmtree(dst)
+    if os.path.exists(dst) and not overwrite:
+        raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
     step = ck.step or 0
     model_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     sd: dict[str, Any] = {}
@@ -172,15 +170,15 @@ def export_megatron(
     # Megatron's bf16 (mixed-precision) optimizer nests torch's state dict one level deeper
     common = {"optimizer": {"optimizer": optim} if dtype == "bf16" else optim, "iteration": step}
     sd["common_state/shard_0_1"] = _obj(common)
-    os.makedirs(dst)
-    dcp.save(
-        sd,
-        storage_writer=dcp.FileSystemWriter(dst),
-        no_dist=True,
-        planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-    )
-    with open(os.path.join(dst, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+    with space.folder_in_place(dst, "the export") as tmp:  # an old dst goes at the end
+        dcp.save(
+            sd,
+            storage_writer=dcp.FileSystemWriter(tmp),
+            no_dist=True,
+            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        )
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
     return dst
 
 
