@@ -25,6 +25,7 @@ from ._src.errors import StoreError as StoreError
 from ._src.errors import StoreUnreachableError as StoreUnreachableError
 from ._src.errors import UcpError as UcpError
 from ._src.errors import UnsafePathError as UnsafePathError
+from ._src.errors import WriterConflictError as WriterConflictError
 from ._src.format.manifest import AtomInfo as AtomInfo
 from ._src.format.manifest import SlotInfo as SlotInfo
 from ._src.format.version import __version__ as __version__

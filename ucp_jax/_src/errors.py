@@ -85,3 +85,8 @@ def in_background(err: BaseException, prefix: str) -> BaseException:
                 out.errno = err.errno
             return out
     return RuntimeError(f"{prefix}: {err}")
+
+
+class WriterConflictError(UcpError):
+    """Another save to the same checkpoint path is in progress (two jobs saving one step to one
+    folder or bucket path); this save stopped without committing anything."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,8 +12,8 @@ import numpy as np
 import tensorstore as ts
 
 from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
-from .errors import NotACheckpointError
-from .format.manifest import STEP_SLOT
+from .errors import ChecksumError, NotACheckpointError
+from .format.manifest import COMMIT, STEP_SLOT
 from .format.store import wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, unbind_state
 from .mapping.boxes import box_shape, box_size, index_to_box, relative_slices, to_slices
@@ -23,6 +24,8 @@ from .util import config
 from .util.buffers import aligned_empty
 from .util.gcpause import gc_paused
 from .util.inflight import InflightWindow
+
+log = logging.getLogger("ucp_jax")
 
 
 @dataclasses.dataclass
@@ -106,6 +109,8 @@ def restore(
 
     Returns:
         (params, opt_state) with the targets' tree structures; opt_state is None when no target.
+        A checkpoint overwritten while it is read (its COMMIT changed) is read again: the values
+        are all the old checkpoint's or all the new one's, never a mix.
 
     Raises:
         RestorePlanError: the targets do not fit the checkpoint; one error (a MismatchError and a
@@ -114,8 +119,46 @@ def restore(
 
     >>> params, opt_state = ucp.restore("/tmp/ckpt/step_10", abstract_params, abstract_opt)  # doctest: +SKIP
     """
+    for attempt in range(_ATTEMPTS):
+        ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
+        try:
+            return _restore(ckpt, params_target, opt_state_target, rules, cast, max_inflight_bytes)
+        except (ChecksumError, NotACheckpointError) as e:
+            if isinstance(path, Checkpoint) or not _replaced(ckpt):
+                raise
+            if attempt + 1 == _ATTEMPTS:
+                raise ChecksumError(
+                    f"{ckpt.path}: the checkpoint was replaced while it was read, {_ATTEMPTS} "
+                    "times in a row (a save overwrites it again and again); restore it when no "
+                    f"save is writing it, or restore another step (last: {e})"
+                ) from e
+            log.warning("ucp.restore: %s was replaced while it was read (%s); reading it again",
+                        ckpt.path, e)  # fmt: skip
+    raise AssertionError("unreachable")
+
+
+_ATTEMPTS = 5  # a checkpoint overwritten while it is restored is read again, this many times
+
+
+def _replaced(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint's COMMIT is not the one it was opened with (an overwrite, or a
+    deletion, ran while it was read): its bytes then changed under the reader, and an error is
+    no evidence of damage."""
+    try:
+        return ckpt.loc.read(COMMIT) != ckpt.manifest.marker
+    except Exception:
+        return False
+
+
+def _restore(
+    ckpt: Checkpoint,
+    params_target: Any,
+    opt_state_target: Any,
+    rules: Sequence[Rule],
+    cast: bool,
+    max_inflight_bytes: int | None,
+) -> tuple[Any, Any]:
     global _last_stats
-    ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     compiled = CompiledRules(rules) if rules else CompiledRules.from_json(ckpt.manifest.rules)
     pbind, obind = bind_state(params_target, opt_state_target, compiled)
     budget = config.inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes

@@ -335,9 +335,11 @@ class SaveJob:
                 if staged >= self.budget // 4:
                     if len(committing) == 2:
                         committing.popleft().result()
+                    self._still_ours(me)
                     committing.append(txn.commit_async())
                     txn, staged = ts.Transaction(), 0
                     in_txn.clear()
+            self._still_ours(me)
             committing.append(txn.commit_async())
             while committing:
                 committing.popleft().result()
@@ -352,6 +354,11 @@ class SaveJob:
             raise
         integrity.write_process_table(db, written, f"p{me}")
         self._commit()
+
+    def _still_ours(self, me: int) -> None:
+        """Before a transaction lands: this save's claim on the path renewed (object stores)."""
+        if me == 0 and hasattr(self.staging, "still_ours"):
+            self.staging.still_ours()
 
     def _commit(self) -> None:
         barrier(self.tag + "-written")

@@ -168,6 +168,9 @@ class Manifest:
     # recorded at commit (`commit.seal`): it ties the data to this manifest (see integrity.py).
     # None in manifests written before it was recorded (they are still read, without that tie).
     tables: dict[str, str] | None = None
+    # The COMMIT it was read with (not part of the manifest): a reader compares it with the COMMIT
+    # there now to tell a checkpoint replaced under it (restore.py) from a damaged one.
+    marker: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -226,6 +229,7 @@ class Manifest:
                 format=fmt,
                 version=version,
                 tables=d.get("tables"),
+                marker=marker,
             )
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise NotACheckpointError(

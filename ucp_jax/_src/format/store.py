@@ -14,6 +14,7 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import ChecksumError, NotACheckpointError
+from ..untrusted.paths import read_together, refuse_symlinks
 from ..util.dtypes import zarr_dtype
 from ..util.libc import libc
 from . import remote
@@ -341,6 +342,7 @@ def wrap_io_error(e: Exception, where: str) -> Exception:
         or "OUT_OF_RANGE" in msg
         or (ocdbt and any(c in msg for c in ("FAILED_PRECONDITION", "INVALID_ARG")))
         or "Error decoding" in msg  # an OCDBT manifest or B-tree node that does not decode
+        or "Configuration mismatch" in msg  # an OCDBT database replaced under its reader
     ):
         return ChecksumError(
             f"{where}: stored bytes fail their crc32c checksum ({msg}); the checkpoint is "
@@ -355,7 +357,8 @@ def load_manifest(loc: Location) -> Manifest:
     Raises:
         NotACheckpointError: nothing there, or a save that never committed.
     """
-    marker = loc.read(COMMIT)
+    local = loc.local_path  # local: both read through one folder handle (old pair or new pair)
+    marker, data = read_together(local, (COMMIT, MANIFEST)) if local else (loc.read(COMMIT), None)
     if marker is None:
         hint = "no such checkpoint"
         if loc.has_any():
@@ -365,13 +368,11 @@ def load_manifest(loc: Location) -> Manifest:
         ):
             hint = "a save to it is in progress or was killed before it committed"
         raise NotACheckpointError(f"{loc.url}: {hint}; pass the path of a committed checkpoint")
-    if loc.local_path is not None:
-        from ..untrusted.paths import refuse_symlinks
-
+    if local is not None:
         for name, what in ((COMMIT, "COMMIT marker"), (MANIFEST, "manifest"),
                            ("atoms", "atoms folder (the arrays of the checkpoint)")):  # fmt: skip
-            refuse_symlinks(loc.local_path, name, what)
-    data = loc.read(MANIFEST)
+            refuse_symlinks(local, name, what)
+    data = loc.read(MANIFEST) if local is None else data
     if data is None:
         raise NotACheckpointError(f"{loc.url}: COMMIT present but manifest.json missing")
     return Manifest.loads(data, loc.url, marker)
@@ -404,12 +405,11 @@ def list_checkpoints(root: Any) -> list[Any]:
 def _committed_names(loc: Location) -> list[str]:
     """Names of the committed checkpoints directly under `loc`, sorted."""
     if loc.local_path is not None:
-        names = [
+        return [
             n
             for n in sorted(listdir(loc.local_path))
             if not n.startswith(".") and os.path.exists(os.path.join(loc.local_path, n, COMMIT))
         ]
-        return names
     keys = loc.list_keys()
     return sorted({k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)})
 

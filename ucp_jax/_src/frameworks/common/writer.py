@@ -382,8 +382,7 @@ class AtomWriter:
             self.flush()
         with contextlib.suppress(Exception):
             self._stop_settling()
-        if self.staging.target != self.staging.final:
-            self.staging.target.remove_all()
+        self.staging.abandon()  # its own staging folder only, and the path's lock released
 
 
 def to_numpy(t: Any) -> np.ndarray:
