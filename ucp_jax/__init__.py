@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ._src.errors import ChecksumError as ChecksumError
 from ._src.errors import FormatVersionError as FormatVersionError
+from ._src.errors import HostMemoryError as HostMemoryError
 from ._src.errors import LimitError as LimitError
 from ._src.errors import MismatchError as MismatchError
 from ._src.errors import NotACheckpointError as NotACheckpointError

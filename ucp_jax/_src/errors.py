@@ -90,3 +90,8 @@ def in_background(err: BaseException, prefix: str) -> BaseException:
 class WriterConflictError(UcpError):
     """Another save to the same checkpoint path is in progress (two jobs saving one step to one
     folder or bucket path); this save stopped without committing anything."""
+
+
+class HostMemoryError(UcpError, MemoryError):
+    """A restore or a conversion needs more host memory than this process can allocate (its
+    address-space or cgroup limit, or the machine's memory); nothing was read."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 import tensorstore as ts
 
 from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
-from .errors import ChecksumError, NotACheckpointError
+from .errors import ChecksumError, HostMemoryError, NotACheckpointError
 from .format.manifest import COMMIT, STEP_SLOT
 from .format.store import wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, unbind_state
@@ -179,11 +180,58 @@ def _restore(
     ckpt.open_arrays([(name, slot) for name, slot, _ in regions])
     ckpt.check_sizes(regions)  # before reading: no file decodes into more than its chunk
     stats = ReadStats()
-    values = _read_all(ckpt, resolved, stats, budget)
+    _check_memory(ckpt, resolved, budget)
+    try:
+        values = _read_all(ckpt, resolved, stats, budget)
+    except MemoryError as e:
+        raise HostMemoryError(f"{ckpt.path}: a restore buffer could not be allocated ({e}); "
+                              f"{_MEMORY_FIX}") from e  # fmt: skip
     ckpt.check_fingerprints(regions)  # the files read are the ones written there, or raise
     _last_stats = stats
     values = rewrap(values, [r.binding.key_impl for r in resolved])
     return unbind_state(params_target, opt_state_target, values)
+
+
+_READS_IN_FLIGHT = 64  # TensorStore's file I/O concurrency: chunk buffers a read holds at once
+_MEMORY_FIX = (
+    "restore on more processes (each reads only its share), onto accelerators (host copies go "
+    "in flight, max_inflight_bytes at a time), free host memory, or raise the limit"
+)
+
+
+def _check_memory(ckpt: Checkpoint, resolved: list[ResolvedLeaf], budget: int) -> None:
+    """Before anything is read: this process can allocate what the restore holds at once, the
+    restored arrays that stay in host memory (CPU targets) or `budget` of them (accelerators,
+    copied to the device as they are read), and the chunk buffers of the reads in flight.
+
+    Raises:
+        HostMemoryError: it cannot (past the limit a chunk buffer TensorStore cannot allocate
+            ends the process, with no Python exception).
+    """
+    from .util.dtypes import np_dtype
+    from .util.hostmem import allocatable
+
+    host = accel = 0
+    for r in resolved:
+        n = sum(box_size(g.box) for g in r.groups) * r.binding.dtype.itemsize
+        sharding = r.binding.sharding
+        on_host = sharding is None or all(
+            getattr(d, "platform", "cpu") == "cpu" for d in sharding.device_set
+        )
+        host, accel = (host + n, accel) if on_host else (host, accel + n)
+    chunk = max((math.prod(s.inner_chunks or s.chunks or (1,)) * np_dtype(s.dtype).itemsize
+                 for a in ckpt.atoms.values() for s in a.slots.values()), default=0)  # fmt: skip
+    held = host + min(accel, budget)
+    need = held + min(held, max(BLOCKS_IN_FLIGHT * READ_BLOCK, _READS_IN_FLIGHT * chunk))
+    have = allocatable()
+    if have is not None and need > have[0]:
+        mib = 1 << 20
+        raise HostMemoryError(
+            f"{ckpt.path}: this restore needs about {need / mib:.0f} MiB of host memory in this "
+            f"process ({held / mib:.0f} MiB of arrays held at once and the chunk buffers of the "
+            f"reads in flight), but only {have[0] / mib:.0f} MiB can be allocated under "
+            f"{have[1]}; nothing was read: {_MEMORY_FIX}"
+        )
 
 
 def _read_all(
@@ -240,10 +288,48 @@ def _issue(
                 except (ValueError, TypeError):
                     pass
                 else:
-                    pending.append((p, view.write(src), None))
+                    pending.append((p, _write_in_blocks(view, src, itemsize), None))
                     continue
         pending.append((p, src.read(), rel))
     return out, pending
+
+
+READ_BLOCK = 16 << 20  # a large piece is read in row blocks of about this many bytes ...
+BLOCKS_IN_FLIGHT = 4  # ... at most this many at once
+
+
+class _AllOf:
+    """The futures of one piece's block reads, waited for together."""
+
+    def __init__(self, futures: list[Any]) -> None:
+        self.futures = futures
+
+    def result(self) -> None:
+        for f in self.futures:
+            f.result()
+
+
+def _write_in_blocks(view: Any, src: Any, itemsize: int) -> Any:
+    """`view.write(src)`, in row blocks of about READ_BLOCK bytes, BLOCKS_IN_FLIGHT at a time.
+
+    TensorStore reads the byte ranges of one read into one buffer (adjacent ranges merged):
+    read whole, a piece of a 256 MiB shard file would hold a second 256 MiB copy while it is
+    decoded into its place. In blocks, what is held besides the restored arrays stays bounded.
+    """
+    shape = tuple(view.shape)
+    rows = max(READ_BLOCK // max(math.prod(shape[1:]) * itemsize, 1), 1)
+    if not shape or shape[0] <= rows:
+        return view.write(src)
+    src = src.translate_to[0]
+    futures: list[Any] = []
+    for r in range(0, shape[0], rows):
+        if len(futures) >= BLOCKS_IN_FLIGHT:
+            try:
+                futures[-BLOCKS_IN_FLIGHT].result()
+            except ValueError:
+                break  # its error is raised where the piece is waited for
+        futures.append(view[r : r + rows].write(src[r : r + rows]))
+    return _AllOf(futures)
 
 
 def _finish(

@@ -1,4 +1,6 @@
-"""Full disks: an error that says so and where, and the space of a failed write given back.
+"""Running out of room: full disks (an error that says so and where, the space of a failed write
+given back), and host memory (`require_memory` before a conversion starts, `memory_error` for a
+MemoryError or ENOMEM during one).
 
 A save, a persist, an import or an export that runs out of space (ENOSPC, or EDQUOT over a quota)
 surfaces as TensorStore's `RESOURCE_EXHAUSTED ... No space left on device` or Python's
@@ -15,9 +17,13 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import StorageFullError
+from ..errors import HostMemoryError, StorageFullError
 
 _CODES = (errno.ENOSPC, errno.EDQUOT)
+EXPORT_FIX = "free host memory or raise the limit (exports hold a block of a tensor at a time)"
+IMPORT_FIX = (
+    "lower UCP_IMPORT_INFLIGHT_BYTES (the writes in flight), free host memory or raise the limit"
+)
 NEARLY_FULL = 256 << 10
 _MARKS = ("No space left on device", "Disk quota exceeded", "os_error_code='28'",
           "os_error_code='122'")  # fmt: skip
@@ -117,8 +123,31 @@ def folder_in_place(dst: str, what: str) -> Iterator[str]:
         os.rename(tmp, dst)
     except BaseException as e:
         kept = "the source checkpoint and an earlier folder at the destination are intact"
-        full = full_error(e, dst, what, kept)
+        full = full_error(e, dst, what, kept) or memory_error(e, f"{dst}: {what}", EXPORT_FIX)
         shutil.rmtree(tmp, ignore_errors=True)
         if full is not None:
             raise full from e
         raise
+
+
+def require_memory(need: int, what: str, fix: str) -> None:
+    """Raise HostMemoryError now if this process cannot allocate `need` more bytes (its
+    address-space or cgroup limit, or the machine's memory): past it, a buffer TensorStore
+    cannot allocate ends the process with no Python exception."""
+    from ..util.hostmem import allocatable
+
+    have = allocatable()
+    if have is not None and need > have[0]:
+        raise HostMemoryError(
+            f"{what} needs about {need >> 20} MiB of host memory in this process, but only "
+            f"{have[0] >> 20} MiB can be allocated under {have[1]}; nothing was written: {fix}"
+        )
+
+
+def memory_error(e: BaseException, what: str, fix: str) -> HostMemoryError | None:
+    """A HostMemoryError for a MemoryError or an ENOMEM OSError `e` (else None)."""
+    if isinstance(e, HostMemoryError):
+        return e
+    if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM):
+        return HostMemoryError(f"{what}: ran out of host memory ({e}); {fix}")
+    return None

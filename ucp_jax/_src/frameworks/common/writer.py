@@ -102,12 +102,15 @@ class AtomWriter:
         self, dst: Any, *, overwrite: bool = False, max_inflight_bytes: int | None = None
     ) -> None:
         self.loc = store.Location.parse(dst)
-        self.staging = commit.Staging(self.loc, overwrite=overwrite)
-        self.staging.check()
-        self.staging.prepare()
         if max_inflight_bytes is None:
             max_inflight_bytes = config.import_inflight_bytes()
         self.budget = max(int(max_inflight_bytes), 1)
+        # the writes in flight, and a shard being encoded
+        space.require_memory(self.budget + 2 * IMPORT_SHARD_BYTES, f"{self.loc.url}: the import",
+                             space.IMPORT_FIX)  # fmt: skip
+        self.staging = commit.Staging(self.loc, overwrite=overwrite)
+        self.staging.check()
+        self.staging.prepare()
         # Local files: written without a sync each, their writeback started as each completes,
         # all fsynced once before COMMIT (see store.sync_tree): durable, without a blocking
         # fsync per file.
@@ -219,9 +222,18 @@ class AtomWriter:
         """Write `data` into `box` of a slot (created with data's dtype if new)."""
         arr = self.array(atom, slot, data.dtype)
         data = np.asarray(data).reshape(box_shape(box))
-        fut = arr[to_slices(box)].write(data)
-        for item in self._inflight.push((fut, (data, keep), (atom, slot, box)), data.nbytes):
-            self._retire(item)
+        rows = self.atoms[atom]["slots"][slot].chunks[0] if box else 0
+        if data.nbytes <= IMPORT_SHARD_BYTES or not rows:
+            pieces = [(box, data)]
+        else:  # shard by shard through the in-flight window: TensorStore copies what it writes
+            (lo, hi), rest = box[0], tuple(box[1:])
+            cuts = [lo, *range((lo // rows + 1) * rows, hi, rows), hi]
+            pieces = [(((a, b), *rest), data[a - lo : b - lo]) for a, b in itertools.pairwise(cuts)]
+        for piece_box, piece in pieces:
+            fut = arr[to_slices(piece_box)].write(piece)
+            item = (fut, (piece, keep), (atom, slot, piece_box))
+            for done in self._inflight.push(item, piece.nbytes):
+                self._retire(done)
 
     def write_scalar(self, atom: str, slot: str, value: Any) -> None:
         """A scalar slot (e.g. `step`) of an atom of any shape."""
@@ -371,7 +383,9 @@ class AtomWriter:
         disk as a `StorageFullError` that says so)."""
         if exc_type is not None:
             kept = "the source and earlier checkpoints are intact"
-            full = space.full_error(exc, self.loc, "the imported checkpoint", kept)
+            full: BaseException | None = space.full_error(
+                exc, self.loc, "the imported checkpoint", kept
+            ) or space.memory_error(exc, f"{self.loc.url}: the import", space.IMPORT_FIX)
             self.abort()
             if full is not None:
                 raise full from exc

@@ -109,6 +109,8 @@ def export_deepspeed_universal(
     stacks = _expert_stacks(params, ep)
     if os.path.exists(dst) and not overwrite:
         raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
+    largest = max((ck.atoms[a].nbytes for a in params), default=0)  # a whole atom, as fp32 too
+    space.require_memory(3 * largest, f"{dst}: the export", space.EXPORT_FIX)
     bar = Progress(progress, sum(ck.atoms[a].nbytes for a in params), "ucp export")
     try:
         with space.folder_in_place(dst, "the export") as tmp:  # an old dst goes at the end

@@ -227,6 +227,8 @@ def write_folder(
         check_component(t.name, f"export: tensor name {t.name!r}")
     shards = shard(tensors, parse_size(max_shard_size))
     n = len(shards)
+    # a block read (and the buffer TensorStore reads it into), converted, transposed
+    space.require_memory(4 * BLOCK_BYTES, f"{dst}: the export", space.EXPORT_FIX)
     bar = Progress(progress, sum(t.nbytes for t in tensors), "ucp export hf")
     wmap: dict[str, str] = {}
     try:

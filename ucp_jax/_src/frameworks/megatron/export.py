@@ -135,6 +135,8 @@ def export_megatron(
     dst = os.fspath(dst)
     if os.path.exists(dst) and not overwrite:
         raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+    total = sum(a.nbytes for a in ck.atoms.values())  # the whole state dict is built in memory
+    space.require_memory(2 * total, f"{dst}: the export", space.EXPORT_FIX)
     step = ck.step or 0
     model_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     sd: dict[str, Any] = {}
