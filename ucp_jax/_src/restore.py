@@ -328,7 +328,8 @@ def _write_in_blocks(view: Any, src: Any, itemsize: int) -> Any:
                 futures[-BLOCKS_IN_FLIGHT].result()
             except ValueError:
                 break  # its error is raised where the piece is waited for
-        futures.append(view[r : r + rows].write(src[r : r + rows]))
+        end = min(r + rows, shape[0])  # TensorStore does not clip a slice to the domain
+        futures.append(view[r:end].write(src[r:end]))
     return _AllOf(futures)
 
 
