@@ -15,15 +15,18 @@ from typing import TYPE_CHECKING
 
 from ._src.errors import ChecksumError as ChecksumError
 from ._src.errors import FormatVersionError as FormatVersionError
+from ._src.errors import HostMemoryError as HostMemoryError
 from ._src.errors import LimitError as LimitError
 from ._src.errors import MismatchError as MismatchError
 from ._src.errors import NotACheckpointError as NotACheckpointError
 from ._src.errors import PatternError as PatternError
 from ._src.errors import RestorePlanError as RestorePlanError
+from ._src.errors import StorageFullError as StorageFullError
 from ._src.errors import StoreError as StoreError
 from ._src.errors import StoreUnreachableError as StoreUnreachableError
 from ._src.errors import UcpError as UcpError
 from ._src.errors import UnsafePathError as UnsafePathError
+from ._src.errors import WriterConflictError as WriterConflictError
 from ._src.format.manifest import AtomInfo as AtomInfo
 from ._src.format.manifest import SlotInfo as SlotInfo
 from ._src.format.version import __version__ as __version__

@@ -262,10 +262,14 @@ class SaveJob:
         return futs
 
     def write(self, host: Sequence[np.ndarray] | None) -> None:
-        """Create arrays (process 0), write this process's share, then commit (process 0)."""
-        if self.aggregated:
-            self._write_aggregated(host)
-            return
+        """Create arrays (process 0), write this process's share, then commit (process 0).
+
+        A failed save leaves no COMMIT, and (one process) no staging folder behind."""
+        alone = jax.process_count() == 1
+        with commit.failing_cleanly(self.staging, self.loc, alone=alone):
+            self._write_aggregated(host) if self.aggregated else self._write_per_array(host)
+
+    def _write_per_array(self, host: Sequence[np.ndarray] | None) -> None:
         if jax.process_index() == 0:
             self.staging.prepare()
             creating = {
@@ -347,9 +351,11 @@ class SaveJob:
                 if staged >= txn_bytes:
                     if len(committing) == MAX_COMMITTING:
                         committing.popleft().result()
+                    self._still_ours(me)
                     committing.append(txn.commit_async())
                     txn, staged = ts.Transaction(), 0
                     in_txn.clear()
+            self._still_ours(me)
             committing.append(txn.commit_async())
             while committing:
                 committing.popleft().result()
@@ -366,6 +372,11 @@ class SaveJob:
         if local is not None:
             store.sync_tree(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
         self._commit()
+
+    def _still_ours(self, me: int) -> None:
+        """Before a transaction lands: this save's claim on the path renewed (object stores)."""
+        if me == 0 and hasattr(self.staging, "still_ours"):
+            self.staging.still_ours()
 
     def _commit(self) -> None:
         barrier(self.tag + "-written")

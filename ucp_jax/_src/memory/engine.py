@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..errors import in_background
 from ..mapping.binding import bind_state, write_regions
 from ..mapping.boxes import Box, index_to_box
 from ..mapping.keys import data_leaves
@@ -398,7 +399,7 @@ class SnapshotManager:
                 self._error = self._error or e
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError(f"ucp.memory: a background snapshot/persist failed: {err}") from err
+            raise in_background(err, "ucp.memory: a background snapshot/persist failed") from err
 
     def _check_open(self) -> None:
         if self._closed:

@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import MismatchError, UnsafePathError
-from ...format import commit, integrity, store
+from ...format import commit, integrity, space, store
 from ...format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
 from ...mapping.boxes import Box, box_shape, to_slices
 from ...mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_to_json
@@ -102,12 +102,15 @@ class AtomWriter:
         self, dst: Any, *, overwrite: bool = False, max_inflight_bytes: int | None = None
     ) -> None:
         self.loc = store.Location.parse(dst)
-        self.staging = commit.Staging(self.loc, overwrite=overwrite)
-        self.staging.check()
-        self.staging.prepare()
         if max_inflight_bytes is None:
             max_inflight_bytes = config.import_inflight_bytes()
         self.budget = max(int(max_inflight_bytes), 1)
+        # the writes in flight, and a shard being encoded
+        space.require_memory(self.budget + 2 * IMPORT_SHARD_BYTES, f"{self.loc.url}: the import",
+                             space.IMPORT_FIX)  # fmt: skip
+        self.staging = commit.Staging(self.loc, overwrite=overwrite)
+        self.staging.check()
+        self.staging.prepare()
         # Local files: written without a sync each, their writeback started as each completes,
         # all fsynced once before COMMIT (see store.sync_tree): durable, without a blocking
         # fsync per file.
@@ -219,9 +222,18 @@ class AtomWriter:
         """Write `data` into `box` of a slot (created with data's dtype if new)."""
         arr = self.array(atom, slot, data.dtype)
         data = np.asarray(data).reshape(box_shape(box))
-        fut = arr[to_slices(box)].write(data)
-        for item in self._inflight.push((fut, (data, keep), (atom, slot, box)), data.nbytes):
-            self._retire(item)
+        rows = self.atoms[atom]["slots"][slot].chunks[0] if box else 0
+        if data.nbytes <= IMPORT_SHARD_BYTES or not rows:
+            pieces = [(box, data)]
+        else:  # shard by shard through the in-flight window: TensorStore copies what it writes
+            (lo, hi), rest = box[0], tuple(box[1:])
+            cuts = [lo, *range((lo // rows + 1) * rows, hi, rows), hi]
+            pieces = [(((a, b), *rest), data[a - lo : b - lo]) for a, b in itertools.pairwise(cuts)]
+        for piece_box, piece in pieces:
+            fut = arr[to_slices(piece_box)].write(piece)
+            item = (fut, (piece, keep), (atom, slot, piece_box))
+            for done in self._inflight.push(item, piece.nbytes):
+                self._retire(done)
 
     def write_scalar(self, atom: str, slot: str, value: Any) -> None:
         """A scalar slot (e.g. `step`) of an atom of any shape."""
@@ -367,9 +379,16 @@ class AtomWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """On an error (KeyboardInterrupt too) drop what was written; the error goes on."""
+        """On an error (KeyboardInterrupt too) drop what was written; the error goes on (a full
+        disk as a `StorageFullError` that says so)."""
         if exc_type is not None:
+            kept = "the source and earlier checkpoints are intact"
+            full: BaseException | None = space.full_error(
+                exc, self.loc, "the imported checkpoint", kept
+            ) or space.memory_error(exc, f"{self.loc.url}: the import", space.IMPORT_FIX)
             self.abort()
+            if full is not None:
+                raise full from exc
 
     def abort(self) -> None:
         """Drop what was written (the destination is left as it was)."""
@@ -377,8 +396,7 @@ class AtomWriter:
             self.flush()
         with contextlib.suppress(Exception):
             self._stop_settling()
-        if self.staging.target != self.staging.final:
-            self.staging.target.remove_all()
+        self.staging.abandon()  # its own staging folder only, and the path's lock released
 
 
 def to_numpy(t: Any) -> np.ndarray:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,7 @@ import torch
 
 from ...checkpoint import Checkpoint
 from ...errors import UcpError
+from ...format import space
 from ...llama_config import LlamaConfig, config_from_checkpoint
 from .common import EXPERTS, LAYERS, TENSORS, atom_of, model_keys
 
@@ -221,10 +221,10 @@ def export_megatron(
     meg = ck.manifest.source.get("megatron") or {}
     vp = padded_vocab or meg.get("padded_vocab") or -(-cfg.vocab_size // 128) * 128
     dst = os.fspath(dst)
-    if os.path.exists(dst):
-        if not overwrite:
-            raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
-        shutil.rmtree(dst)
+    if os.path.exists(dst) and not overwrite:
+        raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+    total = sum(a.nbytes for a in ck.atoms.values())  # the whole state dict is built in memory
+    space.require_memory(2 * total, f"{dst}: the export", space.EXPORT_FIX)
     step = ck.step or 0
     model_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     master = "param" if optimizer == "distributed" else "fp32_param" if dtype == "bf16" else None
@@ -254,15 +254,15 @@ def export_megatron(
         groups = _param_groups(ck, cfg, False, lr, weight_decay)
         common = {"optimizer": _common_optimizer(groups, step, dtype, optimizer), "iteration": step}
     sd["common_state/shard_0_1"] = _obj(common)
-    os.makedirs(dst)
-    dcp.save(
-        sd,
-        storage_writer=dcp.FileSystemWriter(dst),
-        no_dist=True,
-        planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-    )
-    with open(os.path.join(dst, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+    with space.folder_in_place(dst, "the export") as tmp:  # an old dst goes at the end
+        dcp.save(
+            sd,
+            storage_writer=dcp.FileSystemWriter(tmp),
+            no_dist=True,
+            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        )
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
     return dst
 
 
