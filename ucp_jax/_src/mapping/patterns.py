@@ -278,12 +278,9 @@ class Fused(Pattern):
         offsets = np.cumsum((0, *self.sizes))
         s, e = node.box[ax]
         out: list[Node] = []
-        # only the shards r whose group of sub-params [r * total/n, (r+1) * total/n) meets the box:
-        # a region of one TP rank costs the same at any TP degree
-        group = total // n
-        first, last = s // group, (e - 1) // group if e > s else s // group - 1
-        pos = first * group
-        for r, k in itertools.product(range(first, last + 1), range(len(self.sizes))):
+        group = total // n  # only the shards r whose [r * group, (r+1) * group) meets the box
+        pos, ranks = s // group * group, range(s // group, (e - 1) // group + 1 if e > s else 0)
+        for r, k in itertools.product(ranks, range(len(self.sizes))):
             length = self.sizes[k] // n
             lo, hi = max(s, pos), min(e, pos + length)
             if lo < hi:

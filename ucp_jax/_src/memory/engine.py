@@ -54,9 +54,8 @@ class SnapshotStats:
         nbytes: bytes of this node's blob (own pieces + redundancy).
         copied_bytes: bytes copied device -> shared memory for it.
         dispatch_s: time `snapshot()` took on the training thread.
-        copy_s: time the background copy into shared memory took (with the commit).
+        copy_s, fill_s: the background copy into shared memory (and commit); of it, the fill.
         rolls: leaves exchanged with collectives for redundancy.
-        fill_s: of it, the fill of the blob alone (copies and parities: xor's, rs2's P and Q).
     """
 
     step: int = -1
