@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-dev
 XLA     := XLA_FLAGS=--xla_force_host_platform_device_count=8
 SRC     := ucp_jax tests $(wildcard benchmarks)
 
-.PHONY: demo test test-gpu lint docs format bench clean
+.PHONY: demo test test-gpu lint docs format bench clean referees maxtext-fixtures
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,19 @@ test: lint docs
 GPU_PY  ?= python3
 test-gpu:
 	UCP_TEST_ACCELERATOR=1 XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_PY) -m pytest -q $(PYTEST_ARGS)
+
+# The frameworks themselves as referees (not part of `make test`): MaxText 0.2.5 in its own venv
+# (Python 3.12, under REF_DIR) resumes from `ucp export maxtext` output with its own losses, and
+# its forward pass gives the logits ucp_jax.models.llama computes (referees/maxtext/referee.py).
+REF_DIR ?= /tmp/ucp-referees
+referees: $(STAMP)
+	REF_DIR=$(REF_DIR) referees/maxtext/setup.sh
+	REF_DIR=$(REF_DIR) $(BIN)/python referees/maxtext/referee.py
+
+# Rewrite tests/data/maxtext with MaxText itself (the fixtures `make test` uses).
+maxtext-fixtures: $(STAMP)
+	REF_DIR=$(REF_DIR) referees/maxtext/setup.sh
+	REF_DIR=$(REF_DIR) $(BIN)/python referees/maxtext/make_fixtures.py
 
 bench: $(STAMP)
 	$(XLA) $(BIN)/python benchmarks/save_restore.py
