@@ -21,3 +21,6 @@ from ._src.frameworks.orbax.handler import UniversalCheckpointHandler as Univers
 from ._src.frameworks.orbax.handler import UniversalRestore as UniversalRestore
 from ._src.frameworks.orbax.handler import UniversalSave as UniversalSave
 from ._src.frameworks.orbax.handler import UniversalState as UniversalState
+from ._src.frameworks.orbax.v1 import (
+    UniversalCheckpointableHandler as UniversalCheckpointableHandler,
+)
