@@ -70,9 +70,15 @@ def test_free_functions_and_a_v0_saved_step(tmp_path, ref):
 
 
 def test_what_v1_does_not_allow(tmp_path, ref):
-    """No layout can be registered: ocp.v1.load cannot read a bare universal checkpoint."""
+    """No layout can be registered: ocp.v1.load cannot read a bare universal checkpoint, nor a
+    checkpointable this handler saved (v1's layout takes only PyTrees there)."""
     params, _ = ref
     ucp.save(tmp_path / "bare", params)
     with pytest.raises(Exception, match=r"(?i)layout|no valid pytree"):
         ocp.v1.load(tmp_path / "bare", targets(params, mesh_of((8,))))
     assert np.asarray(ucp.open(tmp_path / "bare").read("dense.kernel")).shape == (16, 24)
+    ocp.v1.save_checkpointables(tmp_path / "v1", {"universal": uo.UniversalSave(params)})
+    with pytest.raises(Exception, match="as a V1 Orbax PyTree"):  # load is for PyTrees only
+        ocp.v1.load(
+            tmp_path / "v1", targets(params, mesh_of((8,))), checkpointable_name="universal"
+        )
