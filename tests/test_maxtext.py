@@ -211,3 +211,19 @@ def test_query_rescaled_by_an_irrational_factor_round_trips_bit_for_bit(tmp_path
     assert set(a) == set(b)
     for k, v in a.items():
         assert v.tobytes() == b[k].tobytes(), k
+
+
+def test_maxtext_to_transformers_gives_maxtexts_logits(tmp_path, converted):
+    """The same atoms in torch: `ucp export hf` of a MaxText import, run by transformers."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from ucp_jax._src.frameworks.hf.export import export_hf
+
+    kind, ckpt = converted
+    out = export_hf(ckpt, tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.from_numpy(np.load(DATA / "tokens.npy")).long()
+    with torch.no_grad():
+        got = model(tokens).logits.numpy()
+    want = np.load(DATA / kind / "logits.npy")
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()

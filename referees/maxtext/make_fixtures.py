@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mt  # noqa: E402
+import mt
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,8 +37,14 @@ def main() -> None:
             shutil.copytree(run / "x" / "checkpoints" / "2", out / "2")
             mt.forward(out / "2" / "items", tokens, out / "logits.npy", mt.TINY, scan_layers=scan)
             (out / "logits.log").unlink()
-            info = {"model": mt.TINY, "scan_layers": scan, "steps": 3, "losses": losses,
-                    "step_dir": 2, "maxtext": "0.2.5"}
+            info = {
+                "model": mt.TINY,
+                "scan_layers": scan,
+                "steps": 3,
+                "losses": losses,
+                "step_dir": 2,
+                "maxtext": "0.2.5",
+            }
             (out / "info.json").write_text(json.dumps(info, indent=1) + "\n")
             print(name, losses)
 

@@ -56,8 +56,16 @@ def require_venv() -> None:
         sys.exit(f"no MaxText venv at {VENV}: run referees/maxtext/setup.sh (REF_DIR={REF_DIR})")
 
 
-def train(out: Path, model: dict, *, steps: int, ndev: int = 1, period: int = 2,
-          log: Path | None = None, **over: object) -> list[float]:
+def train(
+    out: Path,
+    model: dict,
+    *,
+    steps: int,
+    ndev: int = 1,
+    period: int = 2,
+    log: Path | None = None,
+    **over: object,
+) -> list[float]:
     """MaxText's trainer into `out/x/checkpoints`; returns the loss of every step it ran."""
     require_venv()
     metrics = out / "metrics.jsonl"
@@ -86,8 +94,16 @@ def steps_of(metrics: Path) -> list[int]:
     return sorted(int(r["step"]) for r in rows)
 
 
-def resume(run: Path, ckpt_dir: Path, step_dir: int, model: dict, *, steps: int, ndev: int = 1,
-           **over: object) -> tuple[list[int], list[float]]:
+def resume(
+    run: Path,
+    ckpt_dir: Path,
+    step_dir: int,
+    model: dict,
+    *,
+    steps: int,
+    ndev: int = 1,
+    **over: object,
+) -> tuple[list[int], list[float]]:
     """MaxText resumes from `ckpt_dir` (a `<step>/` folder) copied as `run/x/checkpoints/<step>`."""
     shutil.rmtree(run, ignore_errors=True)
     dst = run / "x" / "checkpoints" / str(step_dir)

@@ -207,7 +207,8 @@ def export_main(args: Any) -> int:
         rope=args.rope, query_scaled=False if args.unscaled_query else None,
         params_only=args.params_only, overwrite=args.overwrite,
     )  # fmt: skip
-    print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (MaxText resumes from it)")
+    how = "load_parameters_path=<it>/items" if args.params_only else "MaxText resumes from it"
+    print(f"wrote {out} in {time.perf_counter() - t0:.2f} s ({how})")
     return 0
 
 
