@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-dev
 XLA     := XLA_FLAGS=--xla_force_host_platform_device_count=8
 SRC     := ucp_jax tests $(wildcard benchmarks)
 
-.PHONY: demo test test-gpu lint docs format bench clean referees maxtext-fixtures
+.PHONY: demo test test-gpu test-py312 lint docs format bench clean referees maxtext-fixtures
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,25 @@ test: lint docs
 	$(XLA) $(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules ucp_jax
 	$(XLA) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# MaxText 0.2.5's environment, where its users install ucp_jax: Python 3.12 (python3.12, or a
+# pyenv 3.12) with jax 0.12.0.1 and no PyTorch (MaxText has none; these machines have torch 2.13
+# for CPU as a 3.11 wheel only): the suite, whose PyTorch tests skip (lint and docs: `make test`).
+PY312    ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) python3.12)
+VENV312  := .venv312
+STAMP312 := $(VENV312)/.installed-dev
+$(STAMP312): pyproject.toml
+	$(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install -q --upgrade pip
+	$(VENV312)/bin/python -m pip install -q -e '.[test]' 'jax==0.12.0.1' 'jaxlib==0.12.0.1'
+	touch $(STAMP312)
+
+# the modules that import torch at their top (their doctests need it)
+TORCH_MODULES := ucp_jax/torch.py ucp_jax/_src/frameworks/common/dcp_files.py ucp_jax/_src/frameworks/dcp \
+	ucp_jax/_src/frameworks/deepspeed/export.py ucp_jax/_src/frameworks/megatron
+test-py312: $(STAMP312)
+	$(XLA) $(VENV312)/bin/python -m pytest -q -p no:cacheprovider --doctest-modules ucp_jax $(addprefix --ignore=,$(TORCH_MODULES))
+	$(XLA) $(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS)
+
 # On a machine with an accelerator and a Python that has jax for it (GPU_PY): the suite on that
 # accelerator, no CPU devices forced (see tests/conftest.py). Installs nothing.
 GPU_PY  ?= python3
@@ -67,4 +86,4 @@ bench: $(STAMP)
 	$(XLA) $(BIN)/python benchmarks/save_restore.py
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache
+	rm -rf $(VENV) $(VENV312) demo_out .pytest_cache

@@ -11,9 +11,10 @@ the per-layer atoms the Hugging Face, Megatron and torchtitan importers write (s
 folder ``N`` holds ``step = N + 1``), and ``nnx_aux`` (the PRNG state) the manifest's
 ``extra["maxtext"]["nnx_aux"]``, with the model config in ``extra["hf_config"]``.
 
-Streaming: every atom is written in whole-shard row blocks, each assembled from the blocks of the
-MaxText leaves it is made of (q, k and v for the fused QKV kernel), read by TensorStore through
-the spec Orbax reads them with; memory stays near a few blocks (32 MiB), whatever the model.
+Streaming: every atom is written in whole-shard row blocks (at most 32 MiB), each assembled from
+the blocks of the MaxText leaves it is made of (q, k and v for the fused QKV kernel), read by
+TensorStore through the spec Orbax reads them with; memory stays near the writes in flight
+(`UCP_IMPORT_INFLIGHT_BYTES`, 64 MiB) plus the block being assembled, whatever the model.
 
 >>> ucp_jax.orbax.import_maxtext("run/checkpoints", "/tmp/ucp/mt")  # doctest: +SKIP
 """
@@ -36,7 +37,7 @@ from ...mapping.slot_names import VALUE_SLOT
 from ...mapping.slots import classify_opt_state
 from ...untrusted.limits import ucp_errors
 from ..common.orbax_source import METADATA, ArrayReader, OrbaxSource, open_orbax
-from ..common.writer import IMPORT_SHARD_BYTES, AtomWriter
+from ..common.writer import AtomWriter
 from .layout import (
     PARAMS,
     Leaf,
@@ -216,7 +217,7 @@ def import_maxtext(
     roots, others = _slots(tree)
     reader = ArrayReader(source)
     groups = _atom_groups(model)
-    with AtomWriter(dst, overwrite=overwrite, max_inflight_bytes=4 * IMPORT_SHARD_BYTES) as w:
+    with AtomWriter(dst, overwrite=overwrite) as w:
         todo = []
         for atom, pairs in groups.items():
             spec = pairs[0][0].spec
