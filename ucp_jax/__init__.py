@@ -45,8 +45,11 @@ if TYPE_CHECKING:
     from ._src.checkpoint import list_checkpoints as list_checkpoints
     from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
     from ._src.format.store import Location as Location
+    from ._src.frameworks.common.orbax_source import OrbaxImportError as OrbaxImportError
+    from ._src.frameworks.maxtext.export import export_maxtext as export_maxtext
+    from ._src.frameworks.maxtext.read import import_maxtext as import_maxtext
+    from ._src.frameworks.orbax.export import export_orbax as export_orbax
     from ._src.frameworks.orbax.read import import_orbax as import_orbax
-    from ._src.frameworks.orbax.source import OrbaxImportError as OrbaxImportError
     from ._src.plan_report import RestorePlan as RestorePlan
     from ._src.plan_report import plan as plan
     from ._src.restore import ReadStats as ReadStats
@@ -65,7 +68,10 @@ _LAZY = {
     "open": ("._src.checkpoint", "open_checkpoint"),
     "Location": ("._src.format.store", "Location"),
     "import_orbax": ("._src.frameworks.orbax.read", "import_orbax"),
-    "OrbaxImportError": ("._src.frameworks.orbax.source", "OrbaxImportError"),
+    "export_orbax": ("._src.frameworks.orbax.export", "export_orbax"),
+    "import_maxtext": ("._src.frameworks.maxtext.read", "import_maxtext"),
+    "export_maxtext": ("._src.frameworks.maxtext.export", "export_maxtext"),
+    "OrbaxImportError": ("._src.frameworks.common.orbax_source", "OrbaxImportError"),
     "plan": ("._src.plan_report", "plan"),
     "RestorePlan": ("._src.plan_report", "RestorePlan"),
     "restore": ("._src.restore", "restore"),

@@ -111,7 +111,8 @@ def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
 
 
 def _add_torch_commands(sub: Any) -> None:
-    """`ucp convert deepspeed|safetensors|hf|dcp|megatron|torchtitan|orbax SRC DST`; `ucp export deepspeed-universal|hf|megatron|torchtitan|dcp SRC DST`."""
+    """`ucp convert deepspeed|safetensors|hf|dcp|megatron|torchtitan|orbax|maxtext SRC DST`;
+    `ucp export deepspeed-universal|hf|megatron|torchtitan|dcp|maxtext|orbax SRC DST`."""
     conv = sub.add_parser("convert", help="import a PyTorch checkpoint as a universal checkpoint")
     kinds = conv.add_subparsers(dest="kind", required=True)
     p = kinds.add_parser(
@@ -158,7 +159,12 @@ def _add_torch_commands(sub: Any) -> None:
     )
     p.add_argument("--item", default=None, help="only this item of a step folder (e.g. state)")
     p.add_argument("--step", type=int, default=None, help="step of a CheckpointManager root")
-    exp = sub.add_parser("export", help="write a universal checkpoint in a PyTorch format")
+    p = kinds.add_parser("maxtext", help="a MaxText checkpoint (Orbax): <run>/checkpoints, a step")
+    p.add_argument("--step", type=int, default=None, help="step folder (default: the latest)")
+    _maxtext_options(p)
+    exp = sub.add_parser(
+        "export", help="write a universal checkpoint in another framework's format"
+    )
     ekinds = exp.add_subparsers(dest="kind", required=True)
     p = ekinds.add_parser("deepspeed-universal", help="a folder DeepSpeed resumes (load_universal)")
     p.add_argument("--expert-parallel", type=int, default=None,
@@ -184,11 +190,50 @@ def _add_torch_commands(sub: Any) -> None:
     p.add_argument("--names", default="atoms", choices=("atoms", "hf", "torchtitan"),
                    help="tensor names: the atoms', Hugging Face's or torchtitan's")  # fmt: skip
     p.add_argument("--no-optimizer", action="store_true", help="the model's tensors only")
+    p = ekinds.add_parser("maxtext", help="a MaxText checkpoint folder (MaxText resumes from it)")
+    p.add_argument("--unscanned", action="store_true", help="layers_<i> (scan_layers=False)")
+    p.add_argument("--step-dir", type=int, default=None, help="step folder (default: step - 1)")
+    p.add_argument("--params-only", action="store_true", help="weights only (load_parameters_path)")
+    _maxtext_options(p, export=True)
+    p = ekinds.add_parser("orbax", help="a plain Orbax checkpoint of the state as a pytree")
+    p.add_argument(
+        "--manager", action="store_true", help="CheckpointManager layout DST/<step>/ITEM"
+    )
+    p.add_argument("--item", default="default", help="the item name with --manager (default)")
+    p.add_argument("--step", type=int, default=None, help="step folder with --manager")
     for parser in (*kinds.choices.values(), *ekinds.choices.values()):
         parser.add_argument("src")
         parser.add_argument("dst")
         parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _maxtext_options(p: Any, export: bool = False) -> None:
+    """The MaxText model conventions the checkpoint does not record."""
+    if not export:
+        p.add_argument("--norm-eps", type=float, default=1e-5,
+                       help="normalization_layer_epsilon (default 1e-5)")  # fmt: skip
+        p.add_argument("--rope-theta", type=float, default=10000.0,
+                       help="rope_max_timescale (default 10000)")  # fmt: skip
+    p.add_argument("--rope", choices=("default", "llama3.1"), default=None if export else "default",
+                   help="MaxText's rope_type (llama3.1: interleaved pairs)")  # fmt: skip
+    p.add_argument("--unscaled-query", action="store_true",
+                   help="the query kernel holds no 1/sqrt(head_dim) (query_pre_attn_scalar, qk-norm)")  # fmt: skip
+
+
+def _jax_command(args: Any) -> int:
+    """`ucp convert maxtext|orbax`, `ucp export maxtext|orbax` (need JAX and Orbax)."""
+    import importlib
+
+    name = {("convert", "orbax"): "orbax.read", ("convert", "maxtext"): "maxtext.read",
+            ("export", "orbax"): "orbax.export", ("export", "maxtext"): "maxtext.export"}[
+        (args.cmd, args.kind)]  # fmt: skip
+    mod = importlib.import_module(f"ucp_jax._src.frameworks.{name}")
+    try:
+        return int(mod.convert_main(args) if args.cmd == "convert" else mod.export_main(args))
+    except (FileExistsError, FileNotFoundError, NotADirectoryError) as e:
+        print(f"ucp {args.cmd}: {e}", file=sys.stderr)
+        return 1
 
 
 def _torch_command(args: Any) -> int:
@@ -358,14 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_torch_commands(sub)
     args = ap.parse_args(argv)
     try:
-        if args.cmd == "convert" and args.kind == "orbax":
-            from .frameworks.orbax.read import convert_main
-
-            try:
-                return convert_main(args)
-            except (FileExistsError, FileNotFoundError, NotADirectoryError) as e:
-                print(f"ucp convert: {e}", file=sys.stderr)
-                return 1
+        if args.cmd in ("convert", "export") and args.kind in ("orbax", "maxtext"):
+            return _jax_command(args)
         if args.cmd in ("convert", "export"):
             return _torch_command(args)
         if args.cmd == "inspect":
