@@ -52,6 +52,7 @@ referees: $(STAMP)
 	UCP_REFEREES=1 $(XLA) $(BIN)/python -m pytest -q -s tests/test_torchtitan_referee.py
 	REF_DIR=$(REF_DIR) referees/maxtext/setup.sh
 	REF_DIR=$(REF_DIR) $(BIN)/python referees/maxtext/referee.py
+	REF_DIR=$(REF_DIR) $(BIN)/python referees/crossing.py
 
 # MaxText 0.2.5's environment, where its users install ucp_jax: Python 3.12 (python3.12, or a
 # pyenv 3.12) with jax 0.12.0.1 and no PyTorch (MaxText has none; these machines have torch 2.13

@@ -10,7 +10,8 @@ training script (runs under `torchrun` in torchtitan's own virtualenv, never in 
 - `UCP_TT_RECORD=<file>`: rank 0 appends one JSON line per step: exact loss, grad norm, lr.
 - `UCP_TT_FIXED=<dir>`: the data loader is replaced by fixed batches (random tokens, positions
   0..s-1 in every row, so torchtitan's block-causal mask is the plain causal one); the logits of
-  the first step's forward (the loaded state) and each step's tokens are saved in <dir>.
+  the first step's forward (the loaded state) and each step's tokens are saved in <dir>;
+  `UCP_TT_TOKENS=<file.npy>` makes that batch the one of every step (the crossing's).
 """
 
 from __future__ import annotations
@@ -123,10 +124,15 @@ def _log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=
 MetricsProcessor.log = _log
 
 FIXED_BATCH, FIXED_SEQ = 2, 32
+TOKENS = os.environ.get("UCP_TT_TOKENS")  # one batch [b, s + 1] (.npy) for every step
+if TOKENS:
+    FIXED_BATCH, FIXED_SEQ = np.load(TOKENS).shape[0], np.load(TOKENS).shape[1] - 1
 
 
 def fixed_tokens(step: int) -> torch.Tensor:
     """The tokens [FIXED_BATCH, FIXED_SEQ + 1] of a step in the fixed-batch mode."""
+    if TOKENS:
+        return torch.from_numpy(np.load(TOKENS)).long()
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(3, VOCAB, (FIXED_BATCH, FIXED_SEQ + 1), generator=g)
 
