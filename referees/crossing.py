@@ -16,7 +16,10 @@ every step's batch (`UCP_TT_TOKENS`).
    `ucp convert maxtext --rope llama3.1` -> `ucp export torchtitan`; torchtitan resumes at step-3
    and its first loss (step 4) must equal MaxText's 4th loss.
 
-Both relative differences must be <= 1e-4. The optimizers' hyperparameters are the user's to match:
+Both relative differences must be <= 1e-4. The moments are checked too, read by the trainers'
+own libraries (torch DCP, Orbax) on both sides of each crossing: the source's AdamW/Adam state
+and what the target resumes from, mapped by hand (tt_moments), agree within 1e-6 relative, and
+Adam's count equals torch's per-parameter step. The optimizers' hyperparameters are the user's to match:
 MaxText is set to torchtitan's AdamW (lr 8e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1,
 clipping 1.0); the schedules (warmup) differ, so only the first loss after a crossing is compared.
 A JSON report goes to OUT/report.json; exit status 1 if a check fails.
@@ -87,6 +90,76 @@ def tt_run(root: str, dump: str, steps: int, tokens_file: Path, tokens: np.ndarr
     return tt.train(root, dump, 1, [*TT_FP32, *no_dl], env)
 
 
+def tt_moments(step_dir: Path, tmp: Path) -> tuple[dict[str, np.ndarray], int]:
+    """torchtitan's AdamW moments (a DCP step folder, read by torch) in MaxText's layout: the
+    fused `wqkv` [kv groups, q heads of the group + k + v, hd, dim] split and transposed, the
+    query's `exp_avg` times sqrt(hd) and `exp_avg_sq` times hd (MaxText's query kernel is
+    torchtitan's / sqrt(hd), so its gradient is sqrt(hd) times torchtitan's); and the step."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(step_dir), str(tmp))
+    sd = torch.load(tmp, weights_only=False)  # nested by torchtitan's own planner data, else flat
+    opt = {f"optimizer.{k}": v for k, v in sd.get("optimizer", {}).items()} or sd
+    h, kv, hd, d = 4, 2, 8, 32
+    out: dict[str, np.ndarray] = {}
+    for ts, ms, f in (("exp_avg", "mu", hd**0.5), ("exp_avg_sq", "nu", hd)):
+
+        def g(n: str, ts: str = ts) -> np.ndarray:
+            return opt[f"optimizer.state.{n}.{ts}"].float().numpy()
+
+        out[f"{ms}.embed"] = g("tok_embeddings.weight")
+        out[f"{ms}.logits"] = g("lm_head.weight").T
+        out[f"{ms}.norm"] = g("norm.weight")
+        for i in range(2):
+            p = f"layers.{i}."
+            qkv = g(p + "attention.qkv_linear.wqkv.weight").reshape(kv, h // kv + 2, hd, d)
+            out[f"{ms}.{i}.query"] = qkv[:, :-2].reshape(h * hd, d).T.reshape(d, h, hd) * f
+            out[f"{ms}.{i}.key"] = qkv[:, -2].reshape(kv * hd, d).T.reshape(d, kv, hd)
+            out[f"{ms}.{i}.value"] = qkv[:, -1].reshape(kv * hd, d).T.reshape(d, kv, hd)
+            out[f"{ms}.{i}.out"] = g(p + "attention.wo.weight").T.reshape(h, hd, d)
+            out[f"{ms}.{i}.wi_0"] = g(p + "feed_forward.w1.weight").T
+            out[f"{ms}.{i}.wi_1"] = g(p + "feed_forward.w3.weight").T
+            out[f"{ms}.{i}.wo"] = g(p + "feed_forward.w2.weight").T
+            out[f"{ms}.{i}.ln1"] = g(p + "attention_norm.weight")
+            out[f"{ms}.{i}.ln2"] = g(p + "ffn_norm.weight")
+    steps = {
+        int(v) for k, v in opt.items() if k.startswith("optimizer.state.") and k.endswith(".step")
+    }
+    assert len(steps) == 1, steps
+    return out, steps.pop()
+
+
+def mt_moments(items: Path) -> tuple[dict[str, np.ndarray], int]:
+    """MaxText's Adam moments (an `items` folder, read by Orbax) by the names of `tt_moments`;
+    and Adam's count."""
+    import orbax.checkpoint as ocp
+
+    t = ocp.PyTreeCheckpointer().restore(str(items))
+    out: dict[str, np.ndarray] = {}
+    for ms in ("mu", "nu"):
+        dec = t["opt_state"][0][ms]["params"]["decoder"]
+        lay, att, mlp = dec["layers"], dec["layers"]["self_attention"], dec["layers"]["mlp"]
+        out[f"{ms}.embed"] = t["opt_state"][0][ms]["params"]["token_embedder"]["embedding"]
+        out[f"{ms}.logits"] = dec["logits_dense"]["kernel"]
+        out[f"{ms}.norm"] = dec["decoder_norm"]["scale"]
+        for i in range(2):
+            for n in ("query", "key", "value", "out"):
+                out[f"{ms}.{i}.{n}"] = att[n]["kernel"][:, i]
+            for n in ("wi_0", "wi_1", "wo"):
+                out[f"{ms}.{i}.{n}"] = mlp[n]["kernel"][:, i]
+            out[f"{ms}.{i}.ln1"] = lay["pre_self_attention_layer_norm"]["scale"][:, i]
+            out[f"{ms}.{i}.ln2"] = lay["post_self_attention_layer_norm"]["scale"][:, i]
+    return {k: np.asarray(v) for k, v in out.items()}, int(t["opt_state"][0]["count"])
+
+
+def moments_rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """The largest max |a - b| / max |b| over the moments (inf if the names or shapes differ)."""
+    if a.keys() != b.keys() or any(a[k].shape != b[k].shape for k in a):
+        return float("inf")
+    return max(float(np.abs(a[k] - b[k]).max() / np.abs(b[k]).max()) for k in a)
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
@@ -114,7 +187,10 @@ def main() -> int:
     a = {"torchtitan_losses": tt_losses, "maxtext_steps": steps, "maxtext_losses": res,
          "first_loss_after": res[0], "source_loss": tt_losses[2],
          "rel": rel(res[0], tt_losses[2])}  # fmt: skip
-    passed = steps[:1] == [2] and a["rel"] <= RTOL
+    got, count = mt_moments(x1 / "1" / "items")
+    want, tstep = tt_moments(step2, out / "tt-step2.pt")
+    a.update(moments_rel=moments_rel(got, want), adam_count=count, torch_step=tstep)
+    passed = steps[:1] == [2] and a["rel"] <= RTOL and a["moments_rel"] <= 1e-6 and count == tstep
     ok = ok and passed
     report["torchtitan_to_maxtext"] = {"pass": passed, **a}
     print("torchtitan_to_maxtext", "PASS" if passed else "FAIL", json.dumps(a))
@@ -129,7 +205,11 @@ def main() -> int:
     b = {"maxtext_losses": full, "torchtitan_steps": [r["step"] for r in recs],
          "torchtitan_losses": [r["loss"] for r in recs], "first_loss_after": recs[0]["loss"],
          "source_loss": full[3], "rel": rel(recs[0]["loss"], full[3])}  # fmt: skip
-    passed = b["torchtitan_steps"][:1] == [4] and b["rel"] <= RTOL
+    got, tstep = tt_moments(x2, out / "tt-export.pt")
+    want, count = mt_moments(out / "mt" / "x" / "checkpoints" / "2" / "items")
+    b.update(moments_rel=moments_rel(got, want), adam_count=count, torch_step=tstep)
+    passed = (b["torchtitan_steps"][:1] == [4] and b["rel"] <= RTOL and b["moments_rel"] <= 1e-6
+              and count == tstep)  # fmt: skip
     ok = ok and passed
     report["maxtext_to_torchtitan"] = {"pass": passed, **b}
     print("maxtext_to_torchtitan", "PASS" if passed else "FAIL", json.dumps(b))
