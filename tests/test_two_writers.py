@@ -193,3 +193,16 @@ def test_restore_racing_overwrites_sees_old_or_new(tmp_path: Path, caplog) -> No
           f"{again}")  # fmt: skip
     assert sum(v for k, v in counts.items() if k.startswith("values")) >= 20
     assert counts["values of save 1"] and counts["values of save 2"]  # both seen: it raced
+
+
+def test_sweep_leaves_other_dot_files_alone(tmp_path):
+    """Files of other tools beside a checkpoint (`.ucp-cache`, `.a.ucp-`) are neither parsed as a
+    killed save's leftovers nor an error (a bug: `.ucp-x` raised ValueError in every save there)."""
+    from ucp_jax._src.format.writers import sweep
+
+    for name in (".ucp-cache", ".a.ucp-", ".ucp-", ".hidden", ".b.ucp-other"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / ".c.ucp-tmp").mkdir()
+    sweep(str(tmp_path), keep="new")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".a.ucp-", ".b.ucp-other", ".hidden", ".ucp-", ".ucp-cache"]  # .c.ucp-tmp swept

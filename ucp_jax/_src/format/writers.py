@@ -203,8 +203,9 @@ def sweep(parent: str, keep: str) -> None:
     holds: a save in progress (its lock held) is left alone. `keep`: the caller's own name."""
     names = set()
     for n in sorted(_listdir(parent)):
-        if n.startswith(".") and ".ucp-" in n:
-            name, kind = n[1:].rsplit(".ucp-", 1)
+        parts = n[1:].rsplit(".ucp-", 1) if n.startswith(".") else []
+        if len(parts) == 2 and parts[0]:  # `.<name>.ucp-<kind>`; other dot-files are not ours
+            name, kind = parts
             if kind in ("tmp", "lock") or kind.startswith("old-"):
                 names.add(name)
     for name in sorted(names - {keep}):
