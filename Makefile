@@ -39,10 +39,13 @@ format: $(STAMP)
 	$(BIN)/ruff format $(SRC)
 	$(BIN)/ruff check --fix $(SRC)
 
+# the trainers as referees run in `make referees`, not in the suite
+REFEREE_TESTS := --ignore=tests/test_torchtitan_referee.py
+
 # The library's doctests run first (they are quick), then the test suite.
 test: lint docs
 	$(XLA) $(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules ucp_jax
-	$(XLA) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(XLA) $(BIN)/python -m pytest -q $(REFEREE_TESTS) $(PYTEST_ARGS)
 
 # The referees (not part of `make test`): torchtitan 0.3.0 itself resumes from `ucp export
 # torchtitan` (tests/torchtitan/runner.py makes its virtualenv), and MaxText 0.2.5 from `ucp
@@ -71,13 +74,13 @@ TORCH_MODULES := ucp_jax/torch.py ucp_jax/_src/frameworks/common/dcp_files.py uc
 	ucp_jax/_src/frameworks/deepspeed/export.py ucp_jax/_src/frameworks/megatron
 test-py312: $(STAMP312)
 	$(XLA) $(VENV312)/bin/python -m pytest -q -p no:cacheprovider --doctest-modules ucp_jax $(addprefix --ignore=,$(TORCH_MODULES))
-	$(XLA) $(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(XLA) $(VENV312)/bin/python -m pytest -q $(REFEREE_TESTS) $(PYTEST_ARGS)
 
 # On a machine with an accelerator and a Python that has jax for it (GPU_PY): the suite on that
 # accelerator, no CPU devices forced (see tests/conftest.py). Installs nothing.
 GPU_PY  ?= python3
 test-gpu:
-	UCP_TEST_ACCELERATOR=1 XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_PY) -m pytest -q $(PYTEST_ARGS)
+	UCP_TEST_ACCELERATOR=1 XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_PY) -m pytest -q $(REFEREE_TESTS) $(PYTEST_ARGS)
 
 # The frameworks themselves as referees (not part of `make test`): MaxText 0.2.5 in its own venv
 # (Python 3.12, under REF_DIR) resumes from `ucp export maxtext` output with its own losses, and
