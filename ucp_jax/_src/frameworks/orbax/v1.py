@@ -40,7 +40,6 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from ... import save as save_mod
 from ...checkpoint import Checkpoint
 from ...format import commit, store
 from ...format.manifest import MANIFEST
@@ -50,8 +49,7 @@ from .handler import (
     UniversalRestore,
     UniversalSave,
     UniversalState,
-    _InPlace,
-    _step_from_directory,
+    in_place_job,
 )
 
 
@@ -75,19 +73,7 @@ class UniversalCheckpointableHandler:
     async def save(self, directory: Any, checkpointable: UniversalSave) -> Any:
         """Plan and copy to host now; return the awaitable that writes."""
         path = os.fspath(directory.path)
-        step = checkpointable.step
-        if step is None:
-            step = _step_from_directory(path)
-        job = save_mod.SaveJob(
-            path,
-            checkpointable.params,
-            checkpointable.opt_state,
-            step=step,
-            rules=checkpointable.rules,
-            extra=checkpointable.extra,
-            overwrite=True,
-            staging=_InPlace(store.Location.parse(path)),
-        )
+        job = in_place_job(path, checkpointable)
         host = job.copy_all_to_host()
 
         async def _write() -> None:
