@@ -329,6 +329,32 @@ def dir_bytes(path: str | os.PathLike[str]) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------ machine
 
 
+def run_job(
+    script: str | os.PathLike[str], procs: int, cfg: dict[str, Any], out: Path, env: dict[str, str]
+) -> dict[str, Any]:
+    """Run `script --worker i --config <cfg as JSON>` for i < procs (a jax.distributed job of
+    worker processes), wait for all, and return the `result.json` that worker 0 wrote into `out`.
+
+    Worker 0 prints to this process's stdout; each worker's stderr goes to `out/stderr_<i>.txt`,
+    whose tails make the error when any worker fails.
+    """
+    procs_ = [
+        subprocess.Popen(
+            [sys.executable, os.fspath(script), "--worker", str(i), "--config", json.dumps(cfg)],
+            env=env,
+            stdout=subprocess.DEVNULL if i else None,
+            stderr=open(out / f"stderr_{i}.txt", "w"),  # noqa: SIM115
+        )
+        for i in range(procs)
+    ]
+    codes = [p.wait() for p in procs_]
+    if any(codes):
+        tail = "\n".join((out / f"stderr_{i}.txt").read_text()[-3000:] for i in range(procs))
+        raise SystemExit(f"benchmark job failed (exit codes {codes}):\n{tail}")
+    result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    return result
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a jax.distributed coordinator)."""
     with socket.socket() as s:

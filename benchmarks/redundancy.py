@@ -29,14 +29,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from snapshot import _evict, _free_port, _layers
+from harness import REPO, child_env, evict_pages, free_port, run_job
+from snapshot_worker import layers_for
 
 SCHEMES = ("none", "xor", "rs2")
 GB = 1e9
@@ -44,27 +43,9 @@ GB = 1e9
 
 def launch(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="ucp-redbench-"))
-    cfg = dict(vars(args), addr=f"127.0.0.1:{_free_port()}", work=str(out))
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // args.procs}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(i), "--config", json.dumps(cfg)],
-            env=env,
-            stdout=subprocess.DEVNULL if i else None,
-            stderr=open(out / f"stderr_{i}.txt", "w"),  # noqa: SIM115
-        )
-        for i in range(args.procs)
-    ]
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        tail = "\n".join((out / f"stderr_{i}.txt").read_text()[-3000:] for i in range(len(procs)))
-        raise SystemExit(f"benchmark job failed (exit codes {codes}):\n{tail}")
-    return json.loads((out / "result.json").read_text())
+    cfg = dict(vars(args), addr=f"127.0.0.1:{free_port()}", work=str(out))
+    env = child_env(8 // args.procs, pythonpath=[REPO])
+    return run_job(__file__, args.procs, cfg, out, env)
 
 
 def worker(pid: int, cfg: dict[str, Any]) -> None:
@@ -93,7 +74,7 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
     w_sh = NamedSharding(mesh, P("data", "model") if cfg["fsdp"] else P(None, "model"))
     rng = np.random.default_rng(0)
     refs = [rng.standard_normal((d, d), np.float32) * np.float32(d**-0.5)
-            for _ in range(_layers(cfg["mib"] / 1024, d))]  # fmt: skip
+            for _ in range(layers_for(cfg["mib"] / 1024, d))]  # fmt: skip
     params = {f"w{i:02d}": jax.make_array_from_callback((d, d), w_sh, lambda idx, r=r: r[idx])
               for i, r in enumerate(refs)}  # fmt: skip
     tx = optax.adam(1e-4)
@@ -213,7 +194,7 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
                     for k in lost:
                         os.rename(root / f"gone-{k}", root / str(k))
         if pid == 0:
-            _evict(disk)
+            evict_pages(disk)
         rec.setdefault("disk, cold", []).append(
             timed(f"cold{r}", lambda: ucp.restore(disk, *targets))
         )

@@ -41,13 +41,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness import GB, REPO, child_env, free_port, write_json
+from harness import GB, REPO, child_env, free_port, run_job, write_json
 from orbax_tiers import orbax_table
 
 # ----------------------------------------------------------------------------------- launcher
@@ -58,20 +56,7 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="ucp-snapbench-"))
     cfg = dict(vars(args), addr=f"127.0.0.1:{free_port()}", work=str(out))
     env = child_env(8 // args.procs, pythonpath=[REPO])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(i), "--config", json.dumps(cfg)],
-            env=env,
-            stdout=subprocess.DEVNULL if i else None,
-            stderr=open(out / f"stderr_{i}.txt", "w"),  # noqa: SIM115
-        )
-        for i in range(args.procs)
-    ]
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        tail = "\n".join((out / f"stderr_{i}.txt").read_text()[-3000:] for i in range(len(procs)))
-        raise SystemExit(f"benchmark job failed (exit codes {codes}):\n{tail}")
-    return json.loads((out / "result.json").read_text())
+    return run_job(__file__, args.procs, cfg, out, env)
 
 
 # ------------------------------------------------------------------------------------- report
