@@ -271,7 +271,15 @@ class Checkpoint:
             where = f"{self.path}: atom {name!r} slot {slot!r}"
             self.array(name, slot)  # opened, so its table is loaded
             kv = self.data.child(si.path).kv()
-            integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where)
+            extents = None
+            if self._ocdbt is not None:  # version 3, local: where the values lie is known
+                found = self._ocdbt.found
+                extents = {}
+                for k in keys:
+                    ext = found.get(f"{si.path}/{k}".encode())
+                    if ext is not None and ext.inline is None:
+                        extents[k] = (ext.path, ext.offset, ext.length)
+            integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where, extents)
             self._checked[(name, slot)].update(keys)
 
     def _todo(

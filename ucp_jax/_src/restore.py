@@ -287,7 +287,6 @@ def _issue(
         stats.bytes_chunks += chunk_bytes_touched(
             p.atom_box, arr.shape, sinfo.inner_chunks or sinfo.chunks, itemsize
         )
-        src = arr[to_slices(p.atom_box)]
         if arr.dtype.numpy_dtype == b.dtype:
             whole_trailing: tuple[Any, ...] = (*rel, ...)
             dst = p.leaf_to_atom(out[whole_trailing])
@@ -300,9 +299,10 @@ def _issue(
                 except (ValueError, TypeError):
                     pass
                 else:
+                    src = arr[to_slices(p.atom_box)]
                     pending.append((p, _write_in_blocks(view, src, itemsize), None))
                     continue
-        pending.append((p, src.read(), rel))
+        pending.append((p, arr[to_slices(p.atom_box)].read(), rel))
     return out, pending
 
 
