@@ -55,6 +55,9 @@ TXN_PARTS = 16
 TXN_MIN = 4 << 20
 REMOTE_TXN_PARTS = 4
 MAX_COMMITTING = 4
+# Region copies into TensorStore's chunk buffers a version-3 save leaves running while it issues
+# the next ones (its data_copy_concurrency threads then copy several at once).
+COPIES_IN_FLIGHT = 8
 _SAVE_COUNTER = itertools.count()
 
 
@@ -343,18 +346,23 @@ class SaveJob:
         # are being written (copies overlap the file writes; at most a third of the budget held).
         txn, staged, committing = ts.Transaction(), 0, collections.deque[Any]()
         try:
+            copying = collections.deque[Any]()  # copies into TensorStore's buffers, in flight
             for b, box, data in self._regions(host):
-                futs = self._write_region(in_txn, b, box, data, written, arrays, txn)
-                for f in futs:
-                    f.copy.result()
+                copying.extend(self._write_region(in_txn, b, box, data, written, arrays, txn))
+                while len(copying) > COPIES_IN_FLIGHT:
+                    copying.popleft().copy.result()
                 staged += box_size(box) * b.dtype.itemsize
                 if staged >= txn_bytes:
+                    while copying:
+                        copying.popleft().copy.result()
                     if len(committing) == MAX_COMMITTING:
                         committing.popleft().result()
                     self._still_ours(me)
                     committing.append(txn.commit_async())
                     txn, staged = ts.Transaction(), 0
                     in_txn.clear()
+            while copying:
+                copying.popleft().copy.result()
             self._still_ours(me)
             committing.append(txn.commit_async())
             while committing:
@@ -368,7 +376,8 @@ class SaveJob:
                 with contextlib.suppress(Exception):
                     pending.result()
             raise
-        integrity.write_process_table(db, written, f"p{me}")
+        folder = None if local is None else os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}")
+        integrity.write_process_table(db, written, f"p{me}", folder)
         if local is not None:
             store.sync_tree(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
         self._commit()

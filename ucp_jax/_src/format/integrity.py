@@ -406,19 +406,43 @@ def check(
 PROCESS_DIGEST_FORMAT = "ucp-digests/2"
 
 
-def write_process_table(db: Any, keys: Mapping[SlotInfo, Iterable[str]], writer: str) -> None:
+def write_process_table(
+    db: Any, keys: Mapping[SlotInfo, Iterable[str]], writer: str, folder: str | None = None
+) -> None:
     """Format version 3: the fingerprints of every chunk `writer` wrote, all arrays in one object.
 
     `db` is the writer's database (a `store.Location`); the table goes to `digests/<writer>.json`
     in it, written even when empty (process 0's merge takes it as the sign the writer finished).
+    `folder`: the database's local folder, if it has one: the chunks are then located in its data
+    files (format/direct.py) and fingerprinted with a few `pread`s each, instead of byte-range
+    reads through OCDBT.
     """
+    from . import direct
+
     kv = db.kv()
     arrays: dict[str, dict[str, str]] = {}
+    index = direct.OcdbtIndex(folder) if folder is not None else None
+    if index is not None:
+        index.locate([f"{i.path}/{k}".encode() for i, ks in keys.items() for k in set(ks)])
     for info, ks in keys.items():
         ks = sorted(set(ks))
         if not ks:
             continue
-        got = fingerprints(kv, info, [f"{info.path}/{k}" for k in ks])
+        full = [f"{info.path}/{k}" for k in ks]
+        got: dict[str, str] = {}
+        if index is not None:
+            places = {k: index.found.get(k.encode()) for k in full}
+            got = extent_fingerprints(
+                {
+                    k: (e.path, e.offset, e.length)
+                    for k, e in places.items()
+                    if e is not None and e.inline is None
+                },  # fmt: skip
+                info,
+            )
+        rest = [k for k in full if k not in got]
+        if rest:
+            got.update(fingerprints(kv, info, rest))
         arrays[info.path] = {k: got[f"{info.path}/{k}"] for k in ks if f"{info.path}/{k}" in got}
     doc = {"format": PROCESS_DIGEST_FORMAT, "writer": writer, "arrays": arrays}
     kv.write(f"{DIGEST_DIR}/{writer}.json", json.dumps(doc, sort_keys=True).encode()).result()
