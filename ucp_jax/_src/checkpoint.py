@@ -53,6 +53,8 @@ class Checkpoint:
         self._checked: dict[tuple[str, str], set[str]] = {}  # chunk files found in place
         self._sized: dict[tuple[str, str], set[str]] = {}  # chunk files of the right size
         self._ocdbt: direct.OcdbtIndex | None = None  # where version-3 shards lie (direct reads)
+        # (file, offset) -> fingerprint of the shards read directly (taken as they were read)
+        self.fingerprints_seen: direct.Fingerprints = {}
 
     def _check_layout(self, folder: str) -> None:
         """The folder holds the layout the manifest's format_version says (local checkpoints)."""
@@ -211,13 +213,16 @@ class Checkpoint:
     def shard_extent(self, name: str, slot: str, index: tuple[int, ...]) -> direct.Extent | None:
         """Where the shard at grid `index` of an atom slot lies in a local folder (None: read it
         through TensorStore)."""
-        si = self.atoms[name].slots[slot]
-        key = f"{si.path}/{store.chunk_key(index)}"
+        return self.shard_extent_of_key(self.atoms[name].slots[slot].path, store.chunk_key(index))
+
+    def shard_extent_of_key(self, array: str, key: str) -> direct.Extent | None:
+        """`shard_extent` by the array's path and the chunk key in it ('c/0/1')."""
+        full = f"{array}/{key}"
         if self.manifest.version >= aggregate.AGGREGATED_VERSION:
-            return None if self._ocdbt is None else self._ocdbt.found.get(key.encode())
-        if self.data.local_path is None:
+            return None if self._ocdbt is None else self._ocdbt.found.get(full.encode())
+        if self.data.local_path is None or not direct.available():
             return None
-        path = os.path.join(self.data.local_path, key)
+        path = os.path.join(self.data.local_path, full)
         try:
             return direct.Extent(path, 0, os.stat(path).st_size)
         except OSError:
@@ -271,15 +276,14 @@ class Checkpoint:
             where = f"{self.path}: atom {name!r} slot {slot!r}"
             self.array(name, slot)  # opened, so its table is loaded
             kv = self.data.child(si.path).kv()
-            extents = None
-            if self._ocdbt is not None:  # version 3, local: where the values lie is known
-                found = self._ocdbt.found
-                extents = {}
-                for k in keys:
-                    ext = found.get(f"{si.path}/{k}".encode())
-                    if ext is not None and ext.inline is None:
-                        extents[k] = (ext.path, ext.offset, ext.length)
-            integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where, extents)
+            extents: dict[str, tuple[str, int, int]] = {}
+            for k in keys:
+                ext = self.shard_extent_of_key(si.path, k)
+                if ext is not None and ext.inline is None:
+                    extents[k] = (ext.path, ext.offset, ext.length)
+            seen = self.fingerprints_seen
+            known = {k: seen[(e[0], e[1])] for k, e in extents.items() if (e[0], e[1]) in seen}
+            integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where, extents, known)
             self._checked[(name, slot)].update(keys)
 
     def _todo(

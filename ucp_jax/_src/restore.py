@@ -351,14 +351,13 @@ def _read_direct(
     """Read `box` of a local atom slot into `dst` with positioned reads (format/direct.py); a
     shard that reader does not take is read by TensorStore."""
     si = ckpt.atoms[name].slots[slot]
-    lay = direct.Layout(tuple(arr.shape), si.chunks, si.inner_chunks, arr.dtype.numpy_dtype)
+    lay = direct.Layout(tuple(arr.shape), si.chunks, si.inner_chunks, arr.dtype.numpy_dtype, si)
 
     def through_tensorstore(part: Any, out: np.ndarray) -> None:
         out[...] = arr[to_slices(part)].read().result()
 
-    return direct.submit(
-        lambda index: ckpt.shard_extent(name, slot, index), lay, box, dst, through_tensorstore
-    )
+    locate = lambda index: ckpt.shard_extent(name, slot, index)  # noqa: E731
+    return direct.submit(locate, lay, box, dst, through_tensorstore, ckpt.fingerprints_seen)
 
 
 def _finish(

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from .errors import MismatchError
-from .format import aggregate, commit, integrity, store
+from .format import aggregate, commit, direct, integrity, store
 from .format.integrity import keys_in_box
 from .format.manifest import (
     PER_ARRAY_VERSION,
@@ -55,9 +55,6 @@ TXN_PARTS = 16
 TXN_MIN = 4 << 20
 REMOTE_TXN_PARTS = 4
 MAX_COMMITTING = 4
-# Region copies into TensorStore's chunk buffers a version-3 save leaves running while it issues
-# the next ones (its data_copy_concurrency threads then copy several at once).
-COPIES_IN_FLIGHT = 8
 _SAVE_COUNTER = itertools.count()
 
 
@@ -346,23 +343,18 @@ class SaveJob:
         # are being written (copies overlap the file writes; at most a third of the budget held).
         txn, staged, committing = ts.Transaction(), 0, collections.deque[Any]()
         try:
-            copying = collections.deque[Any]()  # copies into TensorStore's buffers, in flight
             for b, box, data in self._regions(host):
-                copying.extend(self._write_region(in_txn, b, box, data, written, arrays, txn))
-                while len(copying) > COPIES_IN_FLIGHT:
-                    copying.popleft().copy.result()
+                futs = self._write_region(in_txn, b, box, data, written, arrays, txn)
+                for f in futs:
+                    f.copy.result()
                 staged += box_size(box) * b.dtype.itemsize
                 if staged >= txn_bytes:
-                    while copying:
-                        copying.popleft().copy.result()
                     if len(committing) == MAX_COMMITTING:
                         committing.popleft().result()
                     self._still_ours(me)
                     committing.append(txn.commit_async())
                     txn, staged = ts.Transaction(), 0
                     in_txn.clear()
-            while copying:
-                copying.popleft().copy.result()
             self._still_ours(me)
             committing.append(txn.commit_async())
             while committing:
@@ -376,11 +368,24 @@ class SaveJob:
                 with contextlib.suppress(Exception):
                     pending.result()
             raise
-        folder = None if local is None else os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}")
-        integrity.write_process_table(db, written, f"p{me}", folder)
+        integrity.write_process_table(db, written, f"p{me}", self._extents(local, me, written))
         if local is not None:
             store.sync_tree(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
         self._commit()
+
+    @staticmethod
+    def _extents(
+        local: str | None, me: int, written: dict[SlotInfo, set[str]]
+    ) -> dict[str, tuple[str, int, int] | None] | None:
+        """Where this process's chunks lie in its local data files (None: not local)."""
+        if local is None:
+            return None
+        index = direct.OcdbtIndex(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
+        keys = [f"{i.path}/{k}" for i, ks in written.items() for k in ks]
+        index.locate([k.encode() for k in keys])
+        found = {k: index.found.get(k.encode()) for k in keys}
+        return {k: (e.path, e.offset, e.length) for k, e in found.items()
+                if e is not None and e.inline is None}  # fmt: skip
 
     def _still_ours(self, me: int) -> None:
         """Before a transaction lands: this save's claim on the path renewed (object stores)."""

@@ -36,6 +36,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from .integrity import fingerprint_range
+from .manifest import SlotInfo
+
 _crc32c: Any
 try:
     import crc32c as _crc32c
@@ -228,6 +231,10 @@ class Layout:
     chunks: tuple[int, ...]
     inner: tuple[int, ...] | None
     dtype: np.dtype
+    info: SlotInfo | None = None  # with it, each shard read is also fingerprinted
+
+
+Fingerprints = dict[tuple[str, int], str]  # (file, offset) of a shard -> its fingerprint
 
 
 def shards_in(box: Box, chunks: Sequence[int]) -> Iterator[tuple[int, ...]]:
@@ -259,11 +266,19 @@ def _rel(box: Box, origin: Sequence[int]) -> tuple[Any, ...]:
 
 
 def read_shard(
-    ext: Extent, lay: Layout, index: tuple[int, ...], box: Box, dst: np.ndarray, dst_origin: Box
+    ext: Extent,
+    lay: Layout,
+    index: tuple[int, ...],
+    box: Box,
+    dst: np.ndarray,
+    dst_origin: Box,
+    fingerprints: Fingerprints | None = None,
 ) -> None:
     """Read the part `box` (array coordinates, inside shard `index`) of one shard into `dst`.
 
-    `dst` holds the region `dst_origin` of the array (its own axis order is the array's).
+    `dst` holds the region `dst_origin` of the array (its own axis order is the array's). With
+    `fingerprints` (and `lay.info`), the shard's fingerprint (format/integrity.py) is recorded
+    there too, from the same open file while its pages are hot.
 
     Raises:
         Mismatch: the shard is not as expected (size, index, a checksum): read it another way.
@@ -285,6 +300,9 @@ def read_shard(
             _read_chunk(fd, ext.offset, ext.length, lay.chunks, lay.dtype, origin, box, out)
         else:
             _read_sharded(fd, ext, lay, origin, box, out)
+        where = (ext.path, ext.offset)
+        if fingerprints is not None and lay.info is not None and where not in fingerprints:
+            fingerprints[where] = fingerprint_range(fd, ext.offset, ext.length, lay.info)
     finally:
         os.close(fd)
 
@@ -387,6 +405,7 @@ def submit(
     box: Box,
     dst: np.ndarray,
     fallback: Callable[[Box, np.ndarray], None],
+    fingerprints: Fingerprints | None = None,
 ) -> Pieces:
     """Read the region `box` of a stored array into `dst` (shaped as `box`), shard by shard.
 
@@ -397,6 +416,7 @@ def submit(
         dst: the buffer it goes into, in the array's axis order.
         fallback: reads a sub-box into its part of `dst` another way (TensorStore); it raises
             the error a damaged file deserves.
+        fingerprints: where each shard read directly records its fingerprint.
 
     Returns:
         The pending reads; `.result()` waits for them and raises what a fallback raised.
@@ -408,7 +428,9 @@ def submit(
         part = _meet(sbox, box)
         if any(a >= b for a, b in part):
             continue
-        futures.append(pool.submit(_one, locate, lay, index, part, dst, box, fallback))
+        futures.append(
+            pool.submit(_one, locate, lay, index, part, dst, box, fallback, fingerprints)
+        )
     return Pieces(futures)
 
 
@@ -420,11 +442,12 @@ def _one(
     dst: np.ndarray,
     box: Box,
     fallback: Callable[[Box, np.ndarray], None],
+    fingerprints: Fingerprints | None,
 ) -> None:
     ext = locate(index)
     if ext is not None:
         try:
-            read_shard(ext, lay, index, part, dst, box)
+            read_shard(ext, lay, index, part, dst, box, fingerprints)
             _count("direct")
             return
         except Mismatch:

@@ -103,19 +103,18 @@ def local_fingerprint(path: str, info: SlotInfo) -> tuple[str, int, int, int] | 
     at commit if the file's size, mtime and inode are still the same (`write_table`'s `known`;
     TensorStore replaces a file by renaming a new one over it, so a rewrite changes the inode).
     """
-    tail = _tail_size(info)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        return _fingerprint_range(fd, 0, st.st_size, info), st.st_size, st.st_mtime_ns, st.st_ino
+        return fingerprint_range(fd, 0, st.st_size, info), st.st_size, st.st_mtime_ns, st.st_ino
     finally:
         os.close(fd)
 
 
-def _fingerprint_range(fd: int, base: int, size: int, info: SlotInfo) -> str:
+def fingerprint_range(fd: int, base: int, size: int, info: SlotInfo) -> str:
     """The fingerprint of the chunk (shard) whose `size` bytes start at `base` of file `fd`."""
     tail = _tail_size(info)
     t = os.pread(fd, tail, base + size - tail) if size >= tail else b""
@@ -148,7 +147,7 @@ def extent_fingerprints(
                                         | getattr(os, "O_CLOEXEC", 0))  # fmt: skip
                 except OSError:
                     continue
-            out[key] = _fingerprint_range(fds[path], base, size, info)
+            out[key] = fingerprint_range(fds[path], base, size, info)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -374,10 +373,12 @@ def check(
     table: Mapping[str, str],
     where: str,
     extents: Mapping[str, tuple[str, int, int] | None] | None = None,
+    known: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse chunk files whose fingerprint is not the one recorded for their position.
 
-    `extents`: where chunks lie in local files (key -> (path, offset, length)), read there.
+    `extents`: where chunks lie in local files (key -> (path, offset, length)), read there;
+    `known`: fingerprints taken already (while the chunks were read, format/direct.py).
 
     Raises:
         ChecksumError: a file has no recorded fingerprint, or another one (naming the file).
@@ -388,7 +389,9 @@ def check(
             f"{where}: no fingerprint recorded for chunk file {missing[0]!r} "
             f"({len(missing)} in all); the digests of this array are damaged or missing"
         )
-    got = extent_fingerprints(extents, info) if extents else {}
+    got = dict(known or {})
+    if extents:
+        got.update(extent_fingerprints({k: e for k, e in extents.items() if k not in got}, info))
     rest = [k for k in keys if k not in got]
     if rest:
         got.update(fingerprints(kv, info, rest))
@@ -407,39 +410,27 @@ PROCESS_DIGEST_FORMAT = "ucp-digests/2"
 
 
 def write_process_table(
-    db: Any, keys: Mapping[SlotInfo, Iterable[str]], writer: str, folder: str | None = None
+    db: Any,
+    keys: Mapping[SlotInfo, Iterable[str]],
+    writer: str,
+    extents: Mapping[str, tuple[str, int, int] | None] | None = None,
 ) -> None:
     """Format version 3: the fingerprints of every chunk `writer` wrote, all arrays in one object.
 
     `db` is the writer's database (a `store.Location`); the table goes to `digests/<writer>.json`
     in it, written even when empty (process 0's merge takes it as the sign the writer finished).
-    `folder`: the database's local folder, if it has one: the chunks are then located in its data
-    files (format/direct.py) and fingerprinted with a few `pread`s each, instead of byte-range
+    `extents`: where chunks lie in local data files (full key -> (path, offset, length), see
+    format/direct.py); those are fingerprinted with a few `pread`s each, the others with byte-range
     reads through OCDBT.
     """
-    from . import direct
-
     kv = db.kv()
     arrays: dict[str, dict[str, str]] = {}
-    index = direct.OcdbtIndex(folder) if folder is not None else None
-    if index is not None:
-        index.locate([f"{i.path}/{k}".encode() for i, ks in keys.items() for k in set(ks)])
     for info, ks in keys.items():
         ks = sorted(set(ks))
         if not ks:
             continue
         full = [f"{info.path}/{k}" for k in ks]
-        got: dict[str, str] = {}
-        if index is not None:
-            places = {k: index.found.get(k.encode()) for k in full}
-            got = extent_fingerprints(
-                {
-                    k: (e.path, e.offset, e.length)
-                    for k, e in places.items()
-                    if e is not None and e.inline is None
-                },  # fmt: skip
-                info,
-            )
+        got = extent_fingerprints({k: extents.get(k) for k in full}, info) if extents else {}
         rest = [k for k in full if k not in got]
         if rest:
             got.update(fingerprints(kv, info, rest))
