@@ -12,7 +12,10 @@ in the same run (best of `--repeats`):
 - `JAX jit Horner`: the same Horner rule fused by XLA (CPU), the lanes copied in and P, Q out
   (the device-resident time, without the copies, is shown too);
 - with `--engine`: the snapshot engine's own fill of one node's blob for none, xor and rs2 (a
-  simulated job of k nodes), and rebuilds of one and two lost nodes, against memcpy;
+  simulated job of k nodes), the part of it a training step pays on CPU devices with a donated
+  state (`step copies`: the copies; the XORs follow in the background), and rebuilds of one and
+  two lost nodes (and of only one lost node's lanes), against memcpy; `--engine-only` skips the
+  one-stripe candidates, `--xor-block` / `--solve-cols` sweep the block sizes;
 - libraries, where installed: pyeclib with ISA-L (`isa_l_rs_vand`, whose m=2 parities are exactly
   RAID-6's P and byte-wise Q), zfec (its own Vandermonde code), galois (GF(2^8) arrays).
 
@@ -217,7 +220,13 @@ def engine(
     from ucp_jax._src.memory import redundancy
     from ucp_jax._src.memory import rs2 as rs2_module
     from ucp_jax._src.memory.layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
-    from ucp_jax._src.memory.redundancy import Sources, decode_nodes, fill, plan_fetches
+    from ucp_jax._src.memory.redundancy import (
+        Sources,
+        copy_out,
+        decode_nodes,
+        fill,
+        plan_fetches,
+    )
     from ucp_jax._src.memory.schemes import scheme_for
 
     def setting(module: Any, name: str, value: int | None, fn: Callable[[], object]) -> Any:
@@ -286,6 +295,12 @@ def engine(
     for name, (lay, per) in jobs.items():
         f, datas = per[0]
         scratch = np.zeros_like(blobs[name][0])  # (the sealed blobs stay for the rebuilds)
+        # what a step pays on CPU devices with a donated state: the copies (own pieces into the
+        # blob, the parities' sources into a reused buffer); the XORs follow in the background
+        stage = np.empty(redundancy.stage_bytes(lay, 0, f), np.uint8)
+        tasks[f"step copies, {name}"] = lambda lay=lay, f=f, datas=datas, b=scratch, st=stage: (
+            copy_out(b, lay, 0, f, lay.gaps(0), list(datas), st)
+        )
         for xb in xor_blocks if name != "none" else [None]:
             tasks[f"fill, {name}{tag(xor_blocks, xb)}"] = setting(
                 redundancy,
@@ -310,11 +325,14 @@ def engine(
                     ),
                 )  # fmt: skip
     times = best(tasks, repeats)
+    fetched = {
+        name: sum(np.asarray(d).nbytes for d in per[0][1]) for name, (_, per) in jobs.items()
+    }
     m = times["memcpy of a node's share"]
     out = [f"the engine, k = {k}: a node's share {share / 2**20:.1f} MiB; best of {repeats}",
            f"{'':46}{'bytes':>10}{'ms':>9}{'GB/s':>8}{'of memcpy':>11}{'vs xor':>8}"]  # fmt: skip
     for name, t in times.items():
-        if name.startswith("fill"):
+        if name.startswith(("fill", "step")):
             nb = jobs[name.split(", ")[1].split(" [")[0]][0].size(0)
         elif name.startswith("rebuild"):
             nb = share * (1 if "one node" in name else int(name.split()[1]))
@@ -326,6 +344,9 @@ def engine(
         ref = times.get(xor, times.get(xor.split(" [")[0], t))
         out.append(f"{name:46}{nb / 2**20:7.1f}MiB{t * 1e3:9.1f}{nb / t / 1e9:8.2f}"
                    f"{m / t * nb / share:10.0%}{t / ref:7.2f}x")  # fmt: skip
+    out.append("device->host copies a step dispatches on accelerators (node 0's fetches): "
+               + ", ".join(f"{n} {b / 2**20:.1f} MiB ({b / fetched['xor']:.2f}x xor)"
+                           for n, b in fetched.items()))  # fmt: skip
     return out
 
 

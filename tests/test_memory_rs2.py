@@ -225,6 +225,21 @@ def test_a_partial_rebuild_reads_only_what_the_wanted_lanes_need_and_is_bit_exac
                 assert nbytes < sum(nb for rs in full.values() for _, nb in rs), (lost, p)
 
 
+@pytest.mark.parametrize("k", [3, 4, 8])
+def test_a_rebuild_in_many_column_blocks_is_bit_exact(k, monkeypatch):
+    """The solve runs `SOLVE_COLS` columns of the packets at a time (a short last lane too)."""
+    from ucp_jax._src.memory import rs2
+
+    monkeypatch.setattr(rs2, "SOLVE_COLS", 64)
+    layout, arrays, blobs = _sealed(k, k, rows=60)
+    assert RS2.lane_bytes(layout, 0) // 8 >= 2 * rs2.SOLVE_COLS
+    assert any(layout.primary[n] % RS2.lane_bytes(layout, n) for n in range(k))  # a short lane
+    for lost in itertools.combinations(range(k), 2):
+        got = _rebuild(layout, blobs, list(lost))
+        for n in lost:
+            _check_pieces(layout, arrays, n, got[n])
+
+
 def test_a_partial_rebuild_still_detects_a_damaged_piece_or_parity():
     layout, _, blobs = _sealed(4, 4, rows=60)
     g = layout.groups[0]

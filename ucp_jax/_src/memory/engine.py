@@ -23,7 +23,7 @@ from . import copies, persist, recovery
 from . import extra as extras
 from .layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
 from .prepared import Prepared, SnapshotStats
-from .redundancy import Sources, copy_out, plan_fetches, roll, stage_bytes, xor_fill
+from .redundancy import Sources, copy_out, plan_fetches, roll, xor_fill
 from .runid import agree_run_id, default_namespace
 from .schemes import RedundancyScheme, scheme_for
 from .shm import NodeStore, huge_pages, namespace_root
@@ -193,13 +193,14 @@ class SnapshotManager:
             return True
         if prep.host_memory:
             # CPU devices, the caller may donate: the state is in host memory that the next step
-            # may reuse, so it is copied out now: this node's pieces straight into shared memory
-            # (recycled pages), the bytes its parities need into a reused buffer; the XORs run
-            # in the background (as on accelerators, where the step pays the copies only).
+            # may reuse, so it is copied out now, straight into shared memory: one copy, into
+            # recycled pages, instead of a device copy into fresh memory and a second copy; and
+            # XORed into the parities now (staging the sources to XOR them in the background
+            # costs the step more: docs/fault_tolerance_rs2.md).
             datas = copies.host_views(prep.fetches, leaves, rolled)  # waits for the step's outputs
             t1 = time.perf_counter()
             try:
-                writer, copied = self._fill(step, prep, datas, staged=True)
+                writer, copied = self._fill(step, prep, datas, xor_now=True)
             except Exception as e:  # reported like a background failure, on every platform
                 self._error = self._error or e
                 return True
@@ -286,10 +287,10 @@ class SnapshotManager:
         self._finish(step, prep, writer, copied, job, dispatch_s, time.perf_counter() - t0)
 
     def _fill(
-        self, step: int, prep: Prepared, datas: list[Any], staged: bool = False
+        self, step: int, prep: Prepared, datas: list[Any], xor_now: bool = False
     ) -> tuple[Any, int]:
-        """Begin this node's blob of `step` and copy the fetches' data into it (its XORs, left
-        in `writer.xors`, are done by `_finish`; `staged`: their sources copied out first)."""
+        """Begin this node's blob of `step` and copy the fetches' data into it; its redundancy
+        area is written now (`xor_now`) or by `_finish` (from `writer.xors`)."""
         layout = prep.layout
         index = {"format": "ucp-mem/1", "step": step, "run": self.run, "plan": layout.digest,
                  "node": self.node, "nbytes": prep.nbytes}  # fmt: skip
@@ -301,10 +302,11 @@ class SnapshotManager:
             self._pinned.add(writer.path)
         try:
             t0 = time.perf_counter()
-            if staged and prep.stage is None:
-                prep.stage = np.empty(stage_bytes(prep.layout, self.node, prep.fetches), np.uint8)
             copied, writer.xors = copy_out(writer.blob.array, prep.layout, self.node, prep.fetches,
-                                           prep.gaps, datas, prep.stage if staged else None)  # fmt: skip
+                                           prep.gaps, datas)  # fmt: skip
+            if xor_now:
+                xor_fill(writer.blob.array[prep.layout.primary[self.node] :], writer.xors)
+                writer.xors = []
             self._fill_s = time.perf_counter() - t0
         except BaseException:
             with self._lock:

@@ -37,8 +37,7 @@ class SnapshotStats:
         copied_bytes: bytes copied device -> shared memory for it.
         dispatch_s: time `snapshot()` took on the training thread.
         copy_s, fill_s: the copy into shared memory and commit; of it, the fill (copies and
-            XORs: on CPU devices with donation_safe, the copies on the training thread, the
-            XORs in the background).
+            XORs).
         rolls: leaves exchanged with collectives for redundancy.
     """
 

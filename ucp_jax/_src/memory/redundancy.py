@@ -278,9 +278,9 @@ def decode_nodes(
 
 
 # Bytes of a node's redundancy area filled at a time: every XOR into a block while it is in cache
-# (L2), each source byte read once. benchmarks/rs2_encode.py --engine measured 32 KiB - 2 MiB:
-# 512 KiB was fastest for xor and rs2 (k = 4 and 8), 15-30% faster than XOR in fetch order.
-XOR_BLOCK = 512 << 10
+# (L2), each source byte read once. benchmarks/rs2_encode.py --engine --xor-block 256 512 1024
+# (k = 4 and 8, load 4-5): 1 MiB was fastest for xor and rs2, 0-25% faster than 512 KiB.
+XOR_BLOCK = 1 << 20
 
 
 def fill(
@@ -336,8 +336,10 @@ def copy_out(
     redundancy area, for `xor_fill`, and the bytes read.
 
     With `stage` (`stage_bytes` of it), the sources of the redundancy area are copied into it
-    first, so that `datas` may be overwritten as soon as this returns (a snapshot of a donated
-    state on CPU devices: the training step pays these copies; the XORs run in the background).
+    first, so that `datas` may be overwritten as soon as this returns and the XORs may run later.
+    (What that would cost a step of a donated state on CPU devices; benchmarks/rs2_encode.py
+    --engine measures it against XORing at once, which costs the step less, and is what the
+    engine does: docs/fault_tolerance_rs2.md.)
     """
     for off, n in gaps:
         blob[off : off + n] = 0

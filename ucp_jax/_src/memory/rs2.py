@@ -60,9 +60,11 @@ def _crc(a: np.ndarray) -> int:
 
 LANE_ALIGN = 512  # C / 8 (a packet) is a multiple of 64 bytes
 _MAGIC = int.from_bytes(b"ucp-rs2\x01", "little")
-# Columns of the 8 packets solved at a time in a rebuild (8 x 32 KiB of each lane read and
-# written: in cache); measured with benchmarks/rs2_encode.py --engine.
-SOLVE_COLS = 32 << 10
+# Columns of the 8 packets solved at a time in a rebuild (8 x 256 KiB of each lane read and
+# written while in cache). benchmarks/rs2_encode.py --engine --solve-cols 32 128 256 512 (k = 4
+# and 8, load 4-5): 256 KiB within 10% of the fastest in every case; 32 KiB 1.4-2x slower (the
+# numpy calls per block), 512 KiB 1.4x slower at k = 8.
+SOLVE_COLS = 256 << 10
 
 
 def _rows(lane: np.ndarray, c_len: int, u: int, v: int) -> np.ndarray:
