@@ -157,9 +157,11 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         mem.append(buf / (time.perf_counter() - t0))
     del src, dst
 
-    def check(got: Any) -> None:
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expect)):
-            assert np.asarray(a.addressable_shards[0].data).tobytes() == b.tobytes()
+    def check(got: Any, tag: str) -> None:
+        leaves = zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expect))
+        for (path, a), b in leaves:
+            if np.asarray(a.addressable_shards[0].data).tobytes() != b.tobytes():
+                raise AssertionError(f"{tag}: {jax.tree_util.keystr(path)} is not bit-exact")
 
     def timed(tag: str, fn: Any) -> float:
         sync(tag)
@@ -167,7 +169,7 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         got = fn()
         jax.block_until_ready(got)
         dt = gather_max(time.perf_counter() - t0)
-        check(got)
+        check(got, tag)
         return dt
 
     rec: dict[str, list[float]] = {}

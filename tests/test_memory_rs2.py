@@ -349,3 +349,11 @@ def test_bit_sliced_multiplication_is_field_multiplication():
             for a, b, d in gf256.segments(c, len(lane) // 8, lo, hi):
                 gf256.xor_into(acc[d : d + b - a], lane[a:b])
         assert (acc == out).all(), c
+    rows = lane.reshape(8, -1)
+    for c in range(1, 256):  # the row forms, with `program`'s shared XORs, for every constant
+        want = gf256.mul(lane, c).reshape(8, -1)
+        got = gf256.mul_rows(rows.view(np.uint64), c, np.empty_like(rows.view(np.uint64)))
+        assert (got.view(np.uint8) == want).all(), c
+        acc = rows.copy()
+        gf256.mul_xor_rows(acc, rows, c)
+        assert (acc == want ^ rows).all(), c

@@ -306,7 +306,7 @@ class SnapshotManager:
                                            prep.gaps, datas)  # fmt: skip
             if xor_now:
                 xor_fill(writer.blob.array[prep.layout.primary[self.node] :], writer.xors)
-                writer.xors = []
+                writer.xors = None  # (written: `_finish` must not zero it again)
             self._fill_s = time.perf_counter() - t0
         except BaseException:
             with self._lock:
@@ -319,8 +319,9 @@ class SnapshotManager:
         """Background: commit a filled blob, retire old snapshots, maybe persist."""
         t0 = time.perf_counter()
         try:
-            xor_fill(writer.blob.array[prep.layout.primary[self.node] :], writer.xors)
-            writer.xors = []
+            if writer.xors is not None:  # the redundancy area, unless written on the step
+                xor_fill(writer.blob.array[prep.layout.primary[self.node] :], writer.xors)
+                writer.xors = None
             self._fill_s += time.perf_counter() - t0
             if self._extra_seq is not None:  # the peers' digests and extras this node keeps
                 self._peers.seal(prep.layout, self.node, self._extra_seq, writer.blob.array)
