@@ -124,6 +124,7 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
                 t0 = time.perf_counter()
                 params, opt_state = step_fn(params, opt_state, batch(i))
                 if mode != "base":
+                    jax.block_until_ready((params, opt_state))  # `call`: the snapshot's own time
                     t1 = time.perf_counter()
                     mgrs[mode].snapshot(i, params, opt_state)
                     call_s[mode].append(time.perf_counter() - t1)
@@ -247,8 +248,8 @@ def table(r: dict[str, Any]) -> str:
             f"{(r['copy_s'][s] - fs) * 1e3:7.1f}ms"
         )
     lines += ["cost: median step time minus the baseline's; call: median time in snapshot() on the"
-              " training thread (CPU devices, donated state: it copies and encodes before it"
-              " returns), and its ratio to xor's;",
+              " training thread, the step's outputs ready (CPU devices, donated state: it copies"
+              " and encodes before it returns), and its ratio to xor's;",
               "fill: the node's blob written (copies, XOR, bit-sliced Q) on its training thread;"
               " commit: digests and extras exchanged with the peers, index and COMMIT written, in"
               " the background",
