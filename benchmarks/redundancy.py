@@ -124,6 +124,7 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
                 t0 = time.perf_counter()
                 params, opt_state = step_fn(params, opt_state, batch(i))
                 if mode != "base":
+                    jax.block_until_ready((params, opt_state))  # `call`: the snapshot's own time
                     t1 = time.perf_counter()
                     mgrs[mode].snapshot(i, params, opt_state)
                     call_s[mode].append(time.perf_counter() - t1)
@@ -157,9 +158,11 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         mem.append(buf / (time.perf_counter() - t0))
     del src, dst
 
-    def check(got: Any) -> None:
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expect)):
-            assert np.asarray(a.addressable_shards[0].data).tobytes() == b.tobytes()
+    def check(got: Any, tag: str) -> None:
+        leaves = zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expect))
+        for (path, a), b in leaves:
+            if np.asarray(a.addressable_shards[0].data).tobytes() != b.tobytes():
+                raise AssertionError(f"{tag}: {jax.tree_util.keystr(path)} is not bit-exact")
 
     def timed(tag: str, fn: Any) -> float:
         sync(tag)
@@ -167,7 +170,7 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
         got = fn()
         jax.block_until_ready(got)
         dt = gather_max(time.perf_counter() - t0)
-        check(got)
+        check(got, tag)
         return dt
 
     rec: dict[str, list[float]] = {}
@@ -245,8 +248,8 @@ def table(r: dict[str, Any]) -> str:
             f"{(r['copy_s'][s] - fs) * 1e3:7.1f}ms"
         )
     lines += ["cost: median step time minus the baseline's; call: median time in snapshot() on the"
-              " training thread (CPU devices, donated state: it copies and encodes before it"
-              " returns), and its ratio to xor's;",
+              " training thread, the step's outputs ready (CPU devices, donated state: it copies"
+              " and encodes before it returns), and its ratio to xor's;",
               "fill: the node's blob written (copies, XOR, bit-sliced Q) on its training thread;"
               " commit: digests and extras exchanged with the peers, index and COMMIT written, in"
               " the background",

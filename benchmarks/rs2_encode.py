@@ -12,7 +12,10 @@ in the same run (best of `--repeats`):
 - `JAX jit Horner`: the same Horner rule fused by XLA (CPU), the lanes copied in and P, Q out
   (the device-resident time, without the copies, is shown too);
 - with `--engine`: the snapshot engine's own fill of one node's blob for none, xor and rs2 (a
-  simulated job of k nodes), and rebuilds of one and two lost nodes, against memcpy;
+  simulated job of k nodes), the part of it a training step pays on CPU devices with a donated
+  state (`step copies`: the copies; the XORs follow in the background), and rebuilds of one and
+  two lost nodes (and of only one lost node's lanes), against memcpy; `--engine-only` skips the
+  one-stripe candidates, `--xor-block` / `--solve-cols` sweep the block sizes;
 - libraries, where installed: pyeclib with ISA-L (`isa_l_rs_vand`, whose m=2 parities are exactly
   RAID-6's P and byte-wise Q), zfec (its own Vandermonde code), galois (GF(2^8) arrays).
 
@@ -31,6 +34,7 @@ import importlib.util
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -198,19 +202,47 @@ def candidates(lanes: np.ndarray) -> dict[str, Callable[[], tuple[np.ndarray, np
     return out
 
 
-def engine(k: int, mib: float, repeats: int) -> list[str]:
+def engine(
+    k: int, mib: float, repeats: int, xor_blocks: list[int], solve_cols: list[int]
+) -> list[str]:
     """The engine's own fill of one node's blob (none, xor, rs2) and rebuilds, in one process.
 
     A job of k nodes x 2 fake devices with one leaf sharded over all devices (each node's share
     `mib` MiB); node 0's blob is filled from numpy copies of its fetches' regions exactly as the
     snapshot engine fills it, best of `repeats` interleaved; then rs2 (and xor) rebuild one and
-    two lost nodes from the others' blobs.
+    two lost nodes from the others' blobs (two lost: both nodes, and only the lanes of one of
+    them, as a restoring process that reads one lost node's pieces does). With several
+    `xor_blocks` (KiB; `redundancy.XOR_BLOCK`) or `solve_cols` (KiB; `rs2.SOLVE_COLS`), each
+    fill or rebuild is timed with each, in the same rounds.
     """
     import dataclasses
 
+    from ucp_jax._src.memory import redundancy
+    from ucp_jax._src.memory import rs2 as rs2_module
     from ucp_jax._src.memory.layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
-    from ucp_jax._src.memory.redundancy import Sources, decode_nodes, fill, plan_fetches
+    from ucp_jax._src.memory.redundancy import (
+        Sources,
+        copy_out,
+        decode_nodes,
+        fill,
+        plan_fetches,
+    )
     from ucp_jax._src.memory.schemes import scheme_for
+
+    def setting(module: Any, name: str, value: int | None, fn: Callable[[], object]) -> Any:
+        """`fn` with module.name set to `value` KiB (None: as it is)."""
+        if value is None:
+            return fn
+
+        def run() -> object:
+            old = getattr(module, name)
+            setattr(module, name, value << 10)
+            try:
+                return fn()
+            finally:
+                setattr(module, name, old)
+
+        return run
 
     @dataclasses.dataclass(frozen=True)
     class Dev:
@@ -256,33 +288,65 @@ def engine(k: int, mib: float, repeats: int) -> list[str]:
     tasks: dict[str, Callable[[], object]] = {
         "memcpy of a node's share": lambda: np.copyto(dst, src)
     }
+
+    def tag(values: list[int], v: int | None) -> str:
+        return f" [{v}K]" if len(values) > 1 else ""
+
     for name, (lay, per) in jobs.items():
         f, datas = per[0]
         scratch = np.zeros_like(blobs[name][0])  # (the sealed blobs stay for the rebuilds)
-        tasks[f"fill, {name}"] = lambda lay=lay, f=f, datas=datas, b=scratch: fill(
-            b, lay, 0, f, lay.gaps(0), list(datas)
+        # what a step pays on CPU devices with a donated state: the copies (own pieces into the
+        # blob, the parities' sources into a reused buffer); the XORs follow in the background
+        stage = np.empty(redundancy.stage_bytes(lay, 0, f), np.uint8)
+        tasks[f"step copies, {name}"] = lambda lay=lay, f=f, datas=datas, b=scratch, st=stage: (
+            copy_out(b, lay, 0, f, lay.gaps(0), list(datas), st)
         )
-    for name, losses in (("xor", [[1]]), ("rs2", [[1], [1, 2]])):
+        for xb in xor_blocks if name != "none" else [None]:
+            tasks[f"fill, {name}{tag(xor_blocks, xb)}"] = setting(
+                redundancy,
+                "XOR_BLOCK",
+                xb,
+                lambda lay=lay, f=f, datas=datas, b=scratch: fill(
+                    b, lay, 0, f, lay.gaps(0), list(datas)
+                ),
+            )
+    for name, losses in (("xor", [[1]]), ("rs2", [[1], [1, 2], [1, 2, 1]])):
         lay = jobs[name][0]
         for lost in losses:
+            want = {1: [(0, lay.primary[1])], 2: []} if len(lost) == 3 else None
+            lost = sorted(set(lost))
             others = {m: View(blobs[name][m]) for m in range(k) if m not in lost}
-            tasks[f"rebuild {len(lost)} lost, {name}"] = lambda lay=lay, lost=lost, others=others: (
-                decode_nodes(lay, lost, others)
-            )
+            what = ", one node's lanes" if want else ""
+            for sc in solve_cols if name == "rs2" else [None]:
+                tasks[f"rebuild {len(lost)} lost, {name}{what}{tag(solve_cols, sc)}"] = setting(
+                    rs2_module, "SOLVE_COLS", sc,
+                    lambda lay=lay, lost=lost, others=others, want=want: (
+                        decode_nodes(lay, lost, others, want)
+                    ),
+                )  # fmt: skip
     times = best(tasks, repeats)
+    fetched = {
+        name: sum(np.asarray(d).nbytes for d in per[0][1]) for name, (_, per) in jobs.items()
+    }
     m = times["memcpy of a node's share"]
     out = [f"the engine, k = {k}: a node's share {share / 2**20:.1f} MiB; best of {repeats}",
-           f"{'':30}{'bytes':>10}{'ms':>9}{'GB/s':>8}{'of memcpy':>11}{'vs xor':>8}"]  # fmt: skip
+           f"{'':46}{'bytes':>10}{'ms':>9}{'GB/s':>8}{'of memcpy':>11}{'vs xor':>8}"]  # fmt: skip
     for name, t in times.items():
-        if name.startswith("fill"):
-            nb = jobs[name.split(", ")[1]][0].size(0)
+        if name.startswith(("fill", "step")):
+            nb = jobs[name.split(", ")[1].split(" [")[0]][0].size(0)
         elif name.startswith("rebuild"):
-            nb = share * int(name.split()[1])
+            nb = share * (1 if "one node" in name else int(name.split()[1]))
         else:
             nb = share
-        ref = times.get(name.replace("rs2", "xor").replace("2 lost", "1 lost"), t)
-        out.append(f"{name:30}{nb / 2**20:7.1f}MiB{t * 1e3:9.1f}{nb / t / 1e9:8.2f}"
+        xor = (
+            name.replace("rs2", "xor").replace("2 lost", "1 lost").replace(", one node's lanes", "")
+        )
+        ref = times.get(xor, times.get(xor.split(" [")[0], t))
+        out.append(f"{name:46}{nb / 2**20:7.1f}MiB{t * 1e3:9.1f}{nb / t / 1e9:8.2f}"
                    f"{m / t * nb / share:10.0%}{t / ref:7.2f}x")  # fmt: skip
+    out.append("device->host copies a step dispatches on accelerators (node 0's fetches): "
+               + ", ".join(f"{n} {b / 2**20:.1f} MiB ({b / fetched['xor']:.2f}x xor)"
+                           for n, b in fetched.items()))  # fmt: skip
     return out
 
 
@@ -297,7 +361,14 @@ def main() -> None:
         help="also time the engine's fill of a node's blob (none, xor, rs2) and rs2's rebuilds "
         "(needs ucp_jax importable)",
     )
+    ap.add_argument("--xor-block", type=int, nargs="*", help="KiB: fill with each XOR_BLOCK")
+    ap.add_argument("--solve-cols", type=int, nargs="*", help="KiB: rebuild with each SOLVE_COLS")
+    ap.add_argument("--engine-only", action="store_true", help="skip the one-stripe candidates")
     args = ap.parse_args()
+    if args.engine_only:
+        print("\n".join(engine(args.lanes + 2, args.mib * args.lanes, args.repeats,
+                               args.xor_block or [None], args.solve_cols or [None])))  # fmt: skip
+        return
     n = int(args.mib * 2**20) // 512 * 512
     lanes = np.random.default_rng(0).integers(0, 256, (args.lanes, n), dtype=np.uint8)
     rows = list(best(candidates(lanes), args.repeats).items())
@@ -309,7 +380,9 @@ def main() -> None:
         print(f"{name:46}{t * 1e3:9.1f}{lanes.nbytes / t / 1e9:8.2f}{base / t:10.0%}")
     if args.engine:
         print()
-        print("\n".join(engine(args.lanes + 2, args.mib * args.lanes, args.repeats)))
+        lines = engine(args.lanes + 2, args.mib * args.lanes, args.repeats,
+                       args.xor_block or [None], args.solve_cols or [None])  # fmt: skip
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

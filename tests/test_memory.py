@@ -184,7 +184,8 @@ def test_every_n_steps(tmp_path, shm_dir):
     mgr.close()
 
 
-def test_torn_snapshots_are_ignored(tmp_path, shm_dir, monkeypatch):
+@pytest.mark.parametrize("dies", ["copy_out", "xor_fill"])  # the copies; the background XORs
+def test_torn_snapshots_are_ignored(tmp_path, shm_dir, monkeypatch, dies):
     mgr = _mgr(tmp_path, shm_dir, keep=3)
     params, opt_state, hist = _train(mgr, 3)
     mgr.wait()
@@ -203,7 +204,7 @@ def test_torn_snapshots_are_ignored(tmp_path, shm_dir, monkeypatch):
     def boom(*a, **k):
         raise OSError("simulated crash while copying")
 
-    monkeypatch.setattr("ucp_jax._src.memory.engine.fill", boom)
+    monkeypatch.setattr(f"ucp_jax._src.memory.engine.{dies}", boom)
     mgr.snapshot(4, params, opt_state)
     with pytest.raises(RuntimeError, match="simulated crash"):
         mgr.wait()

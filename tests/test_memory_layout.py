@@ -28,11 +28,18 @@ class FakeDevice:
     process_index: int
 
 
-def _job(nodes: int, redundancy: str | None, group_size: int, rows: int = 4, seed: int = 0):
+def _job(
+    nodes: int,
+    redundancy: str | None,
+    group_size: int,
+    rows: int = 4,
+    seed: int = 0,
+    fetched: dict | None = None,
+):
     """A layout over fake devices, the global leaves, and each node's filled blob.
 
     `rows`: rows per device of the sharded leaves (bigger blobs); `seed`: other values, same
-    layout.
+    layout; `fetched`: receives, per node, its fetches and their data (as the engine copies).
     """
     devices = [FakeDevice(i, i // 2) for i in range(2 * nodes)]
     rng = np.random.default_rng(nodes * 10 + group_size + 1000 * seed)
@@ -87,6 +94,8 @@ def _job(nodes: int, redundancy: str | None, group_size: int, rows: int = 4, see
         fetches, _ = plan_fetches(layout, sources, devices, k)
         merged += [f for f in fetches if f.leaf == 4 and f.box == f.shard_box]
         datas = [np.ascontiguousarray(arrays[f.leaf][to_slices(f.box)]) for f in fetches]
+        if fetched is not None:
+            fetched[k] = (fetches, [d.copy() for d in datas])
         blob = np.full(layout.size(k), 0xAB, np.uint8)  # stale bytes: fill must overwrite all
         fill(blob, layout, k, fetches, layout.gaps(k), datas)
         blobs[k] = blob

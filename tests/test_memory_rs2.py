@@ -21,6 +21,8 @@ from test_memory_layout import _check_pieces, _job
 
 from ucp_jax._src.memory import extra as extras
 from ucp_jax._src.memory import gf256, recovery
+from ucp_jax._src.memory import redundancy as red
+from ucp_jax._src.memory.blobs import Decoded
 from ucp_jax._src.memory.layout import SnapshotLayout, make_groups
 from ucp_jax._src.memory.redundancy import decode_nodes, decode_ranges
 from ucp_jax._src.memory.schemes import ParityMismatch, scheme_for
@@ -54,17 +56,18 @@ class _Ranges:
         return self.blob[off : off + n]
 
 
-def _rebuild(layout, blobs, lost):
-    """Decode `lost` (members of one group) from the others, through the ranges they name."""
+def _rebuild(layout, blobs, lost, want=None, named=None):
+    """Decode `lost` (members of one group) from the others, through the ranges they name
+    (with `want`: only those parts of the lost nodes; `named` receives the ranges)."""
     g = layout.group_of[lost[0]]
     present = [n for n in range(layout.nodes) if n not in lost]
-    ranges: dict[int, list[tuple[int, int]]] = {}
+    ranges: dict[int, list[tuple[int, int]]] = {} if named is None else named
     for n in lost:
-        for node, off, nb in decode_ranges(layout, n, present):
+        for node, off, nb in decode_ranges(layout, n, present, want):
             assert node in g and node not in lost, (node, lost)
             ranges.setdefault(node, []).append((off, nb))
     others = {m: _Ranges(blobs[m], ranges.get(m, [])) for m in g if m not in lost}
-    return decode_nodes(layout, list(lost), others)
+    return decode_nodes(layout, list(lost), others, want)
 
 
 @pytest.mark.parametrize("k", [3, 4, 8])
@@ -196,6 +199,108 @@ def test_a_lost_nodes_extra_is_rebuilt_from_any_two_lost(k):
                                  {m: own[m] for m in left}) is None  # fmt: skip
 
 
+@pytest.mark.parametrize("k", [4, 8])
+def test_a_partial_rebuild_reads_only_what_the_wanted_lanes_need_and_is_bit_exact(k):
+    """A process reading one piece of a lost node rebuilds only the stripes of the lanes that
+    hold it, reading less than a whole rebuild; what it wanted is bit-exact."""
+    layout, _, blobs = _sealed(k, k, rows=60)
+    g = layout.groups[0]
+    for lost in itertools.combinations(range(k), 2):
+        n = lost[0]
+        for p in layout.by_node[n]:
+            want = {n: [(p.offset, p.nbytes)]}
+            named: dict[int, list[tuple[int, int]]] = {}
+            got = _rebuild(layout, blobs, list(lost), want, named)
+            assert (
+                got[n][p.offset : p.offset + p.nbytes].tobytes()
+                == blobs[n][p.offset : p.offset + p.nbytes].tobytes()
+            )
+            full: dict[int, list[tuple[int, int]]] = {}
+            _rebuild(layout, blobs, list(lost), None, full)
+            stripes = {s for s in range(k) if n in RS2.data_of(layout, g, s)
+                       and p.offset < RS2.lane(layout, n, s)[1]
+                       and RS2.lane(layout, n, s)[0] < p.offset + p.nbytes}  # fmt: skip
+            nbytes = sum(nb for rs in named.values() for _, nb in rs)
+            if len(stripes) < k - 2:  # the piece is in fewer lanes than the node has
+                assert nbytes < sum(nb for rs in full.values() for _, nb in rs), (lost, p)
+
+
+@pytest.mark.parametrize("k", [3, 4, 8])
+def test_a_rebuild_in_many_column_blocks_is_bit_exact(k, monkeypatch):
+    """The solve runs `SOLVE_COLS` columns of the packets at a time (a short last lane too)."""
+    from ucp_jax._src.memory import rs2
+
+    monkeypatch.setattr(rs2, "SOLVE_COLS", 64)
+    layout, arrays, blobs = _sealed(k, k, rows=60)
+    assert RS2.lane_bytes(layout, 0) // 8 >= 2 * rs2.SOLVE_COLS
+    assert any(layout.primary[n] % RS2.lane_bytes(layout, n) for n in range(k))  # a short lane
+    for lost in itertools.combinations(range(k), 2):
+        got = _rebuild(layout, blobs, list(lost))
+        for n in lost:
+            _check_pieces(layout, arrays, n, got[n])
+
+
+def test_a_partial_rebuild_still_detects_a_damaged_piece_or_parity():
+    layout, _, blobs = _sealed(4, 4, rows=60)
+    g = layout.groups[0]
+    lost = [2, 3]  # stripe 0: both data lanes lost; P on 0, Q on 1
+    want = {2: [(RS2.lane(layout, 2, 0)[0], 8)], 3: []}  # 8 bytes of node 2's lane of stripe 0
+    for h, off in (RS2.parity_at(layout, g, 0, 0), RS2.parity_at(layout, g, 0, 1)):
+        bad = {n: x.copy() for n, x in blobs.items()}
+        bad[h][off + RS2.lane_bytes(layout, 0) - 1] ^= 0x10  # far from the bytes wanted
+        with pytest.raises(ParityMismatch, match="stale or damaged"):
+            _rebuild(layout, bad, lost, want)
+    # node 1's lane of stripe 3 (data: 1, 2; P on 3 lost, Q on 0): a damaged surviving piece
+    bad = {n: x.copy() for n, x in blobs.items()}
+    bad[1][RS2.lane(layout, 1, 3)[0] + 5] ^= 1
+    with pytest.raises(ParityMismatch, match="stale or damaged"):
+        _rebuild(layout, bad, [2, 3], {2: [(RS2.lane(layout, 2, 3)[0], 8)], 3: []})
+
+
+def test_a_rebuilt_node_serves_only_the_ranges_planned():
+    d = Decoded(np.arange(100, dtype=np.uint8), [(10, 20), (30, 5), (60, 0)])
+    assert d.view(10, 25).tolist() == list(range(10, 35))  # (adjacent ranges merged)
+    assert d.view(12, 3).tolist() == [12, 13, 14] and len(d.view(50, 0)) == 0
+    for off, n in ((0, 11), (34, 2), (60, 1), (90, 5)):
+        with pytest.raises(RuntimeError, match="not planned for rebuilding"):
+            d.view(off, n)
+    assert Decoded(np.zeros(4, np.uint8)).view(0, 4).tolist() == [0] * 4  # no plan: all of it
+
+
+@pytest.mark.parametrize("redundancy", ["xor", "rs2"])
+def test_staged_copies_then_blocked_xors_fill_the_same_blob(redundancy, monkeypatch):
+    """On CPU devices with a donated state the step copies the XOR sources out (`stage`) and
+    the XORs run later, a block at a time: the same blob, whatever the sources hold by then."""
+    fetched: dict = {}
+    layout, _, blobs = _job(4, redundancy, 4, rows=400, fetched=fetched)  # (one XOR block)
+    monkeypatch.setattr(red, "XOR_BLOCK", 1024)
+    assert layout.red_bytes[0] > 3 * red.XOR_BLOCK
+    for k, (fetches, datas) in fetched.items():
+        stage = np.empty(red.stage_bytes(layout, k, fetches), np.uint8)
+        blob = np.full(layout.size(k), 0xCD, np.uint8)
+        originals = list(datas)
+        _, xors = red.copy_out(blob, layout, k, fetches, layout.gaps(k), datas, stage)
+        assert all(d is None for d in datas)
+        for d in originals:  # the next step overwrites the donated buffers
+            d.view(np.uint8)[:] = 0x5A
+        red.xor_fill(blob[layout.primary[k] :], xors)
+        assert blob.tobytes() == blobs[k].tobytes(), k
+
+
+def test_digests_are_zlibs_crc32_so_older_snapshots_still_verify():
+    """zlib-ng computes the digests now; the values are zlib's CRC-32, as before."""
+    import zlib
+
+    from ucp_jax._src.memory.rs2 import _crc
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 63, 4096, 1 << 20):
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        assert _crc(a) == zlib.crc32(a.tobytes())
+    a = rng.integers(0, 256, 999, dtype=np.uint8)
+    assert _crc(a[1::2]) == zlib.crc32(a[1::2].tobytes())  # (a strided view: copied first)
+
+
 def test_layout_with_rs2_round_trips():
     layout, _, _ = _job(8, "rs2", 4, rows=8)
     assert layout.groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -244,3 +349,11 @@ def test_bit_sliced_multiplication_is_field_multiplication():
             for a, b, d in gf256.segments(c, len(lane) // 8, lo, hi):
                 gf256.xor_into(acc[d : d + b - a], lane[a:b])
         assert (acc == out).all(), c
+    rows = lane.reshape(8, -1)
+    for c in range(1, 256):  # the row forms, with `program`'s shared XORs, for every constant
+        want = gf256.mul(lane, c).reshape(8, -1)
+        got = gf256.mul_rows(rows.view(np.uint64), c, np.empty_like(rows.view(np.uint64)))
+        assert (got.view(np.uint8) == want).all(), c
+        acc = rows.copy()
+        gf256.mul_xor_rows(acc, rows, c)
+        assert (acc == want ^ rows).all(), c

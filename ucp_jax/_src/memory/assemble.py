@@ -22,7 +22,7 @@ from ..mapping.keys import rewrap
 from ..mapping.rules import CompiledRules
 from ..util.buffers import aligned_empty
 from . import exchange
-from .blobs import BlobReader, fetch_requests, intersect
+from .blobs import BlobReader, fetch_requests, intersect, wanted
 from .candidate import Candidate
 from .layout import BlobPiece, LeafMeta, SnapshotLayout
 from .shm import Blob
@@ -43,6 +43,7 @@ def read_candidate(
     try:
         bound = [(b, _leaf_index(b, lay, index)) for b in pbind + obind]
         regions = [(li, box) for b, li in bound for box in _regions(b, lay.leaves[li])]
+        blobs.want = wanted(cand, regions, blobs)  # a lost node: only what is read is rebuilt
         blobs.fetched = exchange.fetch(
             fetch_requests(cand, regions, blobs),
             lambda node, off, n: blobs[node].view(off, n),

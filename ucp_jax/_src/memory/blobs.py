@@ -2,12 +2,14 @@
 
 A `BlobReader` gives a candidate step's node blobs: the ones this process sees are mapped from
 shared memory, the ones only other processes see are fetched (`exchange`), and a lost node is
-rebuilt from its group (`redundancy.decode_node`). `fetch_requests` plans which byte ranges this
-process must fetch for the regions it restores.
+rebuilt from its group (`redundancy.decode_nodes`): only the byte ranges of it this process reads
+(`wanted`), where the scheme can rebuild part of a node (rs2: the lanes that hold them).
+`fetch_requests` plans which byte ranges this process must fetch for the regions it restores.
 """
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,9 @@ class BlobReader:
         self._open: dict[int, Any] = {}
         self.files: list[Path] = []
         self.copied = 0  # bytes assembled by copying (not views of the snapshot's pages)
+        # lost node -> the (offset, nbytes) of it this process reads (None: all of every node)
+        self.want: dict[int, list[tuple[int, int]]] | None = None
+        self._spans: dict[int, list[tuple[int, int]]] = {}
 
     def sees(self, node: int) -> bool:
         return node in self.cand.entries
@@ -49,8 +54,9 @@ class BlobReader:
             elif node in self.cand.lost:  # with every lost member of its group, at once
                 lost = self.lost_with(node)
                 others = {m: self[m] for m in self.cand.layout.group_of[node] if m not in lost}
-                for m, data in decode_nodes(self.cand.layout, lost, others).items():
-                    self._open[m] = Decoded(data)
+                want = None if self.want is None else {m: self.want.get(m, []) for m in lost}
+                for m, data in decode_nodes(self.cand.layout, lost, others, want).items():
+                    self._open[m] = Decoded(data, None if want is None else want[m])
             else:
                 raise RuntimeError(
                     f"ucp.memory restore: node {node}'s snapshot is on another machine and none "
@@ -64,8 +70,14 @@ class BlobReader:
 
     def covers(self, node: int, offset: int, nbytes: int) -> bool:
         """Whether `view(offset, nbytes)` of that node is readable here (fetched ranges only)."""
-        if node in self.cand.entries or node in self.cand.lost:
+        if node in self.cand.entries:
             return True
+        if node in self.cand.lost:  # rebuilt: the parts of it planned
+            if self.want is None:
+                return True
+            if node not in self._spans:
+                self._spans[node] = _spans(self.want.get(node, []))
+            return _inside(self._spans[node], offset, nbytes)
         return node in self.fetched and self.fetched[node].covers(offset, nbytes)
 
     def homes(self, p: BlobPiece) -> list[tuple[int, int]]:
@@ -94,20 +106,38 @@ class BlobReader:
                 b.close()
 
 
+def wanted(
+    cand: Candidate, regions: list[tuple[int, Box]], blobs: BlobReader
+) -> dict[int, list[tuple[int, int]]]:
+    """Per lost node whose group has a node this process reads (every lost member of such a
+    group), the (offset, nbytes) of its pieces that reading `regions` takes (maybe none)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for li, box in regions:
+        for p in cand.layout.by_leaf[li]:
+            if intersect(p.box, box) is None:
+                continue
+            node, off = blobs.homes(p)[0]
+            if node in cand.lost:
+                for m in blobs.lost_with(node):
+                    out.setdefault(m, [])
+                out[node].append((off, p.nbytes))
+    return out
+
+
 def fetch_requests(cand: Candidate, regions: list[tuple[int, Box]], blobs: BlobReader) -> list[Any]:
     """The byte ranges this process must fetch to read `regions` ((leaf, box) pairs): pieces on
-    nodes it does not see, and what decoding a lost node needs from group members it does not
-    see (for every lost member of its group: they are rebuilt together). Each is served by the
-    lowest process that sees the node."""
+    nodes it does not see, and what rebuilding the wanted parts of lost nodes needs from group
+    members it does not see (`blobs.want`, or all of every lost member of their groups). Each is
+    served by the lowest process that sees the node."""
     lay = cand.layout
     if all(blobs.sees(n) for n in cand.present):
         return []  # every snapshot there is, this process sees
-    wanted: list[tuple[int, int, int, int]] = []
+    requests: list[tuple[int, int, int, int]] = []
     decode: set[int] = set()
 
     def need(node: int, off: int, n: int) -> None:
         if not blobs.sees(node) and n > 0:
-            wanted.append((node, min(cand.present[node]), off, n))
+            requests.append((node, min(cand.present[node]), off, n))
 
     for li, box in regions:
         for p in lay.by_leaf[li]:
@@ -119,16 +149,42 @@ def fetch_requests(cand: Candidate, regions: list[tuple[int, Box]], blobs: BlobR
             else:
                 need(node, off, p.nbytes)
     for lost in sorted(decode):
-        for node, off, n in decode_ranges(lay, lost, cand.present):
+        for node, off, n in decode_ranges(lay, lost, cand.present, blobs.want):
             need(node, off, n)
-    return exchange.merge(wanted)
+    return exchange.merge(requests)
+
+
+def _spans(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, nbytes) ranges merged into sorted, disjoint [start, end) spans."""
+    out: list[list[int]] = []
+    for off, n in sorted(r for r in ranges if r[1] > 0):
+        if out and off <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], off + n)
+        else:
+            out.append([off, off + n])
+    return [(a, b) for a, b in out]
+
+
+def _inside(spans: list[tuple[int, int]], offset: int, nbytes: int) -> bool:
+    i = bisect.bisect_right(spans, offset, key=lambda s: s[0]) - 1
+    return nbytes <= 0 or (i >= 0 and offset + nbytes <= spans[i][1])
 
 
 class Decoded:
-    def __init__(self, data: np.ndarray) -> None:
+    """A rebuilt node's pieces part; with `ranges`, only those bytes were asked for (the rest
+    may not be rebuilt), and a view outside them is an error, not zeros."""
+
+    def __init__(self, data: np.ndarray, ranges: list[tuple[int, int]] | None = None) -> None:
         self.array = data
+        self.spans = None if ranges is None else _spans(ranges)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
+        if self.spans is not None and not _inside(self.spans, offset, nbytes):
+            raise RuntimeError(
+                f"ucp.memory restore: bytes [{offset}, {offset + nbytes}) of a rebuilt node "
+                "were read but not planned for rebuilding (an internal planning error; please "
+                "report it)"
+            )
         return self.array[offset : offset + nbytes]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import threading
@@ -23,48 +22,13 @@ from ..util import config
 from . import copies, persist, recovery
 from . import extra as extras
 from .layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
-from .redundancy import Fetch, Sources, fill, plan_fetches, roll
+from .prepared import Prepared, SnapshotStats
+from .redundancy import Sources, copy_out, plan_fetches, roll, xor_fill
 from .runid import agree_run_id, default_namespace
 from .schemes import RedundancyScheme, scheme_for
 from .shm import NodeStore, huge_pages, namespace_root
 
 log = logging.getLogger("ucp_jax")
-
-
-@dataclasses.dataclass
-class _Prepared:
-    """What a snapshot of one state structure copies (cached: it is the same every step)."""
-
-    layout: SnapshotLayout
-    text: str
-    fetches: list[Fetch]
-    rolls: dict[int, list[int]]  # shift -> leaves rolled by it
-    gaps: list[tuple[int, int]]
-    nbytes: int
-    groups: list[copies.DeviceCopies]  # the device-side copies (none on CPU devices)
-    host_memory: bool  # every device is a CPU device: its buffers are host memory already
-
-
-@dataclasses.dataclass
-class SnapshotStats:
-    """The last committed snapshot of this process.
-
-    Attributes:
-        step: its step.
-        nbytes: bytes of this node's blob (own pieces + redundancy).
-        copied_bytes: bytes copied device -> shared memory for it.
-        dispatch_s: time `snapshot()` took on the training thread.
-        copy_s, fill_s: the background copy into shared memory (and commit); of it, the fill.
-        rolls: leaves exchanged with collectives for redundancy.
-    """
-
-    step: int = -1
-    nbytes: int = 0
-    copied_bytes: int = 0
-    dispatch_s: float = 0.0
-    copy_s: float = 0.0
-    rolls: int = 0
-    fill_s: float = 0.0
 
 
 class SnapshotManager:
@@ -166,7 +130,7 @@ class SnapshotManager:
         )  # fmt: skip
         self.stats = SnapshotStats()
         self.restored: recovery.RestoreInfo | None = None
-        self._cache: dict[Any, _Prepared] = {}
+        self._cache: dict[Any, Prepared] = {}
         self._lock = threading.Lock()  # the store, pins and errors
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ucp-snap")
         self._persister = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ucp-pers")
@@ -230,11 +194,13 @@ class SnapshotManager:
         if prep.host_memory:
             # CPU devices, the caller may donate: the state is in host memory that the next step
             # may reuse, so it is copied out now, straight into shared memory: one copy, into
-            # recycled pages, instead of a device copy into fresh memory and a second copy.
+            # recycled pages, instead of a device copy into fresh memory and a second copy; and
+            # XORed into the parities now (staging the sources to XOR them in the background
+            # costs the step more: docs/fault_tolerance_rs2.md).
             datas = copies.host_views(prep.fetches, leaves, rolled)  # waits for the step's outputs
             t1 = time.perf_counter()
             try:
-                writer, copied = self._fill(step, prep, datas)
+                writer, copied = self._fill(step, prep, datas, xor_now=True)
             except Exception as e:  # reported like a background failure, on every platform
                 self._error = self._error or e
                 return True
@@ -251,7 +217,7 @@ class SnapshotManager:
         self._inflight = self._copier.submit(self._write, step, prep, datas, job, dispatch_s)
         return True
 
-    def _prepare(self, params: Any, opt_state: Any, leaves: list[Any]) -> _Prepared:
+    def _prepare(self, params: Any, opt_state: Any, leaves: list[Any]) -> Prepared:
         sig = (
             jax.tree_util.tree_structure(params),
             jax.tree_util.tree_structure(opt_state),
@@ -270,7 +236,7 @@ class SnapshotManager:
             prep = self._cache[sig] = self._plan(params, opt_state)
         return prep
 
-    def _plan(self, params: Any, opt_state: Any) -> _Prepared:
+    def _plan(self, params: Any, opt_state: Any) -> Prepared:
         pbind, obind = bind_state(params, opt_state, CompiledRules(()))
         bindings = pbind + obind
         metas, regions = [], []
@@ -302,26 +268,29 @@ class SnapshotManager:
         host_memory = not config.snapshot_device_copies() and all(
             f.device is None or f.device.platform == "cpu" for f in fetches
         )
-        return _Prepared(layout, layout.to_json(), fetches, by_shift, layout.gaps(self.node),
+        return Prepared(layout, layout.to_json(), fetches, by_shift, layout.gaps(self.node),
                          layout.size(self.node),
                          [] if host_memory else copies.group_by_device(fetches, self.donation_safe),
                          host_memory)  # fmt: skip
 
-    def _write_views(self, step: int, prep: _Prepared, leaves: list[Any], rolled: dict[Any, Any],
+    def _write_views(self, step: int, prep: Prepared, leaves: list[Any], rolled: dict[Any, Any],
                      job: Any, dispatch_s: float) -> None:  # fmt: skip
         """Background: `_write` straight from the CPU buffers of the held arrays."""
         self._write(step, prep, copies.host_views(prep.fetches, leaves, rolled), job, dispatch_s)
 
     def _write(
-        self, step: int, prep: _Prepared, datas: list[Any], job: Any, dispatch_s: float
+        self, step: int, prep: Prepared, datas: list[Any], job: Any, dispatch_s: float
     ) -> None:
         """Background: copy into this node's shared memory, commit, retire, maybe persist."""
         t0 = time.perf_counter()
         writer, copied = self._fill(step, prep, datas)
         self._finish(step, prep, writer, copied, job, dispatch_s, time.perf_counter() - t0)
 
-    def _fill(self, step: int, prep: _Prepared, datas: list[Any]) -> tuple[Any, int]:
-        """Begin this node's blob of `step` and copy the fetches' data into it."""
+    def _fill(
+        self, step: int, prep: Prepared, datas: list[Any], xor_now: bool = False
+    ) -> tuple[Any, int]:
+        """Begin this node's blob of `step` and copy the fetches' data into it; its redundancy
+        area is written now (`xor_now`) or by `_finish` (from `writer.xors`)."""
         layout = prep.layout
         index = {"format": "ucp-mem/1", "step": step, "run": self.run, "plan": layout.digest,
                  "node": self.node, "nbytes": prep.nbytes}  # fmt: skip
@@ -332,8 +301,12 @@ class SnapshotManager:
             writer = self.store.begin(step, index, prep.nbytes)
             self._pinned.add(writer.path)
         try:
-            t0, copied = time.perf_counter(), fill(writer.blob.array, prep.layout, self.node,
-                                                   prep.fetches, prep.gaps, datas)  # fmt: skip
+            t0 = time.perf_counter()
+            copied, writer.xors = copy_out(writer.blob.array, prep.layout, self.node, prep.fetches,
+                                           prep.gaps, datas)  # fmt: skip
+            if xor_now:
+                xor_fill(writer.blob.array[prep.layout.primary[self.node] :], writer.xors)
+                writer.xors = None  # (written: `_finish` must not zero it again)
             self._fill_s = time.perf_counter() - t0
         except BaseException:
             with self._lock:
@@ -341,11 +314,15 @@ class SnapshotManager:
             raise
         return writer, copied
 
-    def _finish(self, step: int, prep: _Prepared, writer: Any, copied: int, job: Any,
+    def _finish(self, step: int, prep: Prepared, writer: Any, copied: int, job: Any,
                 dispatch_s: float, copy_s: float) -> None:  # fmt: skip
         """Background: commit a filled blob, retire old snapshots, maybe persist."""
         t0 = time.perf_counter()
         try:
+            if writer.xors is not None:  # the redundancy area, unless written on the step
+                xor_fill(writer.blob.array[prep.layout.primary[self.node] :], writer.xors)
+                writer.xors = None
+            self._fill_s += time.perf_counter() - t0
             if self._extra_seq is not None:  # the peers' digests and extras this node keeps
                 self._peers.seal(prep.layout, self.node, self._extra_seq, writer.blob.array)
                 writer.index["extra_kept"] = self._peers.kept(prep.layout, self.node,

@@ -23,6 +23,7 @@ parity bytes differ from a byte-wise RAID-6 Q of the same data.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 
@@ -113,6 +114,77 @@ def mul_xor(dst: np.ndarray, src: np.ndarray, c: int) -> None:
     w = len(src) // 8
     for a, b, d in segments(c, w, 0, len(src)):
         xor_into(dst[d : d + b - a], src[a:b])
+
+
+@functools.cache
+def program(c: int) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, ...], ...]]:
+    """Multiplication by `c` with shared XORs: (temps, rows). Temp t (index 8 + t) is the XOR
+    of two earlier rows (input packets 0-7, or temps); output packet b is the XOR of `rows[b]`.
+
+    Found greedily (Paar's algorithm: the pair of inputs common to the most output packets
+    becomes a temp, until no pair is shared). Multiplying by the inverses that a rebuild needs
+    takes 2-3x fewer XORs than `columns`:
+
+    >>> cost(244), sum(len(r) for r in columns(244)) - 8, len(program(244)[0]) + sum(len(r) - 1 for r in program(244)[1])
+    (46, 38, 14)
+    """
+    rows = [set(r) for r in columns(c)]
+    temps: list[tuple[int, int]] = []
+    while True:
+        count: dict[tuple[int, int], int] = {}
+        for r in rows:
+            for pair in itertools.combinations(sorted(r), 2):
+                count[pair] = count.get(pair, 0) + 1
+        best = max(count.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]), default=None)
+        if best is None or best[1] < 2:
+            break
+        t = 8 + len(temps)
+        temps.append(best[0])
+        for r in rows:
+            if best[0][0] in r and best[0][1] in r:
+                r.difference_update(best[0])
+                r.add(t)
+    return tuple(temps), tuple(tuple(sorted(r)) for r in rows)
+
+
+def _operands(src: np.ndarray, c: int) -> tuple[list[np.ndarray], tuple[tuple[int, ...], ...]]:
+    """The rows of `src` and the temps of `program(c)` computed from them; the output rows."""
+    temps, rows = program(c)
+    ops = list(src)
+    if temps:
+        buf = np.empty((len(temps), *src.shape[1:]), src.dtype)
+        for t, (a, b) in enumerate(temps):
+            np.bitwise_xor(ops[a], ops[b], out=buf[t])
+            ops.append(buf[t])
+    return ops, rows
+
+
+def mul_xor_rows(dst: np.ndarray, src: np.ndarray, c: int) -> None:
+    """dst ^= c * src, for column blocks of lanes given as (8, n) arrays of packet rows (rows
+    of equal columns of the 8 packets; any integer dtype, e.g. uint64 words)."""
+    if c == 1:
+        np.bitwise_xor(dst, src, out=dst)
+        return
+    ops, rows = _operands(src, c)
+    for ob, r in enumerate(rows):
+        for i in r:
+            np.bitwise_xor(dst[ob], ops[i], out=dst[ob])
+
+
+def mul_rows(src: np.ndarray, c: int, out: np.ndarray) -> np.ndarray:
+    """c * src into `out` (not `src`), for (8, n) packet rows as `mul_xor_rows` takes."""
+    if c == 1:
+        np.copyto(out, src)
+        return out
+    ops, rows = _operands(src, c)
+    for ob, r in enumerate(rows):
+        if len(r) == 1:
+            np.copyto(out[ob], ops[r[0]])
+            continue
+        np.bitwise_xor(ops[r[0]], ops[r[1]], out=out[ob])
+        for i in r[2:]:
+            np.bitwise_xor(out[ob], ops[i], out=out[ob])
+    return out
 
 
 def mul(src: np.ndarray, c: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from ..mapping.boxes import Box
 from .gf256 import xor_into
 from .layout import SnapshotLayout
+from .scheme_base import Wanted, align
 
 
 def _inside(a: Box, b: Box) -> bool:
@@ -223,12 +224,14 @@ def roll(xs: Sequence[jax.Array], shift: int, layout: SnapshotLayout) -> list[ja
 
 
 def decode_ranges(
-    layout: SnapshotLayout, lost: int, present: Collection[int]
+    layout: SnapshotLayout, lost: int, present: Collection[int], want: Wanted | None = None
 ) -> list[tuple[int, int, int]]:
     """(node, offset, nbytes) of every byte range `decode_node` reads to rebuild node `lost`
-    from the nodes in `present`."""
+    from the nodes in `present` (`decode_nodes` with `want`: to rebuild `want[lost]`)."""
     if layout.scheme is None:
         return []
+    if want is not None:
+        return layout.scheme.part_ranges(layout, lost, present, want)
     return layout.scheme.decode_ranges(layout, lost, present)
 
 
@@ -253,10 +256,15 @@ def decode_node(layout: SnapshotLayout, lost: int, blobs: dict[int, Any]) -> np.
 
 
 def decode_nodes(
-    layout: SnapshotLayout, lost: Sequence[int], blobs: dict[int, Any]
+    layout: SnapshotLayout,
+    lost: Sequence[int],
+    blobs: dict[int, Any],
+    want: Wanted | None = None,
 ) -> dict[int, Any]:
     """Rebuild the pieces parts of several lost members of one group at once (`decode_node` of
-    each; a scheme with two parities solves for both together).
+    each; a scheme with two parities solves for both together). With `want` (lost node ->
+    (offset, nbytes) ranges a restore reads), only those ranges are sure to be rebuilt (rs2
+    rebuilds only the lanes that hold them).
 
     Raises:
         ValueError: the snapshot has no redundancy.
@@ -264,7 +272,15 @@ def decode_nodes(
     """
     if layout.scheme is None:
         raise ValueError(f"node(s) {list(lost)} are lost and the snapshot has no redundancy")
+    if want is not None:
+        return layout.scheme.decode_parts(layout, lost, blobs, want)
     return layout.scheme.decode_all(layout, lost, blobs)
+
+
+# Bytes of a node's redundancy area filled at a time: every XOR into a block while it is in cache
+# (L2), each source byte read once. benchmarks/rs2_encode.py --engine --xor-block 256 512 1024
+# (k = 4 and 8, load 4-5): 1 MiB was fastest for xor and rs2, 0-25% faster than 512 KiB.
+XOR_BLOCK = 1 << 20
 
 
 def fill(
@@ -277,19 +293,99 @@ def fill(
 ) -> int:
     """Write a node's blob from its fetches' data (XOR into its parity lanes); returns bytes read.
 
-    `datas[i]` (a device or host array of fetch i's region) is released once copied.
+    `copy_out` then `xor_fill`. `datas[i]` (a device or host array of fetch i's region) is
+    released.
+    """
+    copied, later = copy_out(blob, layout, node, fetches, gaps, datas)
+    xor_fill(blob[layout.primary[node] :], later)
+    return copied
+
+
+# What `xor_fill` writes into a redundancy area: (offset in it, source bytes, XOR? else copy).
+Later = tuple[int, np.ndarray, bool]
+
+
+def _later_spans(f: Fetch, start: int) -> list[list[int]]:
+    """The byte ranges [lo, hi) of a fetch's region that go into the redundancy area (from
+    blob offset `start`: XORed, or copied there), merged."""
+    out: list[list[int]] = []
+    for lo, hi in sorted((lo, hi) for off, lo, hi, x in f.dests if (x or off >= start) and hi > lo):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
+
+
+def stage_bytes(layout: SnapshotLayout, node: int, fetches: Sequence[Fetch]) -> int:
+    """Bytes of the buffer `copy_out` stages the redundancy sources of these fetches in."""
+    start = layout.primary[node]
+    return sum(align(hi - lo) for f in fetches for lo, hi in _later_spans(f, start))
+
+
+def copy_out(
+    blob: np.ndarray,
+    layout: SnapshotLayout,
+    node: int,
+    fetches: Sequence[Fetch],
+    gaps: Sequence[tuple[int, int]],
+    datas: list[Any],
+    stage: np.ndarray | None = None,
+) -> tuple[int, list[Later]]:
+    """Copy a node's pieces part into its blob (zeroing the gaps); return what goes into its
+    redundancy area, for `xor_fill`, and the bytes read.
+
+    With `stage` (`stage_bytes` of it), the sources of the redundancy area are copied into it
+    first, so that `datas` may be overwritten as soon as this returns and the XORs may run later.
+    (What that would cost a step of a donated state on CPU devices; benchmarks/rs2_encode.py
+    --engine measures it against XORing at once, which costs the step less, and is what the
+    engine does: docs/fault_tolerance_rs2.md.)
     """
     for off, n in gaps:
         blob[off : off + n] = 0
-    blob[layout.primary[node] :] = 0  # the redundancy area (XORed into)
+    start, at = layout.primary[node], 0
+    later: list[Later] = []
     copied = 0
     for i, f in enumerate(fetches):
         raw = np.ascontiguousarray(np.asarray(datas[i])).reshape(-1).view(np.uint8)
-        datas[i] = None  # let the device copy go
+        datas[i] = None  # let the device copy go (once its XORs are done)
         copied += raw.nbytes
+        staged: list[tuple[int, int, np.ndarray]] = []
+        if stage is not None:
+            for lo, hi in _later_spans(f, start):
+                staged.append((lo, hi, stage[at : at + hi - lo]))
+                staged[-1][2][:] = raw[lo:hi]
+                at += align(hi - lo)
         for off, lo, hi, x in f.dests:
-            if x:
-                xor_into(blob[off : off + hi - lo], raw[lo:hi])
-            else:
+            if not x and off < start:
                 blob[off : off + hi - lo] = raw[lo:hi]
-    return copied
+            elif hi > lo:
+                src = next((b[lo - a : hi - a] for a, e, b in staged if a <= lo and hi <= e), None)
+                later.append((off - start, raw[lo:hi] if src is None else src, x))
+    return copied, later
+
+
+def xor_fill(red: np.ndarray, later: Sequence[Later]) -> None:
+    """Fill a redundancy area: zeros, then the sources copied into it, then those XORed into it
+    (a byte is one or the other); a block (`XOR_BLOCK`) at a time, every write into a block while
+    it is in cache, the first source that covers a whole block copied instead of zeros."""
+    blocks: list[list[tuple[int, int, np.ndarray, bool]]] = [
+        [] for _ in range(-(-len(red) // XOR_BLOCK))
+    ]
+    for d0, src, x in later:
+        d1 = d0 + len(src)
+        for b in range(d0 // XOR_BLOCK, -(-d1 // XOR_BLOCK)):
+            a, e = max(d0, b * XOR_BLOCK), min(d1, (b + 1) * XOR_BLOCK)
+            blocks[b].append((a, e, src[a - d0 : e - d0], x))
+    for b, parts in enumerate(blocks):
+        b0, b1 = b * XOR_BLOCK, min(len(red), (b + 1) * XOR_BLOCK)
+        parts.sort(key=lambda t: (t[3], t[0]))  # copies first
+        if parts and parts[0][:2] == (b0, b1):
+            red[b0:b1] = parts.pop(0)[2]
+        else:
+            red[b0:b1] = 0
+        for a, e, src, x in parts:
+            if x:
+                xor_into(red[a:e], src)
+            else:
+                red[a:e] = src

@@ -11,7 +11,9 @@ else in the package branches on the scheme's name:
   XORed into place); `redundancy.plan_fetches` turns them into device copies or rolls;
 - which lost members of a group can be rebuilt from the members that are left (`decodable`,
   `tolerance`), which bytes that reads (`decode_ranges`) and the rebuild itself (`decode`, or
-  `decode_all` for every lost member of a group at once);
+  `decode_all` for every lost member of a group at once); optionally, a rebuild of only the byte
+  ranges of the lost members that a restoring process reads (`part_ranges`, `decode_parts`: by
+  default the whole nodes);
 - optionally, a digest of each node's own bytes that its peers keep in their redundancy areas
   (`digest_sources`, `digest`, `keep_digests`; exchanged through the coordination service before
   a snapshot commits), so that a rebuild from a stale or damaged parity is detected
@@ -68,6 +70,8 @@ class SnapshotLayout(Protocol):
 
 # (piece of another node, first byte, end byte, offset in this node's blob, XOR it in?)
 Need = tuple[Any, int, int, int, bool]
+# Per lost node, the (offset, nbytes) ranges of its pieces part that a restore reads.
+Wanted = Mapping[int, Sequence[tuple[int, int]]]
 
 
 def align(n: int, to: int = 64) -> int:
@@ -140,6 +144,24 @@ class RedundancyScheme:
     ) -> dict[int, np.ndarray]:
         """The pieces parts of several lost members of one group (what `decode` gives each)."""
         return {n: self.decode(layout, n, blobs) for n in lost}
+
+    def part_ranges(
+        self, layout: SnapshotLayout, lost: int, present: Collection[int], want: Wanted
+    ) -> list[tuple[int, int, int]]:
+        """What `decode_parts` reads (as `decode_ranges`) to rebuild `want[lost]` of `lost`
+        (default: what rebuilding the whole node reads)."""
+        return self.decode_ranges(layout, lost, present)
+
+    def decode_parts(
+        self, layout: SnapshotLayout, lost: Sequence[int], blobs: Mapping[int, Any], want: Wanted
+    ) -> dict[int, np.ndarray]:
+        """`decode_all`, of which only the ranges `want[n]` of each lost node n are to be read
+        (default: the whole nodes, `decode_all`). A scheme may leave other bytes zero.
+
+        Raises:
+            ParityMismatch: the rebuilt bytes do not match what the peers kept of them.
+        """
+        return self.decode_all(layout, lost, blobs)
 
     def digest_sources(self, layout: SnapshotLayout, node: int) -> list[int]:
         """Nodes whose `digest` `node` keeps (none: no digests are exchanged)."""

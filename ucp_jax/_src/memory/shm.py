@@ -268,6 +268,9 @@ class Writer:
 
     def __init__(self, store: NodeStore, path: Path, blob: Blob, index: dict[str, Any]) -> None:
         self.store, self.path, self.blob, self.index = store, path, blob, index
+        # what is still to be written into its redundancy area: (offset in it, source bytes,
+        # XOR?); see `redundancy.copy_out` and `xor_fill`; None once it is written
+        self.xors: list[tuple[int, Any, bool]] | None = []
 
     def commit(self) -> Entry:
         """Write index.json, then COMMIT (its crc32): from here on the snapshot counts."""
