@@ -129,12 +129,21 @@ def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[st
     local = _local_dir(kv)
     if local is not None:
         return _local_fingerprints(local, info, keys)
-    sharded = info.inner_chunks is not None
-    tail = _tail_size(info)
-    with ts.Batch() as batch:
-        futs = [kv.read(k, byte_range=slice(-tail, None), batch=batch) for k in keys]
+    return fingerprints_many(kv, [(info, keys)])
+
+
+def fingerprints_many(
+    kv: ts.KvStore, items: Sequence[tuple[SlotInfo, Sequence[str]]]
+) -> dict[str, str]:
+    """`fingerprints` of the chunks of many arrays of one kvstore (keys relative to `kv`, each
+    read with its array's `SlotInfo`), in the same two rounds of batched reads: one batch for
+    all of them, not one per array (an OCDBT database then reads its manifest once per round).
+    """
     tails: dict[str, bytes] = {}
-    for k, f in zip(keys, futs):
+    with ts.Batch() as batch:
+        futs = [(k, kv.read(k, byte_range=slice(-_tail_size(info), None), batch=batch))
+                for info, keys in items for k in keys]  # fmt: skip
+    for k, f in futs:
         try:
             r = f.result()
         except ValueError:  # shorter than its tail: a truncated file
@@ -142,17 +151,20 @@ def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[st
             continue
         if r.state == "value":
             tails[k] = bytes(r.value)
-    if not sharded:
-        return {k: f"{zlib.crc32(t):08x}" for k, t in tails.items()}
     reads: dict[str, list[Any]] = {}
     with ts.Batch() as batch:
-        for k, t in tails.items():
-            if len(t) != tail:
+        for info, keys in items:
+            if info.inner_chunks is None:
                 continue
-            reads[k] = [
-                kv.read(k, byte_range=slice(end - 4, end), batch=batch)
-                for end in _trailer_ends(t, info)
-            ]
+            tail = _tail_size(info)
+            for k in keys:
+                t = tails.get(k)
+                if t is None or len(t) != tail:
+                    continue
+                reads[k] = [
+                    kv.read(k, byte_range=slice(end - 4, end), batch=batch)
+                    for end in _trailer_ends(t, info)
+                ]
     out = {}
     for k, t in tails.items():
         crc = zlib.crc32(t)
@@ -290,20 +302,37 @@ def check(
 PROCESS_DIGEST_FORMAT = "ucp-digests/2"
 
 
-def write_process_table(db: Any, keys: Mapping[SlotInfo, Iterable[str]], writer: str) -> None:
+def write_process_table(
+    db: Any,
+    keys: Mapping[SlotInfo, Iterable[str]],
+    writer: str,
+    known: Mapping[str, Mapping[str, str]] | None = None,
+) -> None:
     """Format version 3: the fingerprints of every chunk `writer` wrote, all arrays in one object.
 
     `db` is the writer's database (a `store.Location`); the table goes to `digests/<writer>.json`
     in it, written even when empty (process 0's merge takes it as the sign the writer finished).
+    `known`: array path -> chunk key -> fingerprint the writer already took (through the database,
+    after the last write of that chunk committed); the other chunks are fingerprinted here.
     """
     kv = db.kv()
+    known = known or {}
     arrays: dict[str, dict[str, str]] = {}
+    todo = []
     for info, ks in keys.items():
         ks = sorted(set(ks))
         if not ks:
             continue
-        got = fingerprints(kv, info, [f"{info.path}/{k}" for k in ks])
-        arrays[info.path] = {k: got[f"{info.path}/{k}"] for k in ks if f"{info.path}/{k}" in got}
+        have = known.get(info.path, {})
+        arrays[info.path] = {k: have[k] for k in ks if k in have}
+        rest = [k for k in ks if k not in have]
+        if rest:
+            todo.append((info, [f"{info.path}/{k}" for k in rest]))
+    got = fingerprints_many(kv, todo)
+    for info, full in todo:
+        table = arrays[info.path]
+        cut = len(info.path) + 1
+        table.update({k[cut:]: got[k] for k in full if k in got})
     doc = {"format": PROCESS_DIGEST_FORMAT, "writer": writer, "arrays": arrays}
     kv.write(f"{DIGEST_DIR}/{writer}.json", json.dumps(doc, sort_keys=True).encode()).result()
 

@@ -298,8 +298,8 @@ def import_orbax(
                 part = data[relative_slices(p.leaf_box, box)]
                 w.write(p.atom, b.slot, p.atom_box, p.leaf_to_atom(part), keep=data)
                 whole = whole and p.atom_box == full_box(p.atom_shape)
-            if b.chain and not whole:
-                w.flush()  # blocks that share a shard file: one after the other
+            if b.chain and not whole and w.layout == "per-array":
+                w.flush()  # version 2: blocks that share a shard file, one after the other
         source_info = {
             "framework": "orbax",
             "orbax": {
