@@ -57,7 +57,10 @@ class AggregatedSink:
         self._bound: dict[str, Any] = {}  # array path -> array bound to the open transaction
         self._dirty = False
         self._staged = 0  # bytes written into the open transaction
-        self._copies: list[tuple[Any, Any]] = []  # (write future, its source) until copied
+        # (write future, its source, bytes) until copied: a transaction commits once its copies
+        # are done (TensorStore waits for them), so committing does not wait here
+        self._copies: collections.deque[tuple[Any, Any, int]] = collections.deque()
+        self._copying = 0  # bytes of sources not copied yet
         self._touched: set[Shard] = set()  # shards the open transaction writes into
         self._left: dict[Shard, int] = {}  # elements of a shard not written yet (when > 0)
         self._committing: collections.deque[tuple[Any, set[Shard]]] = collections.deque()
@@ -98,7 +101,10 @@ class AggregatedSink:
         if arr is None:
             arr = self._bound[info.path] = self._base[info.path].with_transaction(self._txn)
         fut = arr[to_slices(box)].write(data)
-        self._copies.append((fut, (data, keep)))
+        self._copies.append((fut, (data, keep), data.nbytes))
+        self._copying += data.nbytes
+        while self._copies and (self._copies[0][0].copy.done() or self._copying > self.budget):
+            self._copied()
         self._dirty = True
         self._staged += data.nbytes
         self._cover(info, box)
@@ -131,15 +137,19 @@ class AggregatedSink:
     def release_sources(self) -> None:
         """Every write issued so far has been copied out of its source (which may be released);
         the writes land when their transaction commits (see `flush`)."""
-        for fut, _ in self._copies:
-            fut.copy.result()
-        self._copies.clear()
+        while self._copies:
+            self._copied()
+
+    def _copied(self) -> None:
+        """Wait until the oldest write's source is copied; drop it."""
+        fut, _, n = self._copies.popleft()
+        self._copying -= n
+        fut.copy.result()
 
     def _commit_open(self) -> None:
         """Commit the open transaction (in the background) and open the next one."""
         if not self._dirty:
             return
-        self.release_sources()
         # A shard this transaction shares with one still committing: that one lands first, so
         # the read-modify-write of the shard starts from what it wrote.
         last = max((i for i, (_, keys) in enumerate(self._committing) if keys & self._touched),
@@ -157,20 +167,22 @@ class AggregatedSink:
         fut.result()
         if self._files is None:
             return
+        if self._settler is None:
+            self._settler = ThreadPoolExecutor(1, thread_name_prefix="ucp-settle")
+        self._settling.append(self._settler.submit(self._fingerprint_and_settle, shards))
+        while self._settling and self._settling[0].done():
+            self._settling.popleft().result()
+
+    def _fingerprint_and_settle(self, shards: set[Shard]) -> None:
+        """Background: start the writeback of the data files a landed transaction wrote,
+        fingerprint its shards while their pages are hot, then wait for the writeback and drop
+        the pages."""
+        assert self._files is not None
         new = sorted(set(store.listdir(self._files)) - self._seen)
         self._seen.update(new)
         paths = [os.path.join(self._files, n) for n in new]
         for path in paths:
             store.start_writeback(path)
-        if self._settler is None:
-            self._settler = ThreadPoolExecutor(1, thread_name_prefix="ucp-settle")
-        self._settling.append(self._settler.submit(self._fingerprint_and_settle, shards, paths))
-        while self._settling and self._settling[0].done():
-            self._settling.popleft().result()
-
-    def _fingerprint_and_settle(self, shards: set[Shard], paths: list[str]) -> None:
-        """Background: fingerprint the shards a landed transaction wrote while their pages are
-        hot, then wait for its data files' writeback and drop their pages."""
         by_array: dict[str, list[str]] = {}
         for path, idx in shards:
             by_array.setdefault(path, []).append(f"{path}/{store.chunk_key(idx)}")

@@ -67,16 +67,22 @@ IMPORT_SHARD_BYTES = 32 << 20  # importers write a shard in one go: small shards
 
 
 def import_chunks(
-    shape: Sequence[int], itemsize: int
+    shape: Sequence[int], itemsize: int, grid: Sequence[int] | None = None
 ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """Shard and inner chunk shapes of an imported slot: shards of whole trailing rows, <= 32 MiB.
 
     Shards split the leading axis first, so a flat range aligned to `flat_block` covers whole
-    shards and each shard file is written once (no read-modify-write).
+    shards and each shard file is written once (no read-modify-write). `grid`: the source's
+    chunk shape; shards are then cut inside its chunks (each written whole from one of them).
+
+    >>> import_chunks((16384, 4096), 4)[0], import_chunks((16384, 4096), 4, (4096, 2048))[0]
+    ((2048, 4096), (4096, 2048))
     """
     if not shape:
         return (), None
     outer = [max(int(d), 1) for d in shape]
+    if grid is not None and len(grid) == len(shape):
+        outer = [max(min(int(g), o), 1) for g, o in zip(grid, outer)]
     for j in range(len(outer)):
         while math.prod(outer) * itemsize > IMPORT_SHARD_BYTES and outer[j] > 1:
             outer[j] = -(-outer[j] // 2)
@@ -146,6 +152,7 @@ class AtomWriter:
         pattern: Sequence[Pattern] = (),
         fused: Sequence[FusedMark] = (),
         role: str | None = None,
+        grid: Sequence[int] | None = None,
     ) -> None:
         """Declare an atom (idempotent; the shape must not change).
 
@@ -156,6 +163,8 @@ class AtomWriter:
                 the manifest (e.g. `VocabPadded`, `Partitioned` for TP-sliced sources).
             fused: the sub-param fusions it holds (e.g. q, k, v concatenated).
             role: for an optimizer leaf that mirrors no parameter, e.g. 'ScaleByAdamState.count'.
+            grid: the chunk shape of the source array it is read from, when it is read chunk by
+                chunk: the slots' shards are cut inside those chunks (see `import_chunks`).
 
         Raises:
             UnsafePathError: the name cannot be an atom folder (not a string, empty, `.`, `..`,
@@ -168,7 +177,8 @@ class AtomWriter:
                 raise UnsafePathError(f"import: tensor name {name!r} is not a string")
             atom_dir(name)  # refuses names that cannot be a folder
             self.atoms[name] = {"shape": shape, "slots": {}, "pattern": chain_to_json(pattern),
-                                "fused": fused_marks_to_json(fused), "role": role}  # fmt: skip
+                                "fused": fused_marks_to_json(fused), "role": role,
+                                "grid": None if grid is None else tuple(grid)}  # fmt: skip
         elif a["shape"] != shape:
             raise MismatchError(
                 f"import: parameter {name!r} has shape {a['shape']} in one file and {shape} in "
@@ -200,8 +210,8 @@ class AtomWriter:
         check_component(slot, f"import: atom {atom!r}: slot")
         shape = a["shape"] if slot_shape is None else tuple(int(d) for d in slot_shape)
         dt = np.dtype(dtype)
-        chunks, inner = import_chunks(shape, dt.itemsize)
         own = None if shape == a["shape"] else shape
+        chunks, inner = import_chunks(shape, dt.itemsize, None if own else a.get("grid"))
         return shape, SlotInfo(dtype_name(dt), f"{atom_dir(atom)}/{slot}", chunks, inner, own)
 
     def create_many(self, slots: Sequence[tuple[str, str, Any, Sequence[int] | None]]) -> None:
