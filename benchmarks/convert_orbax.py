@@ -41,6 +41,7 @@ from harness import (  # noqa: E402
     interleaved,
     markdown_table,
     run_measured,
+    sibling_executable,
     sync,
     write_json,
 )
@@ -145,8 +146,9 @@ def main() -> None:
     out_convert = os.path.join(args.workdir, "ucp_convert")
     out_today = os.path.join(args.workdir, "ucp_today")
     cmds = {
-        "ucp convert orbax": [sys.executable, "-m", "ucp_jax._src.cli", "convert", "orbax", src,
-                              out_convert],
+        # the console script: `python -m` would put the working directory first on sys.path,
+        # before a --baseline checkout's PYTHONPATH
+        "ucp convert orbax": [sibling_executable("ucp"), "convert", "orbax", src, out_convert],
         "Orbax restore + ucp.save": [sys.executable, HERE, "--worker", "today", src, out_today],
         "idle (imports only)": [sys.executable, HERE, "--worker", "idle"],
     }  # fmt: skip
