@@ -64,6 +64,7 @@ class AggregatedSink:
         self._touched: set[Shard] = set()  # shards the open transaction writes into
         self._left: dict[Shard, int] = {}  # elements of a shard not written yet (when > 0)
         self._committing: collections.deque[tuple[Any, set[Shard]]] = collections.deque()
+        self._creating: list[Any] = []  # array creations of the open transaction
         self._infos: dict[str, SlotInfo] = {}
         # array path -> chunk key -> fingerprint taken after the chunk's last write landed
         self._fps: dict[str, dict[str, str]] = {}
@@ -76,15 +77,20 @@ class AggregatedSink:
     # ---------------------------------------------------------------------------- arrays
 
     def create(self, items: Sequence[tuple[tuple[int, ...], SlotInfo]]) -> None:
-        """Create arrays (shape, slot info) in the open transaction, concurrently."""
+        """Create arrays (shape, slot info) in the open transaction, concurrently.
+
+        Their metadata is written in the background (each creation first looks the array up in
+        the database: a read an importer that declares atoms one by one would otherwise wait
+        for, per atom); the transaction waits for it before it commits. Writes go through
+        handles that assume the metadata, so they need not wait.
+        """
         futs = []
         for shape, info in items:
             spec = store.array_spec(self.db, shape, info)
             opening = ts.open(spec, create=True, context=self.db.ctx, transaction=self._txn)
-            futs.append((shape, info, opening, store.open_array_async(self.db, shape, info,
-                                                                      write=True)))  # fmt: skip
-        for shape, info, opening, base in futs:
-            opening.result()
+            self._creating.append(opening)
+            futs.append((shape, info, store.open_array_async(self.db, shape, info, write=True)))
+        for shape, info, base in futs:
             self._base[info.path] = base.result()
             self._shapes[info.path] = tuple(shape)
             self._infos[info.path] = info
@@ -156,6 +162,9 @@ class AggregatedSink:
                    default=-1)  # fmt: skip
         for _ in range(last + 1):
             self._retire()
+        for opening in self._creating:
+            opening.result()
+        self._creating.clear()
         self._committing.append((self._txn.commit_async(), self._touched))
         self._txn, self._bound, self._touched = ts.Transaction(), {}, set()
         self._staged, self._dirty = 0, False
@@ -228,6 +237,7 @@ class AggregatedSink:
 
     def abort(self) -> None:
         """Drop the open transaction and let the committing ones end, quietly."""
+        self._creating.clear()
         with contextlib.suppress(Exception):
             self._txn.abort()
         while self._committing:
