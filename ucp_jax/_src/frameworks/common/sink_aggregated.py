@@ -218,11 +218,12 @@ class AggregatedSink:
                 self._settler = None
 
     def flush(self) -> None:
-        """Every write issued so far has landed: the open transaction is committed, and every
-        transaction has committed."""
+        """Every write issued so far has landed (the open transaction is committed, and every
+        transaction has committed) and no longer holds its source."""
         self._commit_open()
         while self._committing:
             self._retire()
+        self.release_sources()  # copied before their transactions committed: nothing to wait for
 
     # ----------------------------------------------------------------------------- finish
 
