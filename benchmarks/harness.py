@@ -177,6 +177,36 @@ class Spread:
         return f"{self.median:.3f} ({self.min:.3f}..{self.max:.3f}, n={self.n})"
 
 
+def paired_ratio_ci(
+    a_blocks: Sequence[Sequence[float]],
+    b_blocks: Sequence[Sequence[float]],
+    *,
+    resamples: int = 4000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """How much slower A is than B: median over block pairs of median(A_i) / median(B_i) - 1,
+    with a bootstrap interval (pairs resampled with replacement) at `level`.
+
+    Blocks i of A and B ran next to each other (interleaved), so the machine's drift cancels
+    within a pair; the interval says how sure the estimate is despite the noise between pairs.
+    Returns (estimate, low, high).
+    """
+    import random
+
+    ratios = [
+        statistics.median(a) / statistics.median(b) - 1
+        for a, b in zip(a_blocks, b_blocks, strict=True)
+        if a and b
+    ]
+    est = statistics.median(ratios)
+    rng = random.Random(seed)
+    boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    lo = boots[int((1 - level) / 2 * resamples)]
+    hi = boots[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return est, lo, hi
+
+
 def p99(values: Iterable[float]) -> float:
     """The 99th percentile (nearest rank) of `values`."""
     xs = sorted(values)
@@ -305,6 +335,32 @@ def dir_bytes(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------ machine
+
+
+def run_job(
+    script: str | os.PathLike[str], procs: int, cfg: dict[str, Any], out: Path, env: dict[str, str]
+) -> dict[str, Any]:
+    """Run `script --worker i --config <cfg as JSON>` for i < procs (a jax.distributed job of
+    worker processes), wait for all, and return the `result.json` that worker 0 wrote into `out`.
+
+    Worker 0 prints to this process's stdout; each worker's stderr goes to `out/stderr_<i>.txt`,
+    whose tails make the error when any worker fails.
+    """
+    procs_ = [
+        subprocess.Popen(
+            [sys.executable, os.fspath(script), "--worker", str(i), "--config", json.dumps(cfg)],
+            env=env,
+            stdout=subprocess.DEVNULL if i else None,
+            stderr=open(out / f"stderr_{i}.txt", "w"),  # noqa: SIM115
+        )
+        for i in range(procs)
+    ]
+    codes = [p.wait() for p in procs_]
+    if any(codes):
+        tail = "\n".join((out / f"stderr_{i}.txt").read_text()[-3000:] for i in range(procs))
+        raise SystemExit(f"benchmark job failed (exit codes {codes}):\n{tail}")
+    result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    return result
 
 
 def free_port() -> int:

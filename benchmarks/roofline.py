@@ -156,9 +156,8 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
         res.setdefault(op, []).append(dict(m))
 
     shards = lim.unique_shards(full)
-    host_global = jax.tree.map(np.asarray, (params, opt_state))
-    same_shards = lim.host_shards(host_global, (tp, to))
-    re_shards = lim.host_shards(host_global, (rp, ro))
+    same_shards = lim.host_shards(full, (tp, to))
+    re_shards = lim.host_shards(full, (rp, ro))
     need_same, need_re = lim.needed_bytes((tp, to)), lim.needed_bytes((rp, ro))
     cold_ok = lim.drop_caches()
     pinned = lim.pinned_host_supported()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import ctypes
+import gc
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -135,12 +137,14 @@ def aligned_copy(a: np.ndarray, align: int = 64) -> np.ndarray:
     return out
 
 
-def host_shards(host: Any, targets: Any) -> list[list[tuple[Any, np.ndarray]]]:
-    """Per leaf: (device, aligned host copy of the region it holds) for the target shardings."""
+def host_shards(tree: Any, targets: Any) -> list[list[tuple[Any, np.ndarray]]]:
+    """Per leaf of `tree` (jax.Arrays): (device, aligned host copy of the region it holds under
+    the target sharding), without a global host copy of the state."""
     out = []
-    for a, tgt in zip(jax.tree.leaves(host), jax.tree.leaves(targets)):
-        idx = tgt.sharding.addressable_devices_indices_map(a.shape)
-        out.append([(d, aligned_copy(np.asarray(a[ix]))) for d, ix in idx.items()])
+    for a, tgt in zip(jax.tree.leaves(tree), jax.tree.leaves(targets)):
+        moved = jax.device_put(a, tgt.sharding)
+        out.append([(s.device, aligned_copy(np.asarray(s.data))) for s in moved.addressable_shards])
+        del moved
     return out
 
 
@@ -182,6 +186,12 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def trim_heap() -> None:
+    """Return the allocator's free pages to the kernel (glibc `malloc_trim`; no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def read_chars() -> int:
     """Bytes this process has read through read/pread calls (page cache included)."""
     with open("/proc/self/io") as f:
@@ -195,6 +205,8 @@ def read_chars() -> int:
 def accounting() -> Iterator[dict[str, float]]:
     """Measure an operation: wall seconds, peak RSS above the start, bytes read."""
     out: dict[str, float] = {}
+    gc.collect()
+    trim_heap()  # freed heap pages back to the kernel: new allocations show in the peak
     base, r0 = rss_bytes(), read_chars()
     harness.reset_peak_rss()
     t = time.perf_counter()

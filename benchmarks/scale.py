@@ -121,38 +121,77 @@ def worker(n: int, repeats: int, work: str) -> dict[str, Any]:
     return res
 
 
-def plan_sim(devices: list[int], leaves: int, per_process: int) -> list[dict[str, Any]]:
+def plan_sim(
+    devices: list[int], leaves: int, per_process: int, *, patterned: bool = False
+) -> list[dict[str, Any]]:
     """Per-process save planning over abstract meshes of `devices` (ids only, no data).
 
     Per leaf, what `SaveJob` does for a NamedSharding leaf: its grid (mapping/grid.py, cached
     per mesh, spec and shape), this process's regions and writers, the writer boundaries and the
-    chunk grid (`store.choose_chunks`). Timed for the last process of the job.
+    chunk grid (`store.choose_chunks`). Timed for the last process of the job. With `patterned`,
+    leaves cycle through the patterns a model has: fused QKV (split per TP rank), a vocabulary-
+    padded embedding, layers stacked on axis 0 (32 per leaf), and plain; each local region is
+    mapped through its leaf's pattern chain to atom pieces, and every leaf's atoms are listed
+    (what the manifest records); the mesh is (devices / 8, 8), tensor parallel 8 (listing a
+    fused leaf's atoms costs O(TP degree), not O(devices)). `SaveJob` itself still finds a
+    patterned leaf's chunk boundaries from every writer's region (O(devices) per patterned leaf,
+    `binding.atom_boundaries`): that step is not in this simulation.
     """
     import numpy as np
 
     from ucp_jax._src.format import store
     from ucp_jax._src.mapping import grid
+    from ucp_jax._src.mapping.patterns import (
+        Fused,
+        LeafContext,
+        Stacked,
+        VocabPadded,
+        atom_shapes,
+        chain_pieces,
+    )
 
     out = []
     specs = [("data", "model"), ("model", "data"), (None, "model"), ("model", None), ()]
+    side = WIDTH * 64
     for n in devices:
-        a, b = mesh_shape(n)
+        # plain: a near-square mesh; patterned: a model's layout, tensor parallel 8 ('model')
+        a, b = (n // 8, 8) if patterned else mesh_shape(n)
         ids = np.arange(n, dtype=np.int64).reshape(a, b)
         me = n // per_process - 1
         local = tuple((i, i) for i in range(me * per_process, (me + 1) * per_process))
         info = grid.MeshInfo((("data", a), ("model", b)), ids, local)
+        axes = {"data": a, "model": b}
         grid.grid_plan.cache_clear()
         t0 = time.perf_counter()
-        regions = 0
+        regions = pieces = atoms = 0
         for leaf in range(leaves):
-            shape = (WIDTH * 64, WIDTH * 64)  # 16384 x 16384 bf16: 512 MiB leaves
-            plan = grid.grid_plan(info, specs[leaf % len(specs)], shape)
+            kind = leaf % 4 if patterned else 3
+            spec: tuple[Any, ...] = specs[leaf % len(specs)]
+            shape: tuple[int, ...] = (side, side)  # 16384 x 16384 bf16: 512 MiB leaves
+            chain: tuple[Any, ...] = ()
+            if kind == 0:  # fused QKV, columns split over 'model' (any TP degree)
+                spec = (None, "model")
+                chain = (Fused((side // 2, side // 4, side // 4), axis=1, shard_axis="model"),)
+            elif kind == 1:  # embedding padded to a multiple of the vocabulary split
+                spec = ("model", None)
+                chain = (VocabPadded(side - 123, axis=0),)
+            elif kind == 2:  # 32 layers stacked on axis 0
+                shape, spec = (32, side // 8, side // 8), (None, "data", "model")
+                chain = (Stacked(f"blocks.{{i}}.w{leaf}", axes=0),)
+            plan = grid.grid_plan(info, spec, shape)
             assert plan is not None
-            regions += len(grid.local_regions(plan, info.local, leaf * 7919, 2))
+            mine = grid.local_regions(plan, info.local, leaf * 7919, 2)
+            regions += len(mine)
+            ctx = LeafContext(f"w{leaf}", None, axes)
+            if chain:
+                atoms += len(atom_shapes(chain, ctx, shape))
+                for box, _, _ in mine:
+                    pieces += len(chain_pieces(chain, ctx, shape, box))
             store.choose_chunks(shape, 2, grid.cuts(plan, 2, shape))
         secs = time.perf_counter() - t0
         out.append({"devices": n, "processes": n // per_process, "leaves": leaves,
-                    "plan_s": secs, "local_regions": regions})  # fmt: skip
+                    "patterned": patterned, "plan_s": secs, "local_regions": regions,
+                    "pattern_pieces": pieces, "atoms": atoms})  # fmt: skip
     return out
 
 
@@ -185,10 +224,13 @@ def report(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> str:
         align="rrr",
     )
     simulated = markdown_table(
-        ["devices", "processes", "leaves", "planning per process (simulated)", "local regions"],
-        [[f"{p['devices']:,}", f"{p['processes']:,}", p["leaves"], f"{p['plan_s'] * 1e3:.1f} ms",
-          f"{p['local_regions']:,}"] for p in plans],
-        align="rrrrr",
+        ["devices", "processes", "leaves", "patterns", "planning per process (simulated)",
+         "local regions", "pattern pieces", "atoms"],
+        [[f"{p['devices']:,}", f"{p['processes']:,}", p["leaves"],
+          "fused/padded/stacked/plain" if p.get("patterned") else "plain",
+          f"{p['plan_s'] * 1e3:.1f} ms", f"{p['local_regions']:,}",
+          f"{p.get('pattern_pieces', 0):,}", f"{p.get('atoms', 0):,}"] for p in plans],
+        align="rrrlrrrr",
     )  # fmt: skip
     return "\n\n".join([runs, planning, simulated])
 
@@ -219,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(r)
         print(f"{n} devices done", file=sys.stderr)
     plans = plan_sim(args.plan_devices, args.plan_leaves, args.per_process)
+    plans += plan_sim(args.plan_devices, args.plan_leaves, args.per_process, patterned=True)
     print(report(rows, plans))
     doc = {"targets": TARGETS, "repeats": args.repeats, "layout": args.layout, "rows": rows,
            "planning": plans, "load_average": load_average()}  # fmt: skip

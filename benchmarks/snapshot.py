@@ -41,13 +41,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness import GB, REPO, child_env, free_port, write_json
+from harness import GB, REPO, child_env, free_port, run_job, write_json
 from orbax_tiers import orbax_table
 
 # ----------------------------------------------------------------------------------- launcher
@@ -58,20 +56,7 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="ucp-snapbench-"))
     cfg = dict(vars(args), addr=f"127.0.0.1:{free_port()}", work=str(out))
     env = child_env(8 // args.procs, pythonpath=[REPO])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(i), "--config", json.dumps(cfg)],
-            env=env,
-            stdout=subprocess.DEVNULL if i else None,
-            stderr=open(out / f"stderr_{i}.txt", "w"),  # noqa: SIM115
-        )
-        for i in range(args.procs)
-    ]
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        tail = "\n".join((out / f"stderr_{i}.txt").read_text()[-3000:] for i in range(len(procs)))
-        raise SystemExit(f"benchmark job failed (exit codes {codes}):\n{tail}")
-    return json.loads((out / "result.json").read_text())
+    return run_job(__file__, args.procs, cfg, out, env)
 
 
 # ------------------------------------------------------------------------------------- report
@@ -102,6 +87,11 @@ def table(r: dict[str, Any]) -> str:
         f"{st['base']['n']:>5}",
         f"{'step, snapshot every step':34}{st['snap']['median']:>9.3f}s{st['snap']['p99']:>9.3f}s"
         f"{st['snap']['n']:>5}   {100 * r['step_overhead']:+.1f}% (target <= +3%)",
+        f"{'  paired by block (95% interval)':34}{100 * r['step_overhead_paired']['estimate']:+9.1f}%"
+        f"  [{100 * r['step_overhead_paired']['ci95'][0]:+.1f}%, {100 * r['step_overhead_paired']['ci95'][1]:+.1f}%]"
+        f"  over {r['step_overhead_paired']['blocks']} block pairs of {r['step_overhead_paired']['block_steps']} steps",
+        f"{'  peak RSS above block start':34}"
+        + ", ".join(f"{m} {v / 2**20:.0f} MiB" for m, v in r["peak_rss_above_block_start"].items()),
         f"{'  snapshot() call':34}{r['snapshot_dispatch_s']['median']:>9.3f}s"
         f"{r['snapshot_dispatch_s']['p99']:>9.3f}s   "
         + (
@@ -150,6 +140,12 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=24, help="timed steps per mode")
+    ap.add_argument(
+        "--block",
+        type=int,
+        default=0,
+        help="steps per block (default: steps / 4); blocks of each mode alternate",
+    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="recovery measurements")
     ap.add_argument("--redundancy", default="replica", choices=("replica", "xor", "none"))

@@ -21,11 +21,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import evict_pages, load_average, p99, write_json
+from harness import (
+    evict_pages,
+    load_average,
+    p99,
+    paired_ratio_ci,
+    peak_rss,
+    reset_peak_rss,
+    write_json,
+)
 from orbax_tiers import OrbaxEmergency, OrbaxLocal, orbax_summary
 
 STEP_TARGET = 0.03  # one snapshot per step: at most 3% slower (median)
 RECOVERY_TARGET = 10.0  # recovery from memory at least 10x faster than from disk
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def memcpy_bandwidth(
@@ -178,12 +191,17 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
                   file=sys.stderr, flush=True)  # fmt: skip
             sync(f"orbax-failed-{name}")
     times.update({t.name: [] for t in tiers})
-    block = max(1, cfg["steps"] // 4)
+    blocks: dict[str, list[list[float]]] = {m: [] for m in times}  # step times, block by block
+    peaks: dict[str, list[int]] = {m: [] for m in times}  # peak RSS above the block's start
+    block = max(1, cfg.get("block") or cfg["steps"] // 4)
     sync("start")
     load = [load_average()]
     by_name = {t.name: t for t in tiers}
     while len(times["snap"]) < cfg["steps"]:
         for mode in times:
+            blocks[mode].append([])
+            rss0 = _rss()
+            reset_peak_rss()
             for _ in range(block):
                 i += 1
                 t0 = time.perf_counter()
@@ -196,12 +214,14 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
                     by_name[mode].save(i, {"params": params, "opt_state": opt_state})
                 jax.block_until_ready((params, opt_state))
                 times[mode].append(time.perf_counter() - t0)
+                blocks[mode][-1].append(times[mode][-1])
                 if mode == "snap" and mgr.stats.step == i - 1:
                     copy_s.append(mgr.stats.copy_s)
                     copied.append(mgr.stats.copied_bytes)
             mgr.wait()  # the last snapshot of the block lands before the next baseline block
             for t in tiers:
                 t.wait()
+            peaks[mode].append(max(0, peak_rss() - rss0))
     load.append(load_average())
     # end-to-end snapshot with training idle
     e2e = []
@@ -308,6 +328,11 @@ def worker(pid: int, cfg: dict[str, Any]) -> None:
     }
     slow = result["step_s"]["snap"]["median"] / result["step_s"]["base"]["median"] - 1
     result["step_overhead"] = slow
+    # the same, paired block by block, with a 95% bootstrap interval
+    est, lo, hi = paired_ratio_ci(blocks["snap"], blocks["base"])
+    result["step_overhead_paired"] = {"estimate": est, "ci95": [lo, hi], "blocks": len(blocks["base"]),
+                                      "block_steps": block}  # fmt: skip
+    result["peak_rss_above_block_start"] = {m: med(v) for m, v in peaks.items() if v}
     if copy_s:
         result["snapshot_Bps"] = result["snapshot_copy_bytes"] / result["snapshot_copy_s"]["median"]
     result["snapshot_e2e_Bps"] = node_bytes / result["snapshot_e2e_s"]

@@ -165,7 +165,7 @@ class NextMirror(schemes.RedundancyScheme):
     def decodable(self, layout: Any, lost: int, present: Any) -> bool:
         return self.next(layout, lost) in present
 
-    def decode_ranges(self, layout: Any, lost: int) -> list[tuple[int, int, int]]:
+    def decode_ranges(self, layout: Any, lost: int, present: Any) -> list[tuple[int, int, int]]:
         h = self.next(layout, lost)
         return [(h, layout.primary[h], layout.primary[lost])]
 
@@ -197,7 +197,8 @@ def test_recipe_redundancy_scheme(nodes, mirror_registered, tmp_path):
         decoded = decode_node(layout, lost, others)
         _check_pieces(layout, arrays, lost, decoded)  # every piece of the lost node, bit-exact
         assert recovery._decodable(layout, lost, set(range(nodes)) - {lost})
-        assert all(n in group for n, _, _ in decode_ranges(layout, lost))
+        present = set(range(nodes)) - {lost}
+        assert all(n in group and n != lost for n, _, _ in decode_ranges(layout, lost, present))
 
     # the snapshot manager takes it by name; validation and the default group size come from it
     mgr = ucp.memory.SnapshotManager(None, redundancy=NextMirror.name, shm_dir=tmp_path)

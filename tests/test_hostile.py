@@ -158,6 +158,7 @@ def test_big_shape_backed_by_small_files_v1(ckpt: Path) -> None:
 
     def edit(m: dict) -> None:
         m["format_version"] = 1
+        m.pop("tables", None)  # version 1 recorded no digests (nor anything else)
         for a in m["atoms"].values():
             for s in a["slots"].values():
                 s.pop("meta_sha256", None)
@@ -315,7 +316,15 @@ def test_rule_edited_to_transposed(ckpt: Path) -> None:
 
 def test_version_1_checkpoints_still_open(ckpt: Path) -> None:
     """A version-1 checkpoint (no COMMIT checksum, no tables) reads as before."""
-    _edit(ckpt, lambda m: m.update(format_version=1))
+
+    def edit(m: dict) -> None:  # as version 1 wrote it: no sha256 of zarr.json, no table digests
+        m.update(format_version=1)
+        m.pop("tables")
+        for a in m["atoms"].values():
+            for slot in a["slots"].values():
+                slot.pop("meta_sha256")
+
+    _edit(ckpt, edit)
     (ckpt / "COMMIT").write_bytes(b"ucp/1\n")
     for d in ckpt.rglob("digests"):
         shutil.rmtree(d)

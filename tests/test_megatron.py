@@ -226,7 +226,7 @@ def test_export_cli_and_refusals(mcore_ckpts, tmp_path):  # noqa: F811
 
 def test_refuses_unsafe_pickles_and_other_models(mcore_ckpts, tmp_path):  # noqa: F811
     """A pickle naming a global outside the allow-list is refused before anything runs; a
-    tensor the Llama mapping does not know (here a bias) is refused by name."""
+    tensor the GPT mapping does not know (here a qk-layernorm) is refused by name."""
     import fractions
     import shutil
 
@@ -245,17 +245,18 @@ def test_refuses_unsafe_pickles_and_other_models(mcore_ckpts, tmp_path):  # noqa
 
     sd = torch.load(mcore_ckpts.torch_save("tp2"), weights_only=False)
     sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    sd["decoder.layers.self_attention.linear_qkv.bias"] = torch.zeros(4, 64)
-    dcp.save(sd, checkpoint_id=str(tmp_path / "bias"), no_dist=True)
-    (tmp_path / "bias" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    with pytest.raises(MegatronFormatError, match=r"linear_qkv\.bias"):
-        import_megatron(str(tmp_path / "bias"), tmp_path / "v", heads=HEADS)
+    sd["decoder.layers.self_attention.q_layernorm.weight"] = torch.ones(4, 8)
+    dcp.save(sd, checkpoint_id=str(tmp_path / "qk"), no_dist=True)
+    (tmp_path / "qk" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    with pytest.raises(MegatronFormatError, match=r"q_layernorm\.weight"):
+        import_megatron(str(tmp_path / "qk"), tmp_path / "v", heads=HEADS)
 
 
 def test_dp_reshardable_refuses_several_buckets(mcore_ckpts):  # noqa: F811
     """Several buckets per buffer are refused by name (their saved windows lose elements)."""
     from ucp_jax._src.frameworks.common.dcp_files import read_metadata, read_objects
     from ucp_jax._src.frameworks.megatron.buckets import bucket_tensors
+    from ucp_jax._src.frameworks.megatron.config import infer_config
 
     folder = mcore_ckpts.path("tp2dp2_bf16_dp")
     md = read_metadata(folder)
@@ -264,8 +265,9 @@ def test_dp_reshardable_refuses_several_buckets(mcore_ckpts):  # noqa: F811
     ((dtypes, sizes),) = objects[key][0].items()
     objects[key] = [{dtypes: [sizes[0] - 64, 64]}]
     shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    cfg = infer_config(shapes, None, folder, heads=HEADS)
     with pytest.raises(MegatronFormatError, match="2 buckets"):
-        bucket_tensors(folder, md, objects, shapes)
+        bucket_tensors(folder, md, objects, shapes, cfg)
 
 
 @pytest.mark.parametrize(

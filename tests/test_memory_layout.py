@@ -28,21 +28,26 @@ class FakeDevice:
     process_index: int
 
 
-def _job(nodes: int, redundancy: str | None, group_size: int):
-    """A layout over fake devices, the global leaves, and each node's filled blob."""
+def _job(nodes: int, redundancy: str | None, group_size: int, rows: int = 4, seed: int = 0):
+    """A layout over fake devices, the global leaves, and each node's filled blob.
+
+    `rows`: rows per device of the sharded leaves (bigger blobs); `seed`: other values, same
+    layout.
+    """
     devices = [FakeDevice(i, i // 2) for i in range(2 * nodes)]
-    rng = np.random.default_rng(nodes * 10 + group_size)
+    rng = np.random.default_rng(nodes * 10 + group_size + 1000 * seed)
+    r = rows
     n_dev = len(devices)
     leaves = {
         # sharded over every device: no node holds another node's rows (exchanged by rolls)
-        "rows": rng.standard_normal((4 * n_dev, 6)).astype(np.float32),
+        "rows": rng.standard_normal((r * n_dev, 6)).astype(np.float32),
         # replicated everywhere: one device writes it, every node holds it (free copies)
         "repl": rng.integers(0, 1 << 30, (5, 3), dtype=np.int32),
         # replicated within each node only: a node holds its own half of the columns
         "cols": rng.standard_normal((3, 2 * nodes)).astype(np.float16),
         "scalar": np.array(7.5, np.float32),
         # data-parallel: every device holds it, split into one row slab per node
-        "dp": rng.standard_normal((4 * nodes, 5)).astype(np.float32),
+        "dp": rng.standard_normal((r * nodes, 5)).astype(np.float32),
     }
     metas, regions, shard_maps, writers = [], [], [], {}
     for li, (name, arr) in enumerate(leaves.items()):
@@ -50,7 +55,7 @@ def _job(nodes: int, redundancy: str | None, group_size: int):
         smap = {}
         for d in devices:
             if name == "rows":
-                box = ((4 * d.id, 4 * d.id + 4), (0, 6))
+                box = ((r * d.id, r * d.id + r), (0, 6))
             elif name == "cols":
                 box = ((0, 3), (2 * d.process_index, 2 * d.process_index + 2))
             else:
@@ -60,7 +65,7 @@ def _job(nodes: int, redundancy: str | None, group_size: int):
         regs = []
         if name == "dp":
             for n in range(nodes):
-                box = ((4 * n, 4 * n + 4), (0, 5))
+                box = ((r * n, r * n + r), (0, 5))
                 dev = devices[2 * n]
                 writers[(li, box, n)] = (dev, smap[dev])
                 regs.append((box, n))

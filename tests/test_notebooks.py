@@ -74,6 +74,8 @@ def test_committed_notebook_is_clean_and_small(path: Path) -> None:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path: Path, this_python_kernel: str) -> None:
     nb = nbformat.read(path, as_version=4)
+    if any("torch" in c.source for c in nb.cells if c.cell_type == "code"):
+        pytest.importorskip("torch")  # a PyTorch notebook (CI has torch: conftest insists)
     nb.cells.append(nbformat.v4.new_code_cell(_PROBE))
     client = nbclient.NotebookClient(
         nb,

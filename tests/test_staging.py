@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mesh_of
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,11 +39,10 @@ def _state(mesh, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("budget", [1 << 30, 64])  # 64 bytes: every transfer waited for in turn
 def test_restore_staged_through_pinned_host(tmp_path, monkeypatch, dtype, budget):
-    n = min(jax.device_count(), 8)
-    mesh = jax.make_mesh((2, n // 2), ("a", "b"))
+    mesh = mesh_of((2, 4), ("a", "b"))
     params = _state(mesh, dtype)
     ucp.save(tmp_path / "c", params)
-    other = jax.make_mesh((n // 2, 2), ("a", "b"))
+    other = mesh_of((4, 2), ("a", "b"))
     tgt = {
         "w": jax.ShapeDtypeStruct((16, 32), dtype, sharding=NamedSharding(other, P("b", "a"))),
         "b": jax.ShapeDtypeStruct((32,), dtype, sharding=NamedSharding(other, P("a"))),
@@ -63,7 +63,7 @@ def test_restore_staged_through_pinned_host(tmp_path, monkeypatch, dtype, budget
 
 
 def test_host_memory_targets_are_not_staged(tmp_path, monkeypatch):
-    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    mesh = mesh_of((2, 4), ("a", "b"))
     params = _state(mesh, jnp.float32)
     ucp.save(tmp_path / "c", params)
     monkeypatch.setenv("UCP_STAGING", "pinned_host")

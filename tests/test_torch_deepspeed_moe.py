@@ -124,6 +124,22 @@ def test_moe_without_zero_is_refused(ds_moe_ckpts, tmp_path):  # noqa: F811
         import_deepspeed(src, tmp_path / "out", progress=False)
 
 
+def test_moe_with_tensor_parallel_is_refused(ds_moe_ckpts, tmp_path):  # noqa: F811
+    """Megatron-DeepSpeed MoE with TP: whether experts are TP slices or replicas is not recorded
+    (DeepSpeed 0.19.8 does not run MoE with TP on CPU: its token gather fails on gloo)."""
+    src, folder = _copy(ds_moe_ckpts, tmp_path)
+    model = folder / "mp_rank_00_model_states.pt"
+    sd = torch.load(model, weights_only=False)
+    sd["checkpoint_parallel_dimensions"] = {"tp_degree": 2, "pp_degree": 1}
+    torch.save(sd, model)
+    for f in sorted(os.listdir(folder)):
+        if "mp_rank_00" in f and not f.startswith("layer_"):
+            shutil.copy(folder / f, folder / f.replace("mp_rank_00", "mp_rank_01"))
+    with pytest.raises(DeepSpeedFormatError, match=r"2 tensor/pipeline-parallel ranks.*not record"):
+        import_deepspeed(src, tmp_path / "out", progress=False)
+    assert not os.path.exists(tmp_path / "out")
+
+
 # ------------------------------------------------------------------- export and DeepSpeed resume
 
 # job: (imported case, expert-parallel size of the resuming job and of the export, ZeRO, dtype)

@@ -15,15 +15,18 @@ from typing import TYPE_CHECKING
 
 from ._src.errors import ChecksumError as ChecksumError
 from ._src.errors import FormatVersionError as FormatVersionError
+from ._src.errors import HostMemoryError as HostMemoryError
 from ._src.errors import LimitError as LimitError
 from ._src.errors import MismatchError as MismatchError
 from ._src.errors import NotACheckpointError as NotACheckpointError
 from ._src.errors import PatternError as PatternError
 from ._src.errors import RestorePlanError as RestorePlanError
+from ._src.errors import StorageFullError as StorageFullError
 from ._src.errors import StoreError as StoreError
 from ._src.errors import StoreUnreachableError as StoreUnreachableError
 from ._src.errors import UcpError as UcpError
 from ._src.errors import UnsafePathError as UnsafePathError
+from ._src.errors import WriterConflictError as WriterConflictError
 from ._src.format.manifest import AtomInfo as AtomInfo
 from ._src.format.manifest import SlotInfo as SlotInfo
 from ._src.format.version import __version__ as __version__
@@ -42,8 +45,11 @@ if TYPE_CHECKING:
     from ._src.checkpoint import list_checkpoints as list_checkpoints
     from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
     from ._src.format.store import Location as Location
+    from ._src.frameworks.common.orbax_source import OrbaxImportError as OrbaxImportError
+    from ._src.frameworks.maxtext.export import export_maxtext as export_maxtext
+    from ._src.frameworks.maxtext.read import import_maxtext as import_maxtext
+    from ._src.frameworks.orbax.export import export_orbax as export_orbax
     from ._src.frameworks.orbax.read import import_orbax as import_orbax
-    from ._src.frameworks.orbax.source import OrbaxImportError as OrbaxImportError
     from ._src.plan_report import RestorePlan as RestorePlan
     from ._src.plan_report import plan as plan
     from ._src.restore import ReadStats as ReadStats
@@ -62,7 +68,10 @@ _LAZY = {
     "open": ("._src.checkpoint", "open_checkpoint"),
     "Location": ("._src.format.store", "Location"),
     "import_orbax": ("._src.frameworks.orbax.read", "import_orbax"),
-    "OrbaxImportError": ("._src.frameworks.orbax.source", "OrbaxImportError"),
+    "export_orbax": ("._src.frameworks.orbax.export", "export_orbax"),
+    "import_maxtext": ("._src.frameworks.maxtext.read", "import_maxtext"),
+    "export_maxtext": ("._src.frameworks.maxtext.export", "export_maxtext"),
+    "OrbaxImportError": ("._src.frameworks.common.orbax_source", "OrbaxImportError"),
     "plan": ("._src.plan_report", "plan"),
     "RestorePlan": ("._src.plan_report", "RestorePlan"),
     "restore": ("._src.restore", "restore"),

@@ -1,4 +1,6 @@
-"""Orbax integration: `UniversalCheckpointHandler` with `UniversalSave` / `UniversalRestore` args.
+"""Orbax integration: `UniversalCheckpointHandler` with `UniversalSave` / `UniversalRestore` args;
+MaxText checkpoints in and out (`import_maxtext`, `export_maxtext`) and plain Orbax out
+(`export_orbax`).
 
 Importing this module registers the handler and its args with Orbax (`ocp.args`).
 
@@ -11,7 +13,14 @@ Importing this module registers the handler and its args with Orbax (`ocp.args`)
 See `ucp_jax._src.frameworks.orbax.handler` for where the checkpoint lives inside Orbax's step folder.
 """
 
+from ._src.frameworks.maxtext.export import export_maxtext as export_maxtext
+from ._src.frameworks.maxtext.layout import MaxTextFormatError as MaxTextFormatError
+from ._src.frameworks.maxtext.read import import_maxtext as import_maxtext
+from ._src.frameworks.orbax.export import export_orbax as export_orbax
 from ._src.frameworks.orbax.handler import UniversalCheckpointHandler as UniversalCheckpointHandler
 from ._src.frameworks.orbax.handler import UniversalRestore as UniversalRestore
 from ._src.frameworks.orbax.handler import UniversalSave as UniversalSave
 from ._src.frameworks.orbax.handler import UniversalState as UniversalState
+from ._src.frameworks.orbax.v1 import (
+    UniversalCheckpointableHandler as UniversalCheckpointableHandler,
+)

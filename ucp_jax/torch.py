@@ -16,6 +16,8 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     ) from _e
 
 from ._src.frameworks.common.dcp_files import DCPFormatError as DCPFormatError
+from ._src.frameworks.dcp.export import DCPExportError as DCPExportError
+from ._src.frameworks.dcp.export import export_dcp as export_dcp
 from ._src.frameworks.dcp.read import import_dcp as import_dcp
 from ._src.frameworks.deepspeed.common import DeepSpeedFormatError as DeepSpeedFormatError
 from ._src.frameworks.deepspeed.export import (
@@ -35,6 +37,10 @@ from ._src.frameworks.megatron.common import MegatronFormatError as MegatronForm
 from ._src.frameworks.megatron.export import MegatronExportError as MegatronExportError
 from ._src.frameworks.megatron.export import export_megatron as export_megatron
 from ._src.frameworks.megatron.read import import_megatron as import_megatron
+from ._src.frameworks.torchtitan.export import TorchtitanExportError as TorchtitanExportError
+from ._src.frameworks.torchtitan.export import export_torchtitan as export_torchtitan
+from ._src.frameworks.torchtitan.read import TorchtitanFormatError as TorchtitanFormatError
+from ._src.frameworks.torchtitan.read import import_torchtitan as import_torchtitan
 from ._src.untrusted.safetensors import SafetensorsError as SafetensorsError
 from ._src.untrusted.unpickle import UnsafePickleError as UnsafePickleError
 from ._src.untrusted.unpickle import load as load_weights_only
@@ -42,15 +48,20 @@ from ._src.untrusted.unpickle import load as load_weights_only
 __all__ = [
     "PRESETS",
     "AtomFrom",
+    "DCPExportError",
     "DCPFormatError",
     "DeepSpeedFormatError",
     "MegatronExportError",
     "MegatronFormatError",
     "SafetensorsError",
+    "TorchtitanExportError",
+    "TorchtitanFormatError",
     "UnsafePickleError",
+    "export_dcp",
     "export_deepspeed_universal",
     "export_hf",
     "export_megatron",
+    "export_torchtitan",
     "hf_mapping",
     "import_dcp",
     "import_deepspeed",
@@ -58,5 +69,6 @@ __all__ = [
     "import_hf",
     "import_megatron",
     "import_safetensors",
+    "import_torchtitan",
     "load_weights_only",
 ]

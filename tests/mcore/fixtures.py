@@ -46,7 +46,7 @@ RESUMES = {  # name: (tp, pp, dtype, checkpoint folder); own_* load Megatron's o
 # layout: common.pt and two files per rank; the case v016_tp2 is built with it.
 LEGACY = os.path.join(sys.prefix, "mcore-0.16.1")
 LEGACY_CASE = "v016_tp2"
-_SOURCES = ("common.py", "read.py", "buckets.py", "export.py")
+_SOURCES = ("common.py", "config.py", "read.py", "buckets.py", "export.py")
 
 
 @dataclasses.dataclass
@@ -99,7 +99,7 @@ def build(root: str) -> dict:
         u = import_megatron(os.path.join(root, src), os.path.join(root, "u_" + x), heads=HEADS)
         export_megatron(u, os.path.join(root, x), dtype=dtype)
     for nproc in (1, 4):
-        jobs = [f"{n}:{tp}:{pp}:{dt}:plain:{os.path.join(root, c)}"
+        jobs = [f"{n}:{tp}:{pp}:{dt}:plain:load={os.path.join(root, c)}"
                 for n, (tp, pp, dt, c) in RESUMES.items() if tp * pp == nproc]  # fmt: skip
         torchrun(nproc, ["--root", root, *jobs], root)
     results = {}

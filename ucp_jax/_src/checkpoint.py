@@ -6,16 +6,17 @@ summaries) read through it, so that tools that only touch files never import JAX
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from .errors import ChecksumError, MismatchError, UcpError
+from .errors import ChecksumError, MismatchError, NotACheckpointError, UcpError
 from .format import aggregate, integrity, store
 from .format.manifest import AtomInfo, Manifest
 from .untrusted import paths
@@ -41,6 +42,8 @@ class Checkpoint:
         # database in it (version 3, see format/aggregate.py).
         self.data = self.loc
         self._all_tables: dict[str, dict[str, str]] | None = None
+        if self.loc.local_path is not None:
+            self._check_layout(self.loc.local_path)
         if self.manifest.version >= aggregate.AGGREGATED_VERSION:
             if self.loc.local_path is not None:
                 paths.check_tree(self.loc.local_path, "checkpoint folder")
@@ -49,6 +52,37 @@ class Checkpoint:
         self._tables: dict[tuple[str, str], dict[str, str]] = {}  # fingerprints (version 2)
         self._checked: dict[tuple[str, str], set[str]] = {}  # chunk files found in place
         self._sized: dict[tuple[str, str], set[str]] = {}  # chunk files of the right size
+
+    def _check_layout(self, folder: str) -> None:
+        """The folder holds the layout the manifest's format_version says (local checkpoints)."""
+        v3 = self.manifest.version >= aggregate.AGGREGATED_VERSION
+        has_db = os.path.isfile(os.path.join(folder, "manifest.ocdbt"))
+        has_atoms = os.path.isdir(os.path.join(folder, "atoms"))
+        if self.atoms and (has_atoms and not has_db if v3 else has_db and not has_atoms):
+            raise NotACheckpointError(
+                f"{self.path}: manifest.json says format_version {self.manifest.version}, but "
+                f"the folder holds the layout of format version {2 if v3 else 3} "
+                f"({'atoms/, one folder per array' if v3 else 'manifest.ocdbt, one database'}): "
+                "its format_version was edited; restore an earlier checkpoint"
+            )
+
+    @contextlib.contextmanager
+    def _diagnosed(self) -> Iterator[None]:
+        """A read that fails on a version-3 checkpoint whose databases are not all there says so
+        (the bytes it did read are then no evidence of damage: they were never there)."""
+        try:
+            yield
+        except ChecksumError as e:
+            if self.manifest.version < aggregate.AGGREGATED_VERSION:
+                raise
+            gone = aggregate.missing_databases(self.loc, self.manifest.source.get("process_count"))
+            if not gone:
+                raise
+            raise ChecksumError(
+                f"{self.path}: the checkpoint's database is incomplete: {', '.join(gone)} "
+                f"{'is' if len(gone) == 1 else 'are'} missing (deleted, or not copied with the "
+                "rest); copy the checkpoint again whole or restore an earlier one"
+            ) from e
 
     @property
     def step(self) -> int | None:
@@ -96,6 +130,10 @@ class Checkpoint:
             MismatchError: no such atom or slot.
             ChecksumError: a chunk file is missing or the stored bytes are corrupt.
         """
+        with self._diagnosed():
+            self._open_arrays(keys, leaf)
+
+    def _open_arrays(self, keys: Sequence[tuple[str, str]], leaf: str | None) -> None:
         todo = []
         for name, slot in dict.fromkeys(keys):
             if (name, slot) in self._arrays:
@@ -114,8 +152,9 @@ class Checkpoint:
         started = []
         for _name, _slot, shape, si in todo:
             if self.data.local_path is not None:
-                paths.refuse_symlinks(self.data.local_path, si.path, "array folder")
-                paths.check_tree(os.path.join(self.data.local_path, si.path), "array folder")
+                folder = paths.refuse_symlinks(self.data.local_path, si.path, "array folder")
+                if os.path.isdir(folder):  # else: no chunk file, no zarr.json, said below
+                    paths.check_tree(folder, "array folder")
             kv = self.data.child(si.path).kv()
             opening = store.open_array_async(self.data, shape, si)
             started.append((kv, kv.list(), kv.read("zarr.json"), opening))
@@ -133,7 +172,9 @@ class Checkpoint:
                 if self.manifest.version >= aggregate.AGGREGATED_VERSION:
                     self._tables[(name, slot)] = self._process_tables().get(si.path, {})
                 elif self.manifest.version >= 2:
-                    self._tables[(name, slot)] = integrity.read_table(kv, si, present, where)
+                    self._tables[(name, slot)] = integrity.read_table(
+                        kv, si, present, where, self.manifest.tables
+                    )
                 self._arrays[(name, slot)] = opening.result()
             except ValueError as e:
                 if isinstance(e, UcpError):
@@ -143,7 +184,9 @@ class Checkpoint:
     def _process_tables(self) -> dict[str, dict[str, str]]:
         """Format version 3: every process's fingerprint table (read once)."""
         if self._all_tables is None:
-            self._all_tables = integrity.read_process_tables(self.data.kv(), self.path)
+            self._all_tables = integrity.read_process_tables(
+                self.data.kv(), self.path, self.manifest.tables
+            )
         return self._all_tables
 
     def check_sizes(self, regions: Sequence[tuple[str, str, Any]]) -> None:
@@ -218,15 +261,18 @@ class Checkpoint:
         >>> ckpt.read("layers.0.kernel", "exp_avg", np.s_[:4])  # doctest: +SKIP
         """
         arr = self.array(name, slot)
-        try:
-            region = arr[index]
-            where = [(name, slot, _index_box(index, tuple(arr.shape)))]
-            self.check_sizes(where)
-            out = np.asarray(region.read().result())
-            self.check_fingerprints(where)
-            return out
-        except ValueError as e:
-            raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
+        with self._diagnosed():
+            try:
+                region = arr[index]
+                where = [(name, slot, _index_box(index, tuple(arr.shape)))]
+                self.check_sizes(where)
+                out = np.asarray(region.read().result())
+                self.check_fingerprints(where)
+                return out
+            except ValueError as e:
+                if isinstance(e, UcpError):
+                    raise
+                raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
 
 
 def _index_box(index: Any, shape: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -62,3 +62,36 @@ class StoreError(UcpError, OSError):
 
 class StoreUnreachableError(StoreError, ConnectionError):
     """An object store did not answer in time (`UCP_STORE_TIMEOUT_S`) or refused the connection."""
+
+
+class StorageFullError(UcpError, OSError):
+    """The storage a checkpoint (or an export) is written to is full: no space left on the device,
+    or over a quota. Nothing was committed; what the failed write left was removed."""
+
+
+def in_background(err: BaseException, prefix: str) -> BaseException:
+    """The error of a background job (an async save, a persist), raised where the caller waits.
+
+    A UcpError keeps its class (a caller catching `StorageFullError` or `StoreError` catches it),
+    with `prefix` before its message; any other error becomes a RuntimeError saying so.
+    """
+    if isinstance(err, UcpError):
+        try:
+            out = type(err)(f"{prefix}: {err}")
+        except TypeError:  # a class that takes more than a message
+            pass
+        else:
+            if isinstance(err, OSError) and isinstance(out, OSError):
+                out.errno = err.errno
+            return out
+    return RuntimeError(f"{prefix}: {err}")
+
+
+class WriterConflictError(UcpError):
+    """Another save to the same checkpoint path is in progress (two jobs saving one step to one
+    folder or bucket path); this save stopped without committing anything."""
+
+
+class HostMemoryError(UcpError, MemoryError):
+    """A restore or a conversion needs more host memory than this process can allocate (its
+    address-space or cgroup limit, or the machine's memory); nothing was read."""

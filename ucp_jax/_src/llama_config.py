@@ -1,5 +1,10 @@
 """The configuration of a Llama-family model (Llama, Mistral, Qwen2, Mixtral), from a HF ``config.json``.
 
+The family also holds GPT-style decoders (``model_type`` ``"gpt"``, Megatron-Core's GPTModel:
+LayerNorm, a GELU MLP, biases on every linear, learned absolute positions or RoPE, tied or untied
+embeddings), which no transformers class computes: their config records those choices in
+Megatron's words (``normalization``, ``position_embedding_type``, ``add_bias_linear``, ...).
+
 Only the fields that change the function the model computes are kept; everything the JAX model
 cannot represent (other activations, MLP or output-projection biases, other RoPE scalings, partial
 rotary embeddings, per-layer sliding windows) is refused by :func:`config_from_hf`, naming the
@@ -24,7 +29,8 @@ import numpy as np
 from .errors import UcpError
 from .untrusted.json import read_json
 
-FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "gpt")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("default", "linear", "llama3")
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -56,6 +62,12 @@ class LlamaConfig:
         n_experts: experts per sparse MLP (Mixtral); 0 for the dense SwiGLU MLP.
         top_k: experts each token is routed to (sparse models).
         router_aux_loss_coef: weight of the load-balancing loss in the training loss.
+        norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm, with a bias).
+        activation: the MLP's activation: ``"silu"``, ``"gelu"`` (erf) or ``"gelu_pytorch_tanh"``.
+        gated_mlp: a gated ``[gate | up]`` MLP (SwiGLU); else ``down(act(up(x)))``.
+        linear_bias: the attention output and MLP linears have biases (Megatron's add_bias_linear).
+        positions: ``"rope"`` or ``"learned"`` (an absolute position embedding added to the input).
+        max_positions: rows of the learned position embedding (``"learned"`` only).
         hf: the source ``config.json`` (as a JSON string), written back on export.
     """
 
@@ -77,6 +89,12 @@ class LlamaConfig:
     n_experts: int = 0
     top_k: int = 2
     router_aux_loss_coef: float = 0.02
+    norm: str = "rms"
+    activation: str = "silu"
+    gated_mlp: bool = True
+    linear_bias: bool = False
+    positions: str = "rope"
+    max_positions: int = 0
     hf: str = dataclasses.field(default="{}", compare=False, repr=False)
 
     def padded_vocab(self, tensor: int) -> int:
@@ -112,10 +130,19 @@ class LlamaConfig:
             model_type=self.model_type, vocab_size=self.vocab_size, hidden_size=self.d_model,
             intermediate_size=self.d_ff, num_hidden_layers=self.n_layers,
             num_attention_heads=self.n_heads, num_key_value_heads=self.n_kv_heads,
-            head_dim=self.head_dim, rms_norm_eps=self.norm_eps, hidden_act="silu",
+            head_dim=self.head_dim, rms_norm_eps=self.norm_eps, hidden_act=self.activation,
             tie_word_embeddings=self.tie_embeddings,
         )  # fmt: skip
-        out.setdefault("architectures", [_ARCH[self.model_type]])
+        if self.model_type == "gpt":
+            out.update(
+                normalization="LayerNorm" if self.norm == "layer" else "RMSNorm",
+                gated_mlp=self.gated_mlp, add_bias_linear=self.linear_bias,
+                add_qkv_bias=self.qkv_bias,
+                position_embedding_type="learned_absolute" if self.positions == "learned"
+                else "rope", max_position_embeddings=self.max_positions or None,
+            )  # fmt: skip
+        else:
+            out.setdefault("architectures", [_ARCH[self.model_type]])
         rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
         out["rope_parameters"] = rope
         out.pop("rope_scaling", None)
@@ -251,6 +278,8 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
             f"{where}: unsupported model_type {mt!r}; supported: {list(FAMILIES)} (for another "
             "architecture, import with import_safetensors and your own AtomFrom mapping)"
         )
+    if mt == "gpt":
+        return _gpt_config(cfg, where)
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act != "silu":
         raise HFConfigError(f"{where}: unsupported feature hidden_act={act!r} (only 'silu')")
@@ -296,6 +325,48 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
         rope_scaling=scaling, qkv_bias=mt == "qwen2", tie_embeddings=bool(tie),
         sliding_window=window, n_experts=experts, top_k=top_k, router_aux_loss_coef=aux,
         hf=json.dumps(dict(cfg), sort_keys=True),
+    )  # fmt: skip
+
+
+def _choice(cfg: Mapping[str, Any], key: str, options: dict[Any, Any], where: str) -> Any:
+    v = cfg.get(key, next(iter(options)))
+    if v not in options:
+        raise HFConfigError(
+            f"{where}: unsupported feature {key}={v!r:.60}; the model implements {list(options)}"
+        )
+    return options[v]
+
+
+def _gpt_config(cfg: Mapping[str, Any], where: str) -> LlamaConfig:
+    """A GPT-style decoder (model_type "gpt"): the fields :meth:`LlamaConfig.to_hf` writes."""
+    d = _get(cfg, "hidden_size", int, where)
+    nh = _get(cfg, "num_attention_heads", int, where)
+    nkv = _get(cfg, "num_key_value_heads", int, where, nh) or nh
+    if nh % nkv:
+        raise HFConfigError(
+            f"{where}: num_key_value_heads={nkv} does not divide num_attention_heads={nh}"
+        )
+    act = _choice(cfg, "hidden_act", {a: a for a in ACTIVATIONS}, where)
+    norm = _choice(cfg, "normalization", {"LayerNorm": "layer", "RMSNorm": "rms"}, where)
+    pos = _choice(cfg, "position_embedding_type", {"rope": "rope", "learned_absolute": "learned"},
+                  where)  # fmt: skip
+    theta, scaling = _rope(cfg, where)
+    max_pos = _get(cfg, "max_position_embeddings", int, where) if pos == "learned" else 0
+    experts = _get(cfg, "num_local_experts", int, where, None) or 0
+    top_k = _get(cfg, "num_experts_per_tok", int, where, 2)
+    flags = {k: _get(cfg, k, bool, where, False) for k in ("gated_mlp", "add_bias_linear",
+                                                          "add_qkv_bias", "tie_word_embeddings")}  # fmt: skip
+    return LlamaConfig(
+        model_type="gpt", vocab_size=_get(cfg, "vocab_size", int, where), d_model=d, n_heads=nh,
+        n_kv_heads=nkv, head_dim=_get(cfg, "head_dim", int, where, None) or d // nh,
+        n_layers=_get(cfg, "num_hidden_layers", int, where),
+        d_ff=_get(cfg, "intermediate_size", int, where),
+        norm_eps=_get(cfg, "rms_norm_eps", float, where, 1e-5), rope_theta=theta,
+        rope_scaling=scaling, qkv_bias=flags["add_qkv_bias"],
+        tie_embeddings=flags["tie_word_embeddings"], n_experts=experts, top_k=top_k,
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.02)), norm=norm,
+        activation=act, gated_mlp=flags["gated_mlp"], linear_bias=flags["add_bias_linear"],
+        positions=pos, max_positions=max_pos, hf=json.dumps(dict(cfg), sort_keys=True),
     )  # fmt: skip
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,8 +12,8 @@ import numpy as np
 import tensorstore as ts
 
 from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
-from .errors import NotACheckpointError
-from .format.manifest import STEP_SLOT
+from .errors import ChecksumError, HostMemoryError, NotACheckpointError
+from .format.manifest import COMMIT, STEP_SLOT
 from .format.store import wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, unbind_state
 from .mapping.boxes import box_shape, box_size, index_to_box, relative_slices, to_slices
@@ -23,6 +25,8 @@ from .util import config
 from .util.buffers import aligned_empty
 from .util.gcpause import gc_paused
 from .util.inflight import InflightWindow
+
+log = logging.getLogger("ucp_jax")
 
 
 @dataclasses.dataclass
@@ -108,6 +112,8 @@ def restore(
 
     Returns:
         (params, opt_state) with the targets' tree structures; opt_state is None when no target.
+        A checkpoint overwritten while it is read (its COMMIT changed) is read again: the values
+        are all the old checkpoint's or all the new one's, never a mix.
 
     Raises:
         RestorePlanError: the targets do not fit the checkpoint; one error (a MismatchError and a
@@ -118,8 +124,46 @@ def restore(
 
     >>> params, opt_state = ucp.restore("/tmp/ckpt/step_10", abstract_params, abstract_opt)  # doctest: +SKIP
     """
+    for attempt in range(_ATTEMPTS):
+        ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
+        try:
+            return _restore(ckpt, params_target, opt_state_target, rules, cast, max_inflight_bytes)
+        except (ChecksumError, NotACheckpointError) as e:
+            if isinstance(path, Checkpoint) or not _replaced(ckpt):
+                raise
+            if attempt + 1 == _ATTEMPTS:
+                raise ChecksumError(
+                    f"{ckpt.path}: the checkpoint was replaced while it was read, {_ATTEMPTS} "
+                    "times in a row (a save overwrites it again and again); restore it when no "
+                    f"save is writing it, or restore another step (last: {e})"
+                ) from e
+            log.warning("ucp.restore: %s was replaced while it was read (%s); reading it again",
+                        ckpt.path, e)  # fmt: skip
+    raise AssertionError("unreachable")
+
+
+_ATTEMPTS = 5  # a checkpoint overwritten while it is restored is read again, this many times
+
+
+def _replaced(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint's COMMIT is not the one it was opened with (an overwrite, or a
+    deletion, ran while it was read): its bytes then changed under the reader, and an error is
+    no evidence of damage."""
+    try:
+        return ckpt.loc.read(COMMIT) != ckpt.manifest.marker
+    except Exception:
+        return False
+
+
+def _restore(
+    ckpt: Checkpoint,
+    params_target: Any,
+    opt_state_target: Any,
+    rules: Sequence[Rule],
+    cast: bool,
+    max_inflight_bytes: int | None,
+) -> tuple[Any, Any]:
     global _last_stats
-    ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     compiled = CompiledRules(rules) if rules else CompiledRules.from_json(ckpt.manifest.rules)
     pbind, obind = bind_state(params_target, opt_state_target, compiled)
     budget = config.inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
@@ -140,11 +184,58 @@ def restore(
     ckpt.open_arrays([(name, slot) for name, slot, _ in regions])
     ckpt.check_sizes(regions)  # before reading: no file decodes into more than its chunk
     stats = ReadStats()
-    values = _read_all(ckpt, resolved, stats, budget)
+    _check_memory(ckpt, resolved, budget)
+    try:
+        values = _read_all(ckpt, resolved, stats, budget)
+    except MemoryError as e:
+        raise HostMemoryError(f"{ckpt.path}: a restore buffer could not be allocated ({e}); "
+                              f"{_MEMORY_FIX}") from e  # fmt: skip
     ckpt.check_fingerprints(regions)  # the files read are the ones written there, or raise
     _last_stats = stats
     values = rewrap(values, [r.binding.key_impl for r in resolved])
     return unbind_state(params_target, opt_state_target, values)
+
+
+_READS_IN_FLIGHT = 64  # TensorStore's file I/O concurrency: chunk buffers a read holds at once
+_MEMORY_FIX = (
+    "restore on more processes (each reads only its share), onto accelerators (host copies go "
+    "in flight, max_inflight_bytes at a time), free host memory, or raise the limit"
+)
+
+
+def _check_memory(ckpt: Checkpoint, resolved: list[ResolvedLeaf], budget: int) -> None:
+    """Before anything is read: this process can allocate what the restore holds at once, the
+    restored arrays that stay in host memory (CPU targets) or `budget` of them (accelerators,
+    copied to the device as they are read), and the chunk buffers of the reads in flight.
+
+    Raises:
+        HostMemoryError: it cannot (past the limit a chunk buffer TensorStore cannot allocate
+            ends the process, with no Python exception).
+    """
+    from .util.dtypes import np_dtype
+    from .util.hostmem import allocatable
+
+    host = accel = 0
+    for r in resolved:
+        n = sum(box_size(g.box) for g in r.groups) * r.binding.dtype.itemsize
+        sharding = r.binding.sharding
+        on_host = sharding is None or all(
+            getattr(d, "platform", "cpu") == "cpu" for d in sharding.device_set
+        )
+        host, accel = (host + n, accel) if on_host else (host, accel + n)
+    chunk = max((math.prod(s.inner_chunks or s.chunks or (1,)) * np_dtype(s.dtype).itemsize
+                 for a in ckpt.atoms.values() for s in a.slots.values()), default=0)  # fmt: skip
+    held = host + min(accel, budget)
+    need = held + min(held, max(BLOCKS_IN_FLIGHT * READ_BLOCK, _READS_IN_FLIGHT * chunk))
+    have = allocatable()
+    if have is not None and need > have[0]:
+        mib = 1 << 20
+        raise HostMemoryError(
+            f"{ckpt.path}: this restore needs about {need / mib:.0f} MiB of host memory in this "
+            f"process ({held / mib:.0f} MiB of arrays held at once and the chunk buffers of the "
+            f"reads in flight), but only {have[0] / mib:.0f} MiB can be allocated under "
+            f"{have[1]}; nothing was read: {_MEMORY_FIX}"
+        )
 
 
 def _read_all(
@@ -204,10 +295,49 @@ def _issue(
                 except (ValueError, TypeError):
                     pass
                 else:
-                    pending.append((p, view.write(src), None))
+                    pending.append((p, _write_in_blocks(view, src, itemsize), None))
                     continue
         pending.append((p, src.read(), rel))
     return out, pending
+
+
+READ_BLOCK = 16 << 20  # a large piece is read in row blocks of about this many bytes ...
+BLOCKS_IN_FLIGHT = 4  # ... at most this many at once
+
+
+class _AllOf:
+    """The futures of one piece's block reads, waited for together."""
+
+    def __init__(self, futures: list[Any]) -> None:
+        self.futures = futures
+
+    def result(self) -> None:
+        for f in self.futures:
+            f.result()
+
+
+def _write_in_blocks(view: Any, src: Any, itemsize: int) -> Any:
+    """`view.write(src)`, in row blocks of about READ_BLOCK bytes, BLOCKS_IN_FLIGHT at a time.
+
+    TensorStore reads the byte ranges of one read into one buffer (adjacent ranges merged):
+    read whole, a piece of a 256 MiB shard file would hold a second 256 MiB copy while it is
+    decoded into its place. In blocks, what is held besides the restored arrays stays bounded.
+    """
+    shape = tuple(view.shape)
+    rows = max(READ_BLOCK // max(math.prod(shape[1:]) * itemsize, 1), 1)
+    if not shape or shape[0] <= rows:
+        return view.write(src)
+    src = src.translate_to[0]
+    futures: list[Any] = []
+    for r in range(0, shape[0], rows):
+        if len(futures) >= BLOCKS_IN_FLIGHT:
+            try:
+                futures[-BLOCKS_IN_FLIGHT].result()
+            except ValueError:
+                break  # its error is raised where the piece is waited for
+        end = min(r + rows, shape[0])  # TensorStore does not clip a slice to the domain
+        futures.append(view[r:end].write(src[r:end]))
+    return _AllOf(futures)
 
 
 def _finish(

@@ -46,9 +46,14 @@ from .util.inflight import InflightWindow
 from .util.sync import barrier
 
 log = logging.getLogger("ucp_jax")
-# A version-3 save commits transactions of budget / TXN_PARTS bytes, of which MAX_COMMITTING may
-# be writing their data files at once: several files written in parallel (one writer thread each).
+# A version-3 save into local files commits transactions of 1/TXN_PARTS of this process's share
+# (at least TXN_MIN, at most budget / TXN_PARTS), of which MAX_COMMITTING may be writing their data
+# files at once: several files written in parallel (one writer thread each), little memory held.
+# Into an object store, a transaction is a quarter of the budget: each is one object, and a save's
+# object count stays 3 + share / (budget / 4) per process (docs/SCALE.md).
 TXN_PARTS = 16
+TXN_MIN = 4 << 20
+REMOTE_TXN_PARTS = 4
 MAX_COMMITTING = 4
 _SAVE_COUNTER = itertools.count()
 
@@ -257,10 +262,14 @@ class SaveJob:
         return futs
 
     def write(self, host: Sequence[np.ndarray] | None) -> None:
-        """Create arrays (process 0), write this process's share, then commit (process 0)."""
-        if self.aggregated:
-            self._write_aggregated(host)
-            return
+        """Create arrays (process 0), write this process's share, then commit (process 0).
+
+        A failed save leaves no COMMIT, and (one process) no staging folder behind."""
+        alone = jax.process_count() == 1
+        with commit.failing_cleanly(self.staging, self.loc, alone=alone):
+            self._write_aggregated(host) if self.aggregated else self._write_per_array(host)
+
+    def _write_per_array(self, host: Sequence[np.ndarray] | None) -> None:
         if jax.process_index() == 0:
             self.staging.prepare()
             creating = {
@@ -327,7 +336,10 @@ class SaveJob:
                   for k, (shape, info) in self.slots.items()}  # fmt: skip
         written: dict[SlotInfo, set[str]] = {}
         in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
-        # Transactions of budget / TXN_PARTS; while one fills, up to MAX_COMMITTING earlier ones
+        txn_bytes = transaction_bytes(
+            sum(t.nbytes for t in self.tasks), self.budget, local=local is not None
+        )
+        # Transactions of txn_bytes; while one fills, up to MAX_COMMITTING earlier ones
         # are being written (copies overlap the file writes; at most a third of the budget held).
         txn, staged, committing = ts.Transaction(), 0, collections.deque[Any]()
         try:
@@ -336,12 +348,14 @@ class SaveJob:
                 for f in futs:
                     f.copy.result()
                 staged += box_size(box) * b.dtype.itemsize
-                if staged >= self.budget // TXN_PARTS:
+                if staged >= txn_bytes:
                     if len(committing) == MAX_COMMITTING:
                         committing.popleft().result()
+                    self._still_ours(me)
                     committing.append(txn.commit_async())
                     txn, staged = ts.Transaction(), 0
                     in_txn.clear()
+            self._still_ours(me)
             committing.append(txn.commit_async())
             while committing:
                 committing.popleft().result()
@@ -359,11 +373,27 @@ class SaveJob:
             store.sync_tree(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
         self._commit()
 
+    def _still_ours(self, me: int) -> None:
+        """Before a transaction lands: this save's claim on the path renewed (object stores)."""
+        if me == 0 and hasattr(self.staging, "still_ours"):
+            self.staging.still_ours()
+
     def _commit(self) -> None:
         barrier(self.tag + "-written")
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)
         barrier(self.tag + "-committed")
+
+
+def transaction_bytes(share: int, budget: int, *, local: bool = True) -> int:
+    """Bytes per transaction (one data file each) of a version-3 save of `share` bytes.
+
+    >>> transaction_bytes(1 << 30, 1 << 30) >> 20, transaction_bytes(1 << 30, 1 << 30, local=False) >> 20
+    (64, 256)
+    """
+    if not local:
+        return max(TXN_MIN, budget // REMOTE_TXN_PARTS)
+    return max(TXN_MIN, min(budget, share) // TXN_PARTS)
 
 
 def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:

@@ -2,81 +2,13 @@
 
 from __future__ import annotations
 
-import atexit
-import sys
-import threading
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from .format import remote
 from .mapping.rules import Rule
 from .save import SaveJob
-
-
-class SaveHandle:
-    """A save running in the background; `.wait()` returns once it is committed.
-
-    >>> h = ucp.async_save("/tmp/ckpt/step_1", params)  # doctest: +SKIP
-    >>> h.wait()  # doctest: +SKIP
-    """
-
-    def __init__(self, job: SaveJob, host: list[np.ndarray]) -> None:
-        self.path = job.loc.url
-        self.step = job.manifest.step
-        self._error: BaseException | None = None
-        self._reported = False
-        self._thread = threading.Thread(
-            target=self._run, args=(job, host), name=f"ucp-save-{job.seq}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, job: SaveJob, host: list[np.ndarray]) -> None:
-        try:
-            job.write(host)
-        except BaseException as e:  # re-raised on wait() or on the next save
-            self._error = remote.translate(e, job.loc.kvstore, "the save's writes")
-
-    def done(self) -> bool:
-        """Whether the save has finished (committed or failed)."""
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until committed; raise the save's error if it failed.
-
-        Raises:
-            TimeoutError: still running after `timeout` seconds.
-        """
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
-        if self._error is not None and not self._reported:
-            self._reported = True
-            raise RuntimeError(f"background save to {self.path} failed: {self._error}") from (
-                self._error
-            )
-
-
-_pending: SaveHandle | None = None
-_lock = threading.Lock()
-
-
-def _finish_pending() -> None:
-    """One save in flight: wait for the previous one, and raise its error if it was never seen."""
-    global _pending
-    with _lock:
-        prev, _pending = _pending, None
-    if prev is not None:
-        prev.wait()
-
-
-@atexit.register
-def _drain_at_exit() -> None:
-    try:
-        _finish_pending()
-    except Exception as e:
-        print(f"ucp_jax: {e}", file=sys.stderr)
+from .save_handle import SaveHandle, finish_pending, start
 
 
 def save(
@@ -113,7 +45,7 @@ def save(
 
     >>> ucp.save("/tmp/ckpt/step_10", params, opt_state, step=10)  # doctest: +SKIP
     """
-    _finish_pending()
+    finish_pending()
     job = SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
                    overwrite=overwrite, max_inflight_bytes=max_inflight_bytes)  # fmt: skip
     try:
@@ -156,12 +88,7 @@ def async_save(
     >>> h = ucp.async_save("/tmp/ckpt/step_10", params, opt_state, step=10)  # doctest: +SKIP
     >>> h.wait()  # doctest: +SKIP
     """
-    global _pending
-    _finish_pending()
+    finish_pending()
     job = SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
                    overwrite=overwrite)  # fmt: skip
-    host = job.copy_all_to_host()
-    handle = SaveHandle(job, host)
-    with _lock:
-        _pending = handle
-    return handle
+    return start(job, job.copy_all_to_host())

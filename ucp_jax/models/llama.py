@@ -2,7 +2,9 @@
 
 RoPE as transformers computes it (``rope_theta``; "linear" and "llama3" scaling), ``head_dim``
 independent of ``d_model / n_heads``, GQA, optional q/k/v bias (Qwen2), tied or untied embeddings,
-RMSNorm, SiLU-gated MLP, Mistral's sliding window. The parameter layout depends on the parallel
+RMSNorm, SiLU-gated MLP, Mistral's sliding window. GPT-style decoders (Megatron-Core's GPTModel,
+``model_type`` "gpt") take the same path with LayerNorm, a GELU MLP (gated or not), biases on every
+linear and learned absolute positions instead of RoPE, as their config says. The parameter layout depends on the parallel
 layout exactly as in :mod:`ucp_jax.demo` (whose :class:`~ucp_jax.demo.Layout` and mesh it uses):
 
 * fused QKV (and its bias) / SwiGLU ``[gate | up]`` kernels hold one ``[q_r | k_r | v_r]`` group per
@@ -29,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from .._src.mapping.patterns import Fused, Stacked, VocabPadded
-from .llama_config import LlamaConfig
+from .llama_config import ACTIVATIONS, LlamaConfig
 from .moe import (
     EXPERT_PARAMS,
     check_experts,
@@ -47,6 +49,7 @@ from .parallel import (
     Layout,
     Norm,
     constrain_batch,
+    layer_norm,
     make_param,
     module_abstract_params,
     module_graph,
@@ -67,11 +70,18 @@ BLOCK_PARAMS = (
 
 
 def block_params(config: LlamaConfig) -> tuple[str, ...]:
-    """Per-layer parameter names (``attn.qkv.bias`` only with a bias; router and experts if sparse)."""
-    names = tuple(n for n in BLOCK_PARAMS if config.qkv_bias or n != "attn.qkv.bias")
-    if config.n_experts:
-        names = (*(n for n in names if not n.startswith("mlp.")), "router.kernel", *EXPERT_PARAMS)
-    return names
+    """Per-layer parameter names (``attn.qkv.bias`` only with a bias; router and experts if sparse;
+    LayerNorm biases, linear biases and a non-gated ``mlp.up`` for GPT-style models)."""
+    c = config
+    ln, lb = c.norm == "layer", c.linear_bias
+    names = ["ln1.scale", *(["ln1.bias"] if ln else []), "attn.qkv.kernel"]
+    names += [*(["attn.qkv.bias"] if c.qkv_bias else []), "attn.out.kernel"]
+    names += [*(["attn.out.bias"] if lb else []), "ln2.scale", *(["ln2.bias"] if ln else [])]
+    if c.n_experts:
+        return (*names, "router.kernel", *EXPERT_PARAMS)
+    fc1 = "mlp.gate_up" if c.gated_mlp else "mlp.up"
+    names += [f"{fc1}.kernel", *([f"{fc1}.bias"] if lb else []), "mlp.down.kernel"]
+    return (*names, *(["mlp.down.bias"] if lb else []))
 
 
 def fused_sizes(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -80,8 +90,10 @@ def fused_sizes(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], int]]:
     The experts' fused ``gate_up`` is not here: :func:`ucp_jax.models.moe.expert_rules` maps it.
     """
     out: dict[str, tuple[tuple[int, ...], int]] = {"attn.qkv.kernel": (config.qkv_sizes, 1)}
-    if not config.n_experts:
+    if not config.n_experts and config.gated_mlp:
         out["mlp.gate_up.kernel"] = ((config.d_ff,) * 2, 1)
+        if config.linear_bias:
+            out["mlp.gate_up.bias"] = ((config.d_ff,) * 2, 0)
     if config.qkv_bias:
         out["attn.qkv.bias"] = (config.qkv_sizes, 0)
     return out
@@ -106,6 +118,17 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
         raise ValueError(f"layout {layout.name}: stages={layout.stages} does not divide n_layers")
     if c.n_heads % c.n_kv_heads:
         raise ValueError("n_kv_heads must divide n_heads")
+    if c.norm not in ("rms", "layer") or c.activation not in ACTIVATIONS:
+        raise ValueError(f"norm={c.norm!r} / activation={c.activation!r}: not implemented")
+    if c.positions not in ("rope", "learned") or (c.positions == "learned") != (
+        c.max_positions > 0
+    ):
+        raise ValueError(f"positions={c.positions!r} with max_positions={c.max_positions}")
+    if c.n_experts and (c.linear_bias or not c.gated_mlp or c.activation != "silu"):
+        raise ValueError(
+            "the experts are SwiGLU without biases (Mixtral's); a sparse model with linear biases "
+            "or another MLP is not implemented"
+        )
     check_experts(config, layout)
 
 
@@ -128,7 +151,7 @@ class Llama(nnx.Module):
         check_layout(config, layout)
         c, t = config, layout.tensor
         self.config, self.layout = config, layout
-        d, vp = c.d_model, c.padded_vocab(t)
+        d, vp, ln, lb = c.d_model, c.padded_vocab(t), c.norm == "layer", c.linear_bias
         fs = "fsdp" if layout.fsdp > 1 and d % layout.fsdp == 0 else None
         tp = "tensor" if t > 1 else None
         lead: tuple[int, ...] = (c.n_layers,)
@@ -136,25 +159,24 @@ class Llama(nnx.Module):
         if layout.stages > 1:
             lead, ls = (layout.stages, c.n_layers // layout.stages), ("stage", None)
         self.embed: Any = Group(embedding=make_param((vp, d), (tp, fs)))
+        if c.positions == "learned":
+            self.pos_embed: Any = Group(embedding=make_param((c.max_positions, d), (None, fs)))
+        fc1 = {"gate_up" if c.gated_mlp else "up": _Dense(
+            (*lead, d, (2 if c.gated_mlp else 1) * c.d_ff), (*ls, fs, tp), lb)}  # fmt: skip
         self.layers = Group(
-            ln1=Norm((*lead, d), (*ls, None)),
+            ln1=Norm((*lead, d), (*ls, None), ln),
             attn=Group(
                 qkv=_Dense((*lead, d, sum(c.qkv_sizes)), (*ls, fs, tp), c.qkv_bias),
-                out=Kernel((*lead, c.n_heads * c.head_dim, d), (*ls, tp, fs)),
+                out=_Dense((*lead, c.n_heads * c.head_dim, d), (*ls, tp, fs), lb),
             ),
-            ln2=Norm((*lead, d), (*ls, None)),
+            ln2=Norm((*lead, d), (*ls, None), ln),
             **(
                 sparse_params(c, layout, lead, ls, fs, tp)
                 if c.n_experts
-                else {
-                    "mlp": Group(
-                        gate_up=Kernel((*lead, d, 2 * c.d_ff), (*ls, fs, tp)),
-                        down=Kernel((*lead, c.d_ff, d), (*ls, tp, fs)),
-                    )
-                }
+                else {"mlp": Group(**fc1, down=_Dense((*lead, c.d_ff, d), (*ls, tp, fs), lb))}
             ),
         )
-        self.ln_f = Norm((d,), (None,))
+        self.ln_f = Norm((d,), (None,), ln)
         if not c.tie_embeddings:
             self.unembed = Kernel((d, vp), (fs, tp))
 
@@ -182,9 +204,13 @@ class Llama(nnx.Module):
         emb = self.embed.embedding[...]
         x = constrain_batch(jax.nn.one_hot(tokens, emb.shape[0], dtype=emb.dtype) @ emb)
         s = tokens.shape[1]
-        freqs = jnp.arange(s, dtype=jnp.float32)[:, None] * jnp.asarray(c.inv_freq())[None, :]
-        angles = jnp.concatenate([freqs, freqs], axis=-1)  # [s, head_dim]
-        rope = (jnp.cos(angles), jnp.sin(angles))
+        rope: tuple[jax.Array, jax.Array] | None = None
+        if c.positions == "learned":
+            x = x + self.pos_embed.embedding[...][:s]
+        else:
+            freqs = jnp.arange(s, dtype=jnp.float32)[:, None] * jnp.asarray(c.inv_freq())[None, :]
+            angles = jnp.concatenate([freqs, freqs], axis=-1)  # [s, head_dim]
+            rope = (jnp.cos(angles), jnp.sin(angles))
         q_pos, k_pos = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
         mask = k_pos <= q_pos
         if c.sliding_window is not None:
@@ -198,7 +224,7 @@ class Llama(nnx.Module):
             return constrain_batch(h), stats
 
         x, stats = jax.lax.scan(body, x, stacked)
-        h = rms_norm(x, self.ln_f.scale[...], c.norm_eps)
+        h = _norm(x, nnx.to_pure_dict(nnx.state(self.ln_f)), c)
         logits = h @ (emb.T if c.tie_embeddings else self.unembed.kernel[...])
         valid = jnp.arange(logits.shape[-1]) < c.vocab_size
         aux = jnp.zeros((), jnp.float32)
@@ -214,32 +240,52 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[None, :, None, :] + rot * sin[None, :, None, :]
 
 
+def _norm(x: jax.Array, p: dict, c: LlamaConfig) -> jax.Array:
+    if c.norm == "layer":
+        return layer_norm(x, p["scale"], p["bias"], c.norm_eps)
+    return rms_norm(x, p["scale"], c.norm_eps)
+
+
+def _linear(x: jax.Array, p: dict) -> jax.Array:
+    y = x @ p["kernel"]
+    return y + p["bias"] if "bias" in p else y
+
+
+def _act(x: jax.Array, c: LlamaConfig) -> jax.Array:
+    if c.activation == "silu":
+        return jax.nn.silu(x)
+    return jax.nn.gelu(x, approximate=c.activation == "gelu_pytorch_tanh")
+
+
 def _block(
-    x: jax.Array, p: dict, c: LlamaConfig, t: int, rope: tuple[jax.Array, jax.Array], mask: Any
-) -> tuple[jax.Array, Any]:
+    x: jax.Array, p: dict, c: LlamaConfig, t: int, rope: tuple[jax.Array, jax.Array] | None,
+    mask: Any,
+) -> tuple[jax.Array, Any]:  # fmt: skip
     """One decoder layer on ``x [b, s, d]`` with per-layer params ``p`` (TP-fused); router stats."""
     b, s, _ = x.shape
     hq, hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
-    h = rms_norm(x, p["ln1"]["scale"], c.norm_eps)
-    qkv = h @ p["attn"]["qkv"]["kernel"]
-    if c.qkv_bias:
-        qkv = qkv + p["attn"]["qkv"]["bias"]
+    h = _norm(x, p["ln1"], c)
+    qkv = _linear(h, p["attn"]["qkv"])
     qkv = qkv.reshape(b, s, t, (hq + 2 * hk) // t, hd)
     q, k, v = jnp.split(qkv, [hq // t, (hq + hk) // t], axis=3)  # one [q_r|k_r|v_r] per shard r
-    q = _rotate(q.reshape(b, s, hq, hd), *rope).reshape(b, s, hk, hq // hk, hd)
-    k = _rotate(k.reshape(b, s, hk, hd), *rope)
+    q, k = q.reshape(b, s, hq, hd), k.reshape(b, s, hk, hd)
+    if rope is not None:
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
+    q = q.reshape(b, s, hk, hq // hk, hd)
     v = v.reshape(b, s, hk, hd)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k) * (hd**-0.5)
     probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
     att = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, hq * hd)
-    x = x + att @ p["attn"]["out"]["kernel"]
-    h = rms_norm(x, p["ln2"]["scale"], c.norm_eps)
+    x = x + _linear(att, p["attn"]["out"])
+    h = _norm(x, p["ln2"], c)
     if c.n_experts:
         y, stats = sparse_mlp(h, p, c, t)
         return x + y, stats
-    gu = (h @ p["mlp"]["gate_up"]["kernel"]).reshape(b, s, t, 2, c.d_ff // t)
+    if not c.gated_mlp:
+        return x + _linear(_act(_linear(h, p["mlp"]["up"]), c), p["mlp"]["down"]), None
+    gu = _linear(h, p["mlp"]["gate_up"]).reshape(b, s, t, 2, c.d_ff // t)
     gate, up = gu[:, :, :, 0].reshape(b, s, c.d_ff), gu[:, :, :, 1].reshape(b, s, c.d_ff)
-    return x + (jax.nn.silu(gate) * up) @ p["mlp"]["down"]["kernel"], None
+    return x + _linear(_act(gate, c) * up, p["mlp"]["down"]), None
 
 
 def model_from_params(params: PyTree, config: LlamaConfig, layout: Layout) -> Llama:

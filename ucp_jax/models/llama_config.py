@@ -8,6 +8,7 @@ read it too); this module is its public name.
 'llama'
 """
 
+from .._src.llama_config import ACTIVATIONS as ACTIVATIONS
 from .._src.llama_config import FAMILIES as FAMILIES
 from .._src.llama_config import MAX_CONFIG_BYTES as MAX_CONFIG_BYTES
 from .._src.llama_config import ROPE_TYPES as ROPE_TYPES

@@ -14,6 +14,8 @@ from .moe import EXPERT_PARAMS, init_experts, stack_experts, unstack_experts
 from .parallel import Layout
 from .placement import flatten_tree, fuse_tp, put_sharded, unflatten_tree, unfuse_tp
 
+_TOP = ("ln_f.scale", "ln_f.bias", "pos_embed.embedding")  # top-level atoms taken as they are
+
 
 def init_canonical(config: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:
     """Random float32 weights by canonical atom name (``blocks.{i}.attn.qkv.kernel`` ...).
@@ -38,20 +40,36 @@ def init_canonical(config: LlamaConfig, seed: int = 0, std: float = 0.02) -> dic
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
 
     out = {"embed.embedding": normal(c.vocab_size, d)}
+    if c.positions == "learned":
+        out["pos_embed.embedding"] = normal(c.max_positions, d)
+    ln, lb, f = c.norm == "layer", c.linear_bias, c.d_ff
     for i in range(c.n_layers):
         pre = f"blocks.{i}."
         out[pre + "ln1.scale"] = np.ones((d,), np.float32)
+        if ln:
+            out[pre + "ln1.bias"] = normal(d)
         out[pre + "attn.qkv.kernel"] = normal(d, sum(c.qkv_sizes))
         if c.qkv_bias:
             out[pre + "attn.qkv.bias"] = normal(sum(c.qkv_sizes))
         out[pre + "attn.out.kernel"] = normal(c.n_heads * c.head_dim, d)
+        if lb:
+            out[pre + "attn.out.bias"] = normal(d)
         out[pre + "ln2.scale"] = np.ones((d,), np.float32)
+        if ln:
+            out[pre + "ln2.bias"] = normal(d)
         if c.n_experts:
             init_experts(c, i, normal, out)
             continue
-        out[pre + "mlp.gate_up.kernel"] = normal(d, 2 * c.d_ff)
-        out[pre + "mlp.down.kernel"] = normal(c.d_ff, d)
+        fc1 = "mlp.gate_up" if c.gated_mlp else "mlp.up"
+        out[pre + fc1 + ".kernel"] = normal(d, (2 if c.gated_mlp else 1) * f)
+        if lb:
+            out[pre + fc1 + ".bias"] = normal((2 if c.gated_mlp else 1) * f)
+        out[pre + "mlp.down.kernel"] = normal(f, d)
+        if lb:
+            out[pre + "mlp.down.bias"] = normal(d)
     out["ln_f.scale"] = np.ones((d,), np.float32)
+    if ln:
+        out["ln_f.bias"] = normal(d)
     if not c.tie_embeddings:
         out["unembed.kernel"] = normal(d, c.vocab_size)
     return out
@@ -76,8 +94,8 @@ def to_layout(
     pad = c.padded_vocab(t) - c.vocab_size
     flat: dict[str, np.ndarray] = {
         "embed.embedding": np.pad(canonical["embed.embedding"], ((0, pad), (0, 0))),
-        "ln_f.scale": canonical["ln_f.scale"],
     }
+    flat |= {k: canonical[k] for k in _TOP if k in canonical}
     if not c.tie_embeddings:
         flat["unembed.kernel"] = np.pad(canonical["unembed.kernel"], ((0, 0), (0, pad)))
     lead = (layout.stages, c.n_layers // layout.stages) if layout.stages > 1 else (c.n_layers,)
@@ -107,10 +125,8 @@ def from_layout(params: PyTree, config: LlamaConfig, layout: Layout) -> dict[str
     """
     c, t = config, layout.tensor
     flat: dict[str, Any] = {k: np.asarray(v) for k, v in flatten_tree(params).items()}
-    out = {
-        "embed.embedding": flat["embed.embedding"][: c.vocab_size],
-        "ln_f.scale": flat["ln_f.scale"],
-    }
+    out = {"embed.embedding": flat["embed.embedding"][: c.vocab_size]}
+    out |= {k: flat[k] for k in _TOP if k in flat}
     if not c.tie_embeddings:
         out["unembed.kernel"] = flat["unembed.kernel"][:, : c.vocab_size]
     fused = fused_sizes(c)

@@ -92,8 +92,12 @@ class Kernel(nnx.Module):
 
 
 class Norm(nnx.Module):
-    def __init__(self, shape: tuple[int, ...], spec: tuple[str | None, ...]) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], spec: tuple[str | None, ...], bias: bool = False
+    ) -> None:
         self.scale = make_param(shape, spec)
+        if bias:  # LayerNorm's
+            self.bias = make_param(shape, spec)
 
 
 class Group(nnx.Module):
@@ -111,6 +115,13 @@ def constrain_batch(x: jax.Array) -> jax.Array:
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """torch.nn.LayerNorm: normalised over the last axis (biased variance), scaled and shifted."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,6 +12,7 @@ need, as with one file per chunk.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import tensorstore as ts
@@ -75,3 +76,17 @@ def merge(folder: Location, processes: int) -> None:
     for c in copies:
         c.result()
     txn.commit_async().result()
+
+
+def missing_databases(folder: Location, processes: Any) -> list[str]:
+    """The database manifests of a committed version-3 checkpoint that are not there (the root's,
+    `manifest.ocdbt`, and each writing process's, `ocdbt.p<k>/manifest.ocdbt`): what readers name
+    when its arrays cannot be read. `processes` comes from the manifest (untrusted): only a sane
+    int is used."""
+    names = ["manifest.ocdbt"]
+    if type(processes) is int and 1 <= processes <= 4096:
+        names += [f"{PROCESS_PREFIX}{k}/manifest.ocdbt" for k in range(processes)]
+    local = folder.local_path
+    if local is not None:
+        return [n for n in names if not os.path.isfile(os.path.join(local, n))]
+    return [n for n in names if folder.read(n) is None]

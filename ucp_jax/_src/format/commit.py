@@ -8,14 +8,18 @@ without `COMMIT` is never read as a checkpoint (see `store.load_manifest`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import tensorstore as ts
 
-from . import aggregate, integrity
+from ..util.libc import exchange
+from . import aggregate, integrity, space, writers
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, commit_marker
 from .store import Location, fsync_dir, listdir
 
@@ -26,7 +30,8 @@ def write_commit(loc: Location, manifest_bytes: bytes) -> None:
 
 
 def seal(target: Location, manifest: Manifest) -> bytes:
-    """Record the sha256 of every array's `zarr.json` in `manifest`; return the manifest's bytes.
+    """Record the sha256 of every array's `zarr.json` and of every fingerprint table in
+    `manifest`; return the manifest's bytes.
 
     Process 0 calls it at commit, after every array exists (format version 2). Format version
     3: it first merges every process's database into the root one (`aggregate.merge`).
@@ -46,6 +51,10 @@ def seal(target: Location, manifest: Manifest) -> bytes:
             raise FileNotFoundError(f"{target.url}/{info.path}/zarr.json was never written")
         sha = hashlib.sha256(bytes(r.value)).hexdigest()
         a.slots[slot] = dataclasses.replace(info, meta_sha256=sha)
+    # ... and of every fingerprint table: what ties the data to this manifest (integrity.py)
+    aggregated = manifest.version >= aggregate.AGGREGATED_VERSION
+    prefixes = [""] if aggregated else [f"{info.path}/" for _, _, info in items]
+    manifest.tables = integrity.table_digests(kv, prefixes)
     return manifest.dumps()
 
 
@@ -88,10 +97,15 @@ class Staging:
     def __init__(self, final: Location, *, overwrite: bool) -> None:
         self.final = final
         self.overwrite = overwrite
+        # one writer at a time (writers.py): a lock on local files, a token in object stores
+        self._lock: writers.PathLock | None = None
+        self._token: writers.Token | None = None
         if final.local_path is not None:
             self.target = final.sibling(f".{final.name}.ucp-tmp")
+            self._lock = writers.PathLock(final.local_path)
         else:
             self.target = final
+            self._token = writers.Token(final)
 
     def check(self) -> None:
         """Refuse to clobber an existing checkpoint unless asked (any process may call it)."""
@@ -107,20 +121,62 @@ class Staging:
         In place (object stores): COMMIT goes first, so that a save killed while the old
         objects are being deleted leaves no marker over a half-deleted checkpoint.
         """
+        # One writer at a time: the path's lock, or its claim, before anything is cleared (a
+        # second save touches nothing); then, as the first may have committed meanwhile, the
+        # same check as `check`.
+        if self._lock is not None:
+            self._lock.acquire()
+        if self._token is not None:
+            self._token.claim()
+        try:
+            self.check()
+        except FileExistsError:
+            self.release()
+            raise
         if self.target.local_path is None:
             self.target.delete(COMMIT)
         self.target.remove_all()
         if self.final.local_path is not None:
             parent = os.path.dirname(self.final.local_path)
             os.makedirs(parent, exist_ok=True)
-            # An overwrite killed during its clean-up leaves `.<name>.ucp-old-<id>`: remove it.
+            # An overwrite killed during its clean-up leaves `.<name>.ucp-old-<id>`: remove it;
+            # and what killed saves of other paths here left, where nobody holds their lock.
             for n in listdir(parent):
                 if n.startswith(f".{self.final.name}.ucp-old-"):
                     shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+            writers.sweep(parent, keep=self.final.name)
+
+    def abandon(self) -> None:
+        """After a failed save: remove its staging folder (local files, when this save holds
+        the path's lock: never another writer's; the final path is left as it was). In place
+        (object stores) nothing is removed: no COMMIT was written, and the next save to the path
+        clears what is there."""
+        if self._lock is not None and self._lock.held:
+            self.target.remove_all()
+        self.release()
+
+    def release(self) -> None:
+        """Let the next save of this path in (after a commit or a failure; idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+        if self._token is not None:
+            self._token.drop()
+
+    def still_ours(self) -> None:
+        """Object stores: renew this save's claim on the path, or raise WriterConflictError."""
+        if self._token is not None:
+            self._token.renew()
 
     def commit(self, manifest: Manifest) -> None:
         """Write manifest and COMMIT, then publish atomically (process 0 only)."""
+        try:
+            self._commit(manifest)
+        finally:
+            self.release()
+
+    def _commit(self, manifest: Manifest) -> None:
         data = seal(self.target, manifest)
+        self.still_ours()
         self.target.write(MANIFEST, data)
         write_commit(self.target, data)
         if self.final.local_path is None:
@@ -130,6 +186,10 @@ class Staging:
         if os.path.exists(final):
             if not self.overwrite:
                 raise FileExistsError(f"{final} appeared during the save; not replacing it")
+            if exchange(self.target.local_path, final):  # readers find the old or the new
+                shutil.rmtree(self.target.local_path, ignore_errors=True)  # now the old one
+                fsync_dir(os.path.dirname(final))
+                return
             trash = (
                 f"{os.path.dirname(final)}/.{os.path.basename(final)}.ucp-old-{uuid.uuid4().hex}"
             )
@@ -139,3 +199,24 @@ class Staging:
         else:
             os.rename(self.target.local_path, final)
         fsync_dir(os.path.dirname(final))
+
+
+@contextlib.contextmanager
+def failing_cleanly(staging: Any, dest: Location, *, alone: bool) -> Iterator[None]:
+    """Around the writes of a save: when they fail, the staging area is removed (`alone`: this
+    process is the only writer, so nothing else writes there; with several, the next save's
+    `prepare` clears it); a full disk is a `StorageFullError` that says so and where."""
+    try:
+        yield
+    except BaseException as e:
+        why: BaseException | None = space.full_error(
+            e, dest, "the checkpoint", "earlier checkpoints are intact"
+        )
+        with contextlib.suppress(Exception):
+            if alone and hasattr(staging, "abandon"):
+                staging.abandon()
+            elif hasattr(staging, "release"):
+                staging.release()
+        if why is not None:
+            raise why from e
+        raise

@@ -18,12 +18,20 @@ tail); each process records every array it wrote in one table, `digests/p<k>.jso
 database (`{"format": "ucp-digests/2", "writer": "p<k>", "arrays": {path: {key: fingerprint}}}`),
 so the tables are one object per process, not one per array.
 
+The tables are tied to the manifest: at commit, process 0 records the sha256 of every table in
+it (`Manifest.tables`, key relative to the data root: `digests/p0.json` in version 3,
+`atoms/<a>/<slot>/digests/p0.json` in version 2), and readers compare each table they read with
+it (`check_sealed`). Since every chunk is checked against its table, a data folder (or a whole
+database) swapped in from another save of the same tree is refused, naming the table, although
+its `zarr.json` files are the same bytes.
+
 What is not covered: a writer who rewrites a chunk *and* its crc32c *and* the table on purpose.
 The checks catch damage and mix-ups, not a forger (that needs signatures, outside this format).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -236,20 +244,82 @@ def write_table(
     kv.write(f"{DIGEST_DIR}/{writer}.json", data).result()
 
 
+def table_digests(kv: ts.KvStore, prefixes: Iterable[str]) -> dict[str, str]:
+    """The sha256 of every fingerprint table under each prefix (`""` for a version-3 database,
+    `"<array path>/"` for a version-2 array): what `commit.seal` records in the manifest."""
+    listings = [
+        (p, kv.list(ts.KvStore.KeyRange(f"{p}{DIGEST_DIR}/", f"{p}{DIGEST_DIR}0")))
+        for p in prefixes
+    ]
+    names = sorted(k.decode() for _, f in listings for k in f.result())
+    with ts.Batch() as batch:
+        futs = [kv.read(k, batch=batch) for k in names]
+    out = {}
+    for name, f in zip(names, futs):
+        r = f.result()
+        if r.state == "value":
+            out[name] = hashlib.sha256(bytes(r.value)).hexdigest()
+    return out
+
+
+def check_sealed(
+    found: Mapping[str, bytes], committed: Mapping[str, str] | None, prefix: str, where: str
+) -> None:
+    """The fingerprint tables read (`found`: key below `prefix` -> bytes) are the ones whose sha256
+    the manifest records (`committed`: key below the data root -> sha256; None: a manifest
+    written before they were recorded, nothing to compare).
+
+    Raises:
+        ChecksumError: a table missing, added or other than the one sealed, naming it.
+    """
+    if committed is None:
+        return
+    want = {k[len(prefix) :]: v for k, v in committed.items() if k.startswith(prefix + DIGEST_DIR)}
+    other = (
+        "the data beside this manifest.json is another save's (a data folder was replaced "
+        "by, or mixed with, another checkpoint's)"
+    )
+    fix = "restore an earlier checkpoint, or copy this one again whole"
+    for name in sorted(set(found) | set(want)):
+        if name not in want:
+            raise ChecksumError(
+                f"{where}: fingerprint table {prefix}{name} is not recorded in manifest.json: "
+                f"{other}; {fix}"
+            )
+        if name not in found:
+            raise ChecksumError(
+                f"{where}: fingerprint table {prefix}{name} recorded in manifest.json is missing: "
+                f"the checkpoint is incomplete or {other}; {fix}"
+            )
+        got = hashlib.sha256(found[name]).hexdigest()
+        if got != want[name]:
+            raise ChecksumError(
+                f"{where}: fingerprint table {prefix}{name} is not the one sealed in manifest.json "
+                f"(sha256 {got[:16]}..., recorded {want[name][:16]}...): {other}; {fix}"
+            )
+
+
 def read_table(
-    kv: ts.KvStore, info: SlotInfo, listing: Iterable[str], where: str
+    kv: ts.KvStore,
+    info: SlotInfo,
+    listing: Iterable[str],
+    where: str,
+    committed: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The fingerprint table of one array, from every `digests/*.json` in its listing.
 
+    `committed`: the manifest's `tables` (each table's sha256 is checked against it).
+
     Raises:
-        ChecksumError: a table is unreadable, names another array, or two tables disagree.
+        ChecksumError: a table is unreadable, names another array, two tables disagree, or one
+            is not the one sealed in the manifest.
     """
     names = sorted(k for k in listing if k.startswith(DIGEST_DIR + "/") and k.endswith(".json"))
     with ts.Batch() as batch:
         futs = [kv.read(k, batch=batch) for k in names]
+    results = [f.result() for f in futs]
     table: dict[str, str] = {}
-    for name, f in zip(names, futs):
-        r = f.result()
+    for name, r in zip(names, results):
         try:
             doc = read_json(bytes(r.value), f"{where}: {name}", error=ChecksumError)
             ok = (
@@ -270,6 +340,8 @@ def read_table(
         for k, v in doc["chunks"].items():
             if table.setdefault(k, v) != v:
                 raise ChecksumError(f"{where}: two fingerprint tables disagree on {k}; damaged")
+    found = {n: bytes(r.value) for n, r in zip(names, results) if r.state == "value"}
+    check_sealed(found, committed, info.path + "/", where)
     return table
 
 
@@ -337,11 +409,16 @@ def write_process_table(
     kv.write(f"{DIGEST_DIR}/{writer}.json", json.dumps(doc, sort_keys=True).encode()).result()
 
 
-def read_process_tables(kv: ts.KvStore, where: str) -> dict[str, dict[str, str]]:
+def read_process_tables(
+    kv: ts.KvStore, where: str, committed: Mapping[str, str] | None = None
+) -> dict[str, dict[str, str]]:
     """Format version 3: every process's table, merged: array path -> chunk key -> fingerprint.
 
+    `committed`: the manifest's `tables` (each table's sha256 is checked against it).
+
     Raises:
-        ChecksumError: a table is unreadable, or two tables disagree on a chunk.
+        ChecksumError: a table is unreadable, two tables disagree on a chunk, or one is not the
+            one sealed in the manifest.
     """
     from .store import wrap_io_error
 
@@ -352,12 +429,14 @@ def read_process_tables(kv: ts.KvStore, where: str) -> dict[str, dict[str, str]]
     names = [k.decode() for k in listed]
     with ts.Batch() as batch:
         futs = [kv.read(k, batch=batch) for k in names]
-    out: dict[str, dict[str, str]] = {}
+    results = []
     for name, f in zip(names, futs):
         try:
-            r = f.result()
+            results.append(f.result())
         except ValueError as e:
             raise wrap_io_error(e, f"{where}: {name}") from e
+    out: dict[str, dict[str, str]] = {}
+    for name, r in zip(names, results):
         try:
             doc = read_json(bytes(r.value), f"{where}: {name}", error=ChecksumError)
             ok = (
@@ -380,4 +459,5 @@ def read_process_tables(kv: ts.KvStore, where: str) -> dict[str, dict[str, str]]
                     raise ChecksumError(
                         f"{where}: two fingerprint tables disagree on {path}/{k}; damaged"
                     )
+    check_sealed({n: bytes(r.value) for n, r in zip(names, results)}, committed, "", where)
     return out

@@ -16,7 +16,7 @@ from ..mapping.slot_names import VALUE_SLOT as VALUE_SLOT
 from ..untrusted.json import read_json
 from ..untrusted.limits import MAX_MANIFEST_BYTES
 from ..untrusted.paths import atom_dir as atom_dir
-from .validate import check_manifest
+from .validate import check_consistent, check_manifest
 from .version import __version__
 
 FORMAT = "ucp/1"
@@ -164,6 +164,13 @@ class Manifest:
     extra: Any = None
     format: str = FORMAT
     version: int = PER_ARRAY_VERSION
+    # The sha256 of every fingerprint table beside it (key relative to the data root -> sha256),
+    # recorded at commit (`commit.seal`): it ties the data to this manifest (see integrity.py).
+    # None in manifests written before it was recorded (they are still read, without that tie).
+    tables: dict[str, str] | None = None
+    # The COMMIT it was read with (not part of the manifest): a reader compares it with the COMMIT
+    # there now to tell a checkpoint replaced under it (restore.py) from a damaged one.
+    marker: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -175,18 +182,24 @@ class Manifest:
             "rules": self.rules,
             "source": self.source,
             "extra": self.extra,
+            **({} if self.tables is None else {"tables": self.tables}),
         }
 
     def dumps(self) -> bytes:
         return json.dumps(self.to_json(), indent=1, sort_keys=False).encode()
 
     @classmethod
-    def loads(cls, data: bytes, where: str) -> Manifest:
+    def loads(cls, data: bytes, where: str, marker: bytes | None = None) -> Manifest:
         """Parse a manifest, refusing newer format versions and foreign files.
 
+        `marker`: the checkpoint's COMMIT, compared (`check_commit`) after the manifest's
+        structure is checked and before whether it contradicts itself, so that an edited
+        manifest is reported as such.
+
         Raises:
-            NotACheckpointError: the file is not a ucp manifest.
+            NotACheckpointError: the file is not a ucp manifest, or contradicts itself.
             FormatVersionError: written by a newer ucp_jax.
+            ChecksumError: not the manifest COMMIT records.
         """
         d = read_json(data, f"{where}: manifest.json", max_bytes=MAX_MANIFEST_BYTES)
         fmt = d.get("format", "") if isinstance(d, dict) else ""
@@ -195,18 +208,16 @@ class Manifest:
                 f"{where}: manifest format is {fmt!r}, expected 'ucp/<version>'; "
                 "this is not a universal checkpoint"
             )
-        try:
-            version = int(d.get("format_version", fmt.split("/")[1]))
-        except (TypeError, ValueError) as e:
-            raise NotACheckpointError(
-                f"{where}: manifest.json has an unreadable format version ({e})"
-            ) from e
+        version = _format_version(d, fmt, where)
         if version > FORMAT_VERSION:
             raise FormatVersionError(
                 f"{where}: checkpoint format version {version} is newer than this ucp_jax reads "
                 f"(<= {FORMAT_VERSION}); upgrade ucp_jax (pip install -U ucp_jax)"
             )
         check_manifest(d, where)
+        if marker is not None:
+            check_commit(marker, data, version, where)
+        check_consistent(d, where, version)
         try:
             return cls(
                 step=d.get("step"),
@@ -217,12 +228,28 @@ class Manifest:
                 extra=d.get("extra"),
                 format=fmt,
                 version=version,
+                tables=d.get("tables"),
+                marker=marker,
             )
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise NotACheckpointError(
                 f"{where}: manifest.json is malformed ({type(e).__name__}: {e}); the checkpoint "
                 "is damaged: restore an earlier checkpoint"
             ) from e
+
+
+def _format_version(d: Mapping[str, Any], fmt: str, where: str) -> int:
+    """The manifest's format version: an int from 1 up (from the `format` string when absent)."""
+    raw: Any = d.get("format_version") if "format_version" in d else fmt.split("/")[1]
+    if isinstance(raw, str) and "format_version" not in d and raw.isdigit():
+        raw = int(raw)
+    if type(raw) is not int or raw < 1:
+        raise NotACheckpointError(
+            f"{where}: manifest.json has an unreadable format version ({raw!r}; expected an int "
+            f"from 1 to {FORMAT_VERSION}); the manifest was edited or damaged: restore an earlier "
+            "checkpoint"
+        )
+    return raw
 
 
 def commit_marker(manifest_bytes: bytes) -> bytes:
@@ -236,14 +263,14 @@ def commit_marker(manifest_bytes: bytes) -> bytes:
     return f"{FORMAT}\nmanifest-sha256 {hashlib.sha256(manifest_bytes).hexdigest()}\n".encode()
 
 
-def check_commit(marker: bytes, manifest_bytes: bytes, manifest: Manifest, where: str) -> None:
+def check_commit(marker: bytes, manifest_bytes: bytes, version: int, where: str) -> None:
     """Refuse a manifest that is not the one committed (format version 2 and later).
 
     Raises:
         ChecksumError: COMMIT records another sha256 (the manifest was edited or damaged), or
             none although the manifest says it should.
     """
-    if manifest.version < 2:
+    if version < 2:
         return  # version 1 committed no checksum: nothing to compare
     if marker != commit_marker(manifest_bytes):
         raise ChecksumError(

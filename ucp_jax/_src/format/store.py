@@ -14,10 +14,11 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import ChecksumError, NotACheckpointError
+from ..untrusted.paths import read_together, refuse_symlinks
 from ..util.dtypes import zarr_dtype
 from ..util.libc import libc
 from . import remote
-from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, check_commit
+from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo
 
 # One context for the whole process, so that `memory://` stores are shared between calls.
 CONTEXT = ts.Context(
@@ -327,15 +328,21 @@ def wrap_io_error(e: Exception, where: str) -> Exception:
     # in an OCDBT database (format version 3) a missing data file or an undecodable B-tree node
     # means the same (network errors say UNAVAILABLE, DEADLINE_EXCEEDED, ...: not these).
     ocdbt = "OCDBT" in msg or "ocdbt" in msg
+    if "NOT_FOUND" in msg and ("Byte range" in msg or ocdbt):  # a data file a B-tree names
+        return ChecksumError(
+            f"{where}: a data file of the checkpoint is missing ({msg}); the checkpoint is "
+            "incomplete (a file or folder was deleted or not copied): copy it again whole or "
+            "restore an earlier checkpoint"
+        )
     if (
         "Digest mismatch" in msg
         or "checksum" in msg.lower()
         or "DATA_LOSS" in msg
         or "Not enough data" in msg
         or "OUT_OF_RANGE" in msg
-        or (ocdbt and any(c in msg for c in ("NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARG")))
+        or (ocdbt and any(c in msg for c in ("FAILED_PRECONDITION", "INVALID_ARG")))
         or "Error decoding" in msg  # an OCDBT manifest or B-tree node that does not decode
-        or ("NOT_FOUND" in msg and "Byte range" in msg)  # a data file a B-tree node names
+        or "Configuration mismatch" in msg  # an OCDBT database replaced under its reader
     ):
         return ChecksumError(
             f"{where}: stored bytes fail their crc32c checksum ({msg}); the checkpoint is "
@@ -350,7 +357,8 @@ def load_manifest(loc: Location) -> Manifest:
     Raises:
         NotACheckpointError: nothing there, or a save that never committed.
     """
-    marker = loc.read(COMMIT)
+    local = loc.local_path  # local: both read through one folder handle (old pair or new pair)
+    marker, data = read_together(local, (COMMIT, MANIFEST)) if local else (loc.read(COMMIT), None)
     if marker is None:
         hint = "no such checkpoint"
         if loc.has_any():
@@ -360,17 +368,14 @@ def load_manifest(loc: Location) -> Manifest:
         ):
             hint = "a save to it is in progress or was killed before it committed"
         raise NotACheckpointError(f"{loc.url}: {hint}; pass the path of a committed checkpoint")
-    if loc.local_path is not None:
-        from ..untrusted.paths import refuse_symlinks
-
-        for name in (COMMIT, MANIFEST, "atoms"):
-            refuse_symlinks(loc.local_path, name, "checkpoint file")
-    data = loc.read(MANIFEST)
+    if local is not None:
+        for name, what in ((COMMIT, "COMMIT marker"), (MANIFEST, "manifest"),
+                           ("atoms", "atoms folder (the arrays of the checkpoint)")):  # fmt: skip
+            refuse_symlinks(local, name, what)
+    data = loc.read(MANIFEST) if local is None else data
     if data is None:
         raise NotACheckpointError(f"{loc.url}: COMMIT present but manifest.json missing")
-    manifest = Manifest.loads(data, loc.url)
-    check_commit(marker, data, manifest, loc.url)
-    return manifest
+    return Manifest.loads(data, loc.url, marker)
 
 
 def listdir(path: str) -> list[str]:
@@ -400,12 +405,11 @@ def list_checkpoints(root: Any) -> list[Any]:
 def _committed_names(loc: Location) -> list[str]:
     """Names of the committed checkpoints directly under `loc`, sorted."""
     if loc.local_path is not None:
-        names = [
+        return [
             n
             for n in sorted(listdir(loc.local_path))
             if not n.startswith(".") and os.path.exists(os.path.join(loc.local_path, n, COMMIT))
         ]
-        return names
     keys = loc.list_keys()
     return sorted({k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)})
 

@@ -86,7 +86,8 @@ def check_slot(atom: str, slot: Any, d: Any, atom_shape: tuple[int, ...], where:
 
 
 def check_manifest(d: Mapping[str, Any], where: str) -> None:
-    """Validate a parsed manifest (types, names, paths, sizes) before it is used.
+    """Validate a parsed manifest (types, names, paths, sizes) before it is used (then
+    `check_consistent`, after the COMMIT check: whether it contradicts itself).
 
     Raises:
         NotACheckpointError, UnsafePathError, LimitError: naming the atom and field.
@@ -154,3 +155,88 @@ def check_patterns(d: Mapping[str, Any], where: str) -> None:
             raise NotACheckpointError(f"{where}: rule {i} is not [regex, [pattern, ...]]: {rule!r}")
         for p in rule[1]:
             parse(p, f"rule {i} ({rule[0]!r}) pattern {p!r}")
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _sha256_hex(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == 64 and set(x) <= _HEX
+
+
+def check_consistent(d: Mapping[str, Any], where: str, version: int) -> None:
+    """The manifest does not contradict itself: records of a later format version under an
+    earlier `format_version`, fingerprint-table digests that are not digests, and rules that map
+    a leaf otherwise than the leaf's own record says it was saved (an edited `rules` list would
+    restore the values through another pattern, e.g. transposed).
+
+    Raises:
+        NotACheckpointError: naming the field that contradicts the rest.
+    """
+    tables = d.get("tables")
+    if tables is not None and (
+        not isinstance(tables, Mapping)
+        or not all(isinstance(k, str) and k.endswith(".json") for k in tables)
+        or not all(_sha256_hex(v) for v in tables.values())
+    ):
+        raise NotACheckpointError(
+            f"{where}: manifest 'tables' is not a map of fingerprint tables to sha256 digests; "
+            "the manifest was edited or damaged: restore an earlier checkpoint"
+        )
+    if version < 2:
+        sealed = tables is not None or any(
+            isinstance(s, Mapping) and s.get("meta_sha256") is not None
+            for a in d["atoms"].values()
+            for s in a["slots"].values()
+        )
+        if sealed:
+            raise NotACheckpointError(
+                f"{where}: manifest.json says format_version {version}, but it records the "
+                "checksums of format version 2 and later: its format_version was edited; "
+                "restore an earlier checkpoint"
+            )
+    _check_rules_agree(d, where)
+
+
+def _check_rules_agree(d: Mapping[str, Any], where: str) -> None:
+    """Every leaf record's `rule` is the rule the manifest's rules give that leaf, and the atoms
+    it produced record that rule's patterns."""
+    leaves, rules = d.get("leaves", {}), d.get("rules", [])
+    if not leaves:
+        return
+    from ..mapping.rules import CompiledRules
+
+    try:
+        compiled = CompiledRules.from_json(rules)
+    except UcpError as e:
+        raise NotACheckpointError(f"{where}: manifest 'rules' do not compile ({e})") from e
+    chosen: dict[str, Any] = {}
+    for name, rec in leaves.items():
+        if not isinstance(rec, Mapping):
+            raise NotACheckpointError(f"{where}: leaf record {name!r} is not an object; damaged")
+        rule, base = rec.get("rule"), rec.get("base", name)
+        if rule is not None and (type(rule) is not int or not 0 <= rule < len(rules)):
+            raise NotACheckpointError(
+                f"{where}: leaf {name!r} records rule {rule!r}, but the manifest has "
+                f"{len(rules)} rule(s); the manifest was edited or damaged"
+            )
+        if not isinstance(base, str):
+            raise NotACheckpointError(f"{where}: leaf {name!r} base {base!r} is not a string")
+        got = compiled.match(base)[0]
+        if got != rule:
+            said = "no rule" if rule is None else f"rule #{rule} ({rules[rule][0]!r})"
+            now = "no rule" if got is None else f"rule #{got} ({rules[got][0]!r}: {rules[got][1]})"
+            raise NotACheckpointError(
+                f"{where}: leaf {name!r} was saved with {said}, but the manifest's rules give it "
+                f"{now}: the manifest contradicts itself (its rules or leaves were edited); "
+                "restore an earlier checkpoint"
+            )
+        chosen[name] = [] if rule is None else rules[rule][1]
+    for atom, a in d["atoms"].items():
+        want = chosen.get(a.get("leaf", ""))
+        if want is not None and a.get("pattern", []) != want:
+            raise NotACheckpointError(
+                f"{where}: atom {atom!r} records pattern {a.get('pattern')}, but its leaf "
+                f"{a.get('leaf')!r} was saved with {want or 'no pattern'}: the manifest "
+                "contradicts itself (edited or damaged); restore an earlier checkpoint"
+            )

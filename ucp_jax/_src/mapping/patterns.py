@@ -278,8 +278,9 @@ class Fused(Pattern):
         offsets = np.cumsum((0, *self.sizes))
         s, e = node.box[ax]
         out: list[Node] = []
-        pos = 0
-        for r, k in itertools.product(range(n), range(len(self.sizes))):
+        group = total // n  # only the shards r whose [r * group, (r+1) * group) meets the box
+        pos, ranks = s // group * group, range(s // group, (e - 1) // group + 1 if e > s else 0)
+        for r, k in itertools.product(ranks, range(len(self.sizes))):
             length = self.sizes[k] // n
             lo, hi = max(s, pos), min(e, pos + length)
             if lo < hi:

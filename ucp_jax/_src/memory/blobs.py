@@ -17,7 +17,7 @@ import numpy as np
 from ..mapping.boxes import Box
 from . import exchange
 from .layout import BlobPiece
-from .redundancy import decode_node, decode_ranges
+from .redundancy import decode_nodes, decode_ranges
 from .shm import DATA, Blob
 
 if TYPE_CHECKING:
@@ -46,16 +46,21 @@ class BlobReader:
                 self._open[node] = Blob.open(self.cand.entries[node].path / DATA)
             elif node in self.fetched:
                 self._open[node] = self.fetched[node]
-            elif node in self.cand.lost:
-                group = self.cand.layout.group_of[node]
-                others = {m: self[m] for m in group if m != node}
-                self._open[node] = Decoded(decode_node(self.cand.layout, node, others))
+            elif node in self.cand.lost:  # with every lost member of its group, at once
+                lost = self.lost_with(node)
+                others = {m: self[m] for m in self.cand.layout.group_of[node] if m not in lost}
+                for m, data in decode_nodes(self.cand.layout, lost, others).items():
+                    self._open[m] = Decoded(data)
             else:
                 raise RuntimeError(
                     f"ucp.memory restore: node {node}'s snapshot is on another machine and none "
                     "of its bytes were fetched (an internal planning error; please report it)"
                 )
         return self._open[node]
+
+    def lost_with(self, node: int) -> list[int]:
+        """The lost members of a lost node's group (it among them)."""
+        return [m for m in self.cand.layout.group_of[node] if m in self.cand.lost]
 
     def covers(self, node: int, offset: int, nbytes: int) -> bool:
         """Whether `view(offset, nbytes)` of that node is readable here (fetched ranges only)."""
@@ -92,7 +97,8 @@ class BlobReader:
 def fetch_requests(cand: Candidate, regions: list[tuple[int, Box]], blobs: BlobReader) -> list[Any]:
     """The byte ranges this process must fetch to read `regions` ((leaf, box) pairs): pieces on
     nodes it does not see, and what decoding a lost node needs from group members it does not
-    see. Each is served by the lowest process that sees the node."""
+    see (for every lost member of its group: they are rebuilt together). Each is served by the
+    lowest process that sees the node."""
     lay = cand.layout
     if all(blobs.sees(n) for n in cand.present):
         return []  # every snapshot there is, this process sees
@@ -109,11 +115,11 @@ def fetch_requests(cand: Candidate, regions: list[tuple[int, Box]], blobs: BlobR
                 continue
             node, off = blobs.homes(p)[0]
             if node in cand.lost:
-                decode.add(node)
+                decode.update(blobs.lost_with(node))
             else:
                 need(node, off, p.nbytes)
     for lost in sorted(decode):
-        for node, off, n in decode_ranges(lay, lost):
+        for node, off, n in decode_ranges(lay, lost, cand.present):
             need(node, off, n)
     return exchange.merge(wanted)
 

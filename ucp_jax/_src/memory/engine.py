@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..errors import in_background
 from ..mapping.binding import bind_state, write_regions
 from ..mapping.boxes import Box, index_to_box
 from ..mapping.keys import data_leaves
@@ -53,7 +54,7 @@ class SnapshotStats:
         nbytes: bytes of this node's blob (own pieces + redundancy).
         copied_bytes: bytes copied device -> shared memory for it.
         dispatch_s: time `snapshot()` took on the training thread.
-        copy_s: time the background copy into shared memory took.
+        copy_s, fill_s: the background copy into shared memory (and commit); of it, the fill.
         rolls: leaves exchanged with collectives for redundancy.
     """
 
@@ -63,6 +64,7 @@ class SnapshotStats:
     dispatch_s: float = 0.0
     copy_s: float = 0.0
     rolls: int = 0
+    fill_s: float = 0.0
 
 
 class SnapshotManager:
@@ -83,16 +85,16 @@ class SnapshotManager:
         every: snapshot when `step % every == 0` (other calls return False at once).
         persist_every: persist every this many snapshots (`step % (every * persist_every) == 0`);
             None: never.
-        redundancy: None, 'replica' (each node also keeps the previous node of its group's share)
-            or 'xor' (each node keeps one parity lane of its group); any scheme in
-            `schemes.SCHEMES`.
+        redundancy: None, 'replica' (each node also keeps the previous node of its group's share),
+            'xor' (one parity lane per node of a group) or 'rs2' (two, P and Q: any two lost
+            nodes of a group rebuilt; docs/fault_tolerance_rs2.md); any of `schemes.SCHEMES`.
         namespace: names the job's shared-memory folder; a restarted job with the same namespace
             reattaches. Default: derived from `directory_for_persist`.
         shm_dir: where namespaces live (default /dev/shm). On a tmpfs mounted with huge pages
             (`huge=within_size` or `huge=advise`) the snapshots are 2 MiB pages and a restore
             maps them ~100x faster than 4 KiB pages; `huge_pages` says which this is.
         keep: committed snapshots kept per node (at least 1).
-        group_size: nodes per redundancy group (default 2 for 'replica', up to 4 for 'xor').
+        group_size: nodes per redundancy group (default 2 for 'replica', up to 4/6 for 'xor'/'rs2').
         donation_safe: True (default): `snapshot()` makes device-side copies of what it copies
             (one computation per device; on CPU devices it copies into shared memory instead),
             so the caller may donate or delete the arrays as soon as it returns; costs up to
@@ -146,9 +148,10 @@ class SnapshotManager:
         self.root = namespace_root(self.namespace, shm_dir)
         self.keep = int(keep)
         nodes = jax.process_count()
+        scheme = scheme or RedundancyScheme()
         if group_size is None:
-            group_size = (scheme or RedundancyScheme()).default_group_size(nodes)
-        self.groups = make_groups(nodes, group_size)
+            group_size = scheme.default_group_size(nodes)
+        self.groups = make_groups(nodes, group_size, scheme.min_group_size)
         self.donation_safe = donation_safe
         self.rules = tuple(rules)
         self.node = jax.process_index()
@@ -176,6 +179,7 @@ class SnapshotManager:
         self._extra: Any = None
         self._peers = extras.PeerExchange(f"ucp-memory/{self.namespace}/{self.run}/extra")
         self._extra_seq: int | None = None
+        self._fill_s = 0.0
 
     # ------------------------------------------------------------------------------- snapshot
 
@@ -328,7 +332,9 @@ class SnapshotManager:
             writer = self.store.begin(step, index, prep.nbytes)
             self._pinned.add(writer.path)
         try:
-            copied = fill(writer.blob.array, prep.layout, self.node, prep.fetches, prep.gaps, datas)
+            t0, copied = time.perf_counter(), fill(writer.blob.array, prep.layout, self.node,
+                                                   prep.fetches, prep.gaps, datas)  # fmt: skip
+            self._fill_s = time.perf_counter() - t0
         except BaseException:
             with self._lock:
                 self._pinned.discard(writer.path)
@@ -340,7 +346,8 @@ class SnapshotManager:
         """Background: commit a filled blob, retire old snapshots, maybe persist."""
         t0 = time.perf_counter()
         try:
-            if self._extra_seq is not None:  # the peers' extras this node keeps redundancy for
+            if self._extra_seq is not None:  # the peers' digests and extras this node keeps
+                self._peers.seal(prep.layout, self.node, self._extra_seq, writer.blob.array)
                 writer.index["extra_kept"] = self._peers.kept(prep.layout, self.node,
                                                               self._extra_seq)  # fmt: skip
             with self._lock:
@@ -350,7 +357,7 @@ class SnapshotManager:
                 self._pinned.discard(writer.path)
         copy_s += time.perf_counter() - t0
         self.stats = SnapshotStats(step, prep.nbytes, copied, dispatch_s, copy_s,
-                                   sum(map(len, prep.rolls.values())))  # fmt: skip
+                                   sum(map(len, prep.rolls.values())), self._fill_s)  # fmt: skip
         layout = prep.layout
         if job is not None:
             if self._persisting is not None:
@@ -391,7 +398,7 @@ class SnapshotManager:
                 self._error = self._error or e
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError(f"ucp.memory: a background snapshot/persist failed: {err}") from err
+            raise in_background(err, "ucp.memory: a background snapshot/persist failed") from err
 
     def _check_open(self) -> None:
         if self._closed:

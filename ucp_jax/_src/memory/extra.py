@@ -110,7 +110,8 @@ def restored(cand: Any, tag: str) -> Any:
 
 class PeerExchange:
     """Moves each process's serialised extra, per snapshot, to the nodes that keep redundancy for
-    it (the coordination service's key-value store; a few hundred bytes per process).
+    it (the coordination service's key-value store; a few hundred bytes per process), and the
+    digests of the nodes' bytes that their schemes keep (`seal`; rs2: a few words per node).
 
     `publish` runs on the training thread when a snapshot starts; `kept` in the background before
     the snapshot commits (it waits for its sources to publish the same snapshot). A process
@@ -142,7 +143,7 @@ class PeerExchange:
         client = coordination_client()
         client.key_value_set(key, serial(encoded).decode(), allow_overwrite=True)
         self._mine.append(key)
-        while len(self._mine) > self.LAG:
+        while len(self._mine) > 2 * self.LAG:  # (an extra and a digest per snapshot)
             client.key_value_delete(self._mine.pop(0))
         return self.seq
 
@@ -157,6 +158,29 @@ class PeerExchange:
             for s in layout.scheme.extra_sources(layout, node)
         }
         return layout.scheme.keep_extras(layout, node, raws)
+
+    def seal(self, layout: Any, node: int, seq: int, blob: Any) -> None:
+        """Before snapshot `seq` commits: publish the digest of this node's filled blob that its
+        scheme asks for, wait for its sources' of the same snapshot, and write what it keeps of
+        them into its blob (`RedundancyScheme.digest`, `keep_digests`; nothing for most schemes).
+        """
+        scheme = layout.scheme
+        sources = scheme.digest_sources(layout, node)
+        if not sources:
+            return
+        from ..util import config
+        from ..util.sync import coordination_client
+
+        client, timeout_ms = coordination_client(), int(config.barrier_timeout_s() * 1000)
+        key = f"{self.prefix}/{seq}/{node}/digest"
+        client.key_value_set(key, json.dumps(scheme.digest(layout, node, blob)),
+                             allow_overwrite=True)  # fmt: skip
+        self._mine.append(key)
+        got = {}
+        for s in sources:
+            raw = client.blocking_key_value_get(f"{self.prefix}/{seq}/{s}/digest", timeout_ms)
+            got[s] = json.loads(raw)
+        scheme.keep_digests(layout, node, blob, got)
 
 
 def manifest_extra(encoded: list[Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ A node's blob is `[its pieces | its redundancy bytes]`:
 - its redundancy, as its group's scheme (`schemes`) says: copies of other nodes' pieces merged
   with its own in (leaf, box) order (`replica`: the previous node of its group, so that the slabs
   of a shard split between the two are adjacent and the blob holds whole shards), and/or a
-  redundancy area after its pieces part (`xor`: one parity lane).
+  redundancy area after its pieces part (`xor`: one parity lane; `rs2`: two, and a digest table).
 """
 
 from __future__ import annotations
@@ -75,11 +75,16 @@ class BlobPiece:
     nbytes: int
 
 
-def make_groups(nodes: int, size: int) -> list[list[int]]:
-    """Consecutive groups of `size` nodes; a trailing group of one joins the previous group."""
+def make_groups(nodes: int, size: int, min_size: int = 2) -> list[list[int]]:
+    """Consecutive groups of `size` nodes; a trailing group of fewer than `min_size` (the
+    scheme's smallest useful group: 2, or 3 for rs2) joins the previous group.
+
+    >>> make_groups(8, 6, min_size=3), make_groups(9, 6, min_size=3)
+    ([[0, 1, 2, 3, 4, 5, 6, 7]], [[0, 1, 2, 3, 4, 5], [6, 7, 8]])
+    """
     size = max(1, int(size))
     groups = [list(range(i, min(i + size, nodes))) for i in range(0, nodes, size)]
-    if len(groups) > 1 and len(groups[-1]) == 1:
+    if len(groups) > 1 and len(groups[-1]) < max(2, min_size):
         groups[-2].extend(groups.pop())
     return groups
 

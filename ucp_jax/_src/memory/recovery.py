@@ -2,7 +2,10 @@
 
 A step is usable when, for every node of the job that wrote it, the node's committed snapshot of
 that step (same run, same layout) is visible, or its bytes can be rebuilt from its group
-(`replica`: the next node keeps a copy; `xor`: every other member is there). A restarted job's
+(`replica`: the next node keeps a copy; `xor`: every other member is there; `rs2`: at most two
+members of its group are missing). A rebuilt node is checked against the digests its peers kept
+of it (rs2); a mismatch (a stale or damaged parity) moves every process on to the next
+recoverable step, never to wrong values. A restarted job's
 processes agree on the step (a collective); if there is none, they restore the newest persisted
 universal checkpoint instead, and say so in the log.
 
@@ -30,6 +33,7 @@ from . import extra as extra_mod
 from .assemble import read_candidate
 from .candidate import Candidate
 from .layout import SnapshotLayout
+from .scheme_base import ParityMismatch
 from .shm import Entry, committed, list_nodes
 
 log = logging.getLogger("ucp_jax")
@@ -115,7 +119,7 @@ def _select(
         lost = [n for n in range(lay.nodes) if n not in nodes]
         bad = [n for n in lost if not _decodable(lay, n, nodes)]
         if bad:
-            why.append(f"step {step}: node(s) {bad} missing and not decodable from their group")
+            why.append(f"step {step}: {_undecodable(lay, bad, lost)}")
             continue
         entries = local.get((run, step, digest), {})
         out.append(
@@ -172,6 +176,27 @@ def _decodable(lay: SnapshotLayout, n: int, nodes: Any) -> bool:
     return lay.scheme is not None and lay.scheme.decodable(lay, n, nodes)
 
 
+def _undecodable(lay: SnapshotLayout, bad: list[int], lost: list[int]) -> str:
+    """Why: which nodes are lost in which group, and what the scheme rebuilds.
+
+    >>> from types import SimpleNamespace as NS
+    >>> from ucp_jax._src.memory.schemes import scheme_for
+    >>> lay = NS(scheme=scheme_for("xor"), group_of={n: [0, 1, 2, 3] for n in range(4)})
+    >>> _undecodable(lay, [1, 3], [1, 3])
+    'node(s) [1, 3] lost in group [0, 1, 2, 3] (xor rebuilds any 1 lost node(s) of a group)'
+    """
+    out = []
+    for g in sorted({tuple(lay.group_of[n]) for n in bad}):
+        gone = [n for n in g if n in lost]
+        if lay.scheme is None:
+            out.append(f"node(s) {gone} lost (no redundancy)")
+        else:
+            t = lay.scheme.tolerance(len(g))
+            out.append(f"node(s) {gone} lost in group {list(g)} ({lay.scheme.name} rebuilds "
+                       f"any {t} lost node(s) of a group)")  # fmt: skip
+    return "; ".join(out)
+
+
 def candidates(root: Path) -> list[Candidate]:
     return scan(root)[0]
 
@@ -211,9 +236,22 @@ def recover(
     """
     t0 = time.perf_counter()
     cands, why = agree(root, tag)
-    chosen = cands[0] if cands else None
-    if chosen is not None:
-        params, opt, blobs = read_candidate(chosen, params_target, opt_state_target, tag)
+    for i, chosen in enumerate(cands):
+        sub = tag if i == 0 else f"{tag}/try{i}"
+        try:
+            params, opt, blobs = read_candidate(chosen, params_target, opt_state_target, sub)
+            failed = None
+        except ParityMismatch as e:  # a stale or damaged parity: never restore wrong values
+            failed = str(e)
+        # Every process restores the same step: one that failed a check makes all try the next
+        # (only a rebuilt node is checked, and every process knows whether one is).
+        checked = exchange.allgather_json(failed, f"{sub}/checked") if chosen.lost else [failed]
+        fails = [f for f in checked if f]
+        if fails:
+            log.warning("ucp.memory: step %d is not restorable from shared memory: %s",
+                        chosen.step, fails[0])  # fmt: skip
+            why.append(f"step {chosen.step}: {fails[0]}")
+            continue
         fetched = sum(f.nbytes for f in blobs.fetched.values())
         source = "redundancy" if chosen.lost else "memory"
         info = RestoreInfo(chosen.step, source, str(root), chosen.lost, time.perf_counter() - t0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..mapping.boxes import Box
+from .gf256 import xor_into
 from .layout import SnapshotLayout
 
 
@@ -221,9 +222,14 @@ def roll(xs: Sequence[jax.Array], shift: int, layout: SnapshotLayout) -> list[ja
     return list(fn(*flats))
 
 
-def decode_ranges(layout: SnapshotLayout, lost: int) -> list[tuple[int, int, int]]:
-    """(node, offset, nbytes) of every byte range `decode_node` reads to rebuild node `lost`."""
-    return layout.scheme.decode_ranges(layout, lost) if layout.scheme is not None else []
+def decode_ranges(
+    layout: SnapshotLayout, lost: int, present: Collection[int]
+) -> list[tuple[int, int, int]]:
+    """(node, offset, nbytes) of every byte range `decode_node` reads to rebuild node `lost`
+    from the nodes in `present`."""
+    if layout.scheme is None:
+        return []
+    return layout.scheme.decode_ranges(layout, lost, present)
 
 
 def decode_node(layout: SnapshotLayout, lost: int, blobs: dict[int, Any]) -> np.ndarray:
@@ -232,7 +238,7 @@ def decode_node(layout: SnapshotLayout, lost: int, blobs: dict[int, Any]) -> np.
     Args:
         layout: the snapshot layout.
         lost: the node whose blob is gone.
-        blobs: node -> an object with `.view(offset, nbytes)` for every other node of the group.
+        blobs: node -> an object with `.view(offset, nbytes)` for every present node of its group.
 
     Returns:
         The lost node's pieces part (layout.primary[lost] bytes; the copies it kept for other
@@ -246,6 +252,21 @@ def decode_node(layout: SnapshotLayout, lost: int, blobs: dict[int, Any]) -> np.
     return layout.scheme.decode(layout, lost, blobs)
 
 
+def decode_nodes(
+    layout: SnapshotLayout, lost: Sequence[int], blobs: dict[int, Any]
+) -> dict[int, Any]:
+    """Rebuild the pieces parts of several lost members of one group at once (`decode_node` of
+    each; a scheme with two parities solves for both together).
+
+    Raises:
+        ValueError: the snapshot has no redundancy.
+        ParityMismatch: a rebuilt node does not match the digest its peers kept of it.
+    """
+    if layout.scheme is None:
+        raise ValueError(f"node(s) {list(lost)} are lost and the snapshot has no redundancy")
+    return layout.scheme.decode_all(layout, lost, blobs)
+
+
 def fill(
     blob: np.ndarray,
     layout: SnapshotLayout,
@@ -254,7 +275,7 @@ def fill(
     gaps: Sequence[tuple[int, int]],
     datas: list[Any],
 ) -> int:
-    """Write a node's blob from its fetches' data (XOR into its parity lane); returns bytes read.
+    """Write a node's blob from its fetches' data (XOR into its parity lanes); returns bytes read.
 
     `datas[i]` (a device or host array of fetch i's region) is released once copied.
     """
@@ -272,14 +293,3 @@ def fill(
             else:
                 blob[off : off + hi - lo] = raw[lo:hi]
     return copied
-
-
-def xor_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst ^= src (uint8 arrays of equal length), 8 bytes at a time where aligned."""
-    n8 = (len(dst) // 8) * 8
-    if n8 and dst.ctypes.data % 8 == 0 and src.ctypes.data % 8 == 0:
-        d64, s64 = dst[:n8].view(np.uint64), src[:n8].view(np.uint64)
-        np.bitwise_xor(d64, s64, out=d64)
-        np.bitwise_xor(dst[n8:], src[n8:], out=dst[n8:])
-    else:
-        np.bitwise_xor(dst, src, out=dst)

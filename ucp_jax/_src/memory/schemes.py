@@ -1,128 +1,36 @@
-"""Redundancy schemes: how a group of nodes keeps what it takes to rebuild a lost member.
+"""Redundancy schemes: `replica` (copies) and `xor` (one parity lane) here, `rs2` (two parities,
+module `rs2`), and the registry that names them. The interface they implement is
+`scheme_base.RedundancyScheme`.
 
-A scheme answers, for a snapshot layout (`layout.SnapshotLayout`), four questions, and nothing
-else in the package branches on the scheme's name:
-
-- where redundancy bytes live: copies of other nodes' pieces placed among a node's own pieces
-  (`inline_copies`, as `replica` does) and/or a redundancy area after them (`extra_bytes`, the
-  parity lane of `xor`);
-- what each node fetches to fill them (`needs`: byte ranges of other nodes' pieces, copied or
-  XORed into place); `redundancy.plan_fetches` turns them into device copies or rolls;
-- whether a lost node can be rebuilt from the nodes that are left (`decodable`), which bytes
-  that reads (`decode_ranges`) and the rebuild itself (`decode`);
-- the same for each process's `extra` (small serialised bytes, exchanged through the
-  coordination service): whose a node keeps redundancy for (`extra_sources`), what it keeps
-  (`keep_extras`, JSON in its snapshot's index) and the rebuild of a lost node's
-  (`rebuild_extra`).
-
-A new scheme is one subclass here, registered in `SCHEMES` (or with `register_scheme`); then
-`SnapshotManager(redundancy="<name>")` uses it.
+A new scheme is one subclass of `RedundancyScheme`, registered in `SCHEMES` (or with
+`register_scheme`); then `SnapshotManager(redundancy="<name>")` uses it.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import numpy as np
 
+from .rs2 import RS2
+from .scheme_base import BlobPiece, Need, ParityMismatch, RedundancyScheme, SnapshotLayout, align
 
-class BlobPiece(Protocol):
-    """What a scheme reads of a `layout.BlobPiece`: where its bytes lie in its node's blob."""
-
-    @property
-    def offset(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-
-class SnapshotLayout(Protocol):
-    """What a scheme reads of a `layout.SnapshotLayout`.
-
-    A Protocol, so that this module does not import `layout` (which builds on the schemes).
-    """
-
-    @property
-    def by_node(self) -> Sequence[Sequence[Any]]: ...
-
-    @property
-    def copies(self) -> Mapping[Any, Sequence[tuple[int, int]]]: ...
-
-    @property
-    def group_of(self) -> Mapping[int, Sequence[int]]: ...
-
-    @property
-    def primary(self) -> Sequence[int]: ...
-
-    def copy_offset(self, p: Any, holder: int) -> int: ...
-
-
-# (piece of another node, first byte, end byte, offset in this node's blob, XOR it in?)
-Need = tuple[Any, int, int, int, bool]
-
-
-def align(n: int, to: int = 64) -> int:
-    """`n` rounded up to a multiple of `to`."""
-    return -(-n // to) * to
-
-
-class RedundancyScheme:
-    """Base class: no redundancy (a lost node is lost). Subclasses override what they need."""
-
-    name: ClassVar[str] = ""
-
-    def default_group_size(self, nodes: int) -> int:
-        """Nodes per group when the user gives none (all of them, up to 4)."""
-        return min(max(nodes, 2), 4)
-
-    def inline_copies(self, layout: SnapshotLayout, node: int) -> list[int]:
-        """Nodes whose pieces `node` keeps copies of among its own pieces (placed in order)."""
-        return []
-
-    def extra_bytes(self, layout: SnapshotLayout, node: int) -> int:
-        """Bytes of `node`'s redundancy area, after its pieces part."""
-        return 0
-
-    def needs(self, layout: SnapshotLayout, node: int) -> list[Need]:
-        """What `node` fetches from other nodes' pieces to fill its redundancy bytes."""
-        return [
-            (p, 0, p.nbytes, off, False)
-            for p, locs in layout.copies.items()
-            for holder, off in locs
-            if holder == node
-        ]
-
-    def decodable(self, layout: SnapshotLayout, lost: int, present: Collection[int]) -> bool:
-        """Whether `lost` can be rebuilt from the nodes in `present`."""
-        return False
-
-    def decode_ranges(self, layout: SnapshotLayout, lost: int) -> list[tuple[int, int, int]]:
-        """(node, offset, nbytes) of every byte range `decode` reads."""
-        return []
-
-    def decode(self, layout: SnapshotLayout, lost: int, blobs: Mapping[int, Any]) -> np.ndarray:
-        """The pieces part of `lost` (`layout.primary[lost]` bytes), from the others' blobs.
-
-        `blobs[node].view(offset, nbytes)` reads another node's bytes.
-        """
-        raise ValueError(f"node {lost} is lost and the snapshot has no redundancy")
-
-    def extra_sources(self, layout: SnapshotLayout, node: int) -> list[int]:
-        """Nodes whose serialised `extra` `node` keeps redundancy for."""
-        return []
-
-    def keep_extras(self, layout: SnapshotLayout, node: int, raws: Mapping[int, bytes]) -> Any:
-        """What `node` keeps of the extras of `extra_sources` (`raws`: node -> bytes), as JSON."""
-        return None
-
-    def rebuild_extra(
-        self, layout: SnapshotLayout, lost: int, kept: Mapping[int, Any], raws: Mapping[int, bytes]
-    ) -> bytes | None:
-        """The serialised extra of `lost`, from what the present nodes keep (`kept`, node ->
-        `keep_extras` record) and their own extras (`raws`); None when it cannot be rebuilt."""
-        return None
+__all__ = [
+    "RS2",
+    "SCHEMES",
+    "BlobPiece",
+    "Need",
+    "ParityMismatch",
+    "RedundancyScheme",
+    "Replica",
+    "SnapshotLayout",
+    "Xor",
+    "align",
+    "register_scheme",
+    "scheme_for",
+]
 
 
 class Replica(RedundancyScheme):
@@ -155,7 +63,12 @@ class Replica(RedundancyScheme):
     def decodable(self, layout: SnapshotLayout, lost: int, present: Collection[int]) -> bool:
         return self.holder_of(layout, lost) in present
 
-    def decode_ranges(self, layout: SnapshotLayout, lost: int) -> list[tuple[int, int, int]]:
+    def tolerance(self, group_size: int) -> int:
+        return 1 if group_size > 1 else 0
+
+    def decode_ranges(
+        self, layout: SnapshotLayout, lost: int, present: Collection[int]
+    ) -> list[tuple[int, int, int]]:
         h = self.holder_of(layout, lost)
         return [(h, layout.copy_offset(p, h), p.nbytes) for p in layout.by_node[lost]]
 
@@ -247,7 +160,12 @@ class Xor(RedundancyScheme):
             out.append((k, a, b, reads))
         return out
 
-    def decode_ranges(self, layout: SnapshotLayout, lost: int) -> list[tuple[int, int, int]]:
+    def tolerance(self, group_size: int) -> int:
+        return 1 if group_size > 1 else 0
+
+    def decode_ranges(
+        self, layout: SnapshotLayout, lost: int, present: Collection[int]
+    ) -> list[tuple[int, int, int]]:
         out = []
         for k, a, b, reads in self._reads(layout, lost):
             out.append((k, layout.primary[k], b - a))
@@ -294,7 +212,7 @@ class Xor(RedundancyScheme):
         return None
 
 
-SCHEMES: dict[str, RedundancyScheme] = {s.name: s for s in (Replica(), Xor())}
+SCHEMES: dict[str, RedundancyScheme] = {s.name: s for s in (Replica(), Xor(), RS2())}
 
 
 def register_scheme(scheme: RedundancyScheme) -> RedundancyScheme:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import stat
 import urllib.parse
+from collections.abc import Sequence
 from typing import IO
 
 from ..errors import UnsafePathError
@@ -147,3 +148,29 @@ def atom_dir(atom: str) -> str:
     """
     quoted = urllib.parse.quote(atom, safe=".-_")
     return "atoms/" + check_component(quoted, "atom name, used as atom folder")
+
+
+def read_together(folder: str, names: Sequence[str]) -> list[bytes | None]:
+    """The files `names` of one folder, read through one handle on it (None: missing).
+
+    All come from the same folder even when its path is swapped for another meanwhile (an
+    overwrite that publishes a checkpoint atomically): never one file of the old and one of the
+    new. A name that is a symbolic link reads as missing (callers refuse links first).
+    """
+    try:
+        dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except FileNotFoundError:
+        return [None] * len(names)
+    out: list[bytes | None] = []
+    try:
+        for name in names:
+            try:
+                fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dfd)
+            except OSError:
+                out.append(None)
+                continue
+            with os.fdopen(fd, "rb") as f:
+                out.append(f.read())
+    finally:
+        os.close(dfd)
+    return out

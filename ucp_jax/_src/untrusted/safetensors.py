@@ -7,6 +7,7 @@ model is read through `model.safetensors.index.json`, whose file names must stay
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from typing import IO, Any
@@ -14,7 +15,7 @@ from typing import IO, Any
 import ml_dtypes
 import numpy as np
 
-from ..errors import NotACheckpointError, UcpError
+from ..errors import HostMemoryError, NotACheckpointError, UcpError
 from .json import read_json
 from .limits import as_int, as_shape, numel
 from .paths import join_inside, open_inside
@@ -60,7 +61,15 @@ class SafetensorsFile:
                 )
             raw = f.read(n)
             self.base = 8 + n
-            self._mm = np.memmap(f, np.uint8, mode="r") if size > self.base else None
+            try:
+                self._mm = np.memmap(f, np.uint8, mode="r") if size > self.base else None
+            except (OSError, MemoryError) as e:  # ENOMEM: the map exceeds the address space
+                if isinstance(e, OSError) and e.errno != errno.ENOMEM:
+                    raise
+                raise HostMemoryError(
+                    f"{path}: cannot map its {size >> 20} MiB into this process's address space "
+                    f"({e}); raise the address-space limit (ulimit -v), or split the file"
+                ) from e
         header: dict[str, Any] = _parse_header(path, raw)
         self.metadata = header.pop("__metadata__", None) or {}
         self.header: dict[str, dict[str, Any]] = header

@@ -82,6 +82,17 @@ def store_timeout_s() -> float:
     return float(_number("UCP_STORE_TIMEOUT_S", 60.0, float, "seconds"))
 
 
+def writer_claim_s() -> float:
+    """How long a save's claim on an object-store path (`.ucp-writer`) lasts without renewal
+    (`UCP_WRITER_CLAIM_S`, default 60 s): a live save renews it every quarter of that; a save
+    that finds one unchanged for that long takes it over (its writer died).
+
+    >>> writer_claim_s() > 0
+    True
+    """
+    return max(float(_number("UCP_WRITER_CLAIM_S", 60.0, float, "seconds")), 0.1)
+
+
 def store_retries() -> int:
     """Attempts per object-store request on transient errors (`UCP_STORE_RETRIES`, default 8).
 

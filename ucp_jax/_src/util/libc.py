@@ -46,3 +46,13 @@ def release_large_buffers(threshold: int = 1 << 20) -> bool:
     """
     mallopt = getattr(libc(), "mallopt", None)
     return bool(mallopt(-3, int(threshold))) if mallopt is not None else False  # M_MMAP_THRESHOLD
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically (renameat2 with RENAME_EXCHANGE, Linux): a reader of either
+    path finds one of the two, never nothing. Returns False where unsupported (nothing moved)."""
+    fn = getattr(libc(), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0

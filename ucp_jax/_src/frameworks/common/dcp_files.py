@@ -143,23 +143,36 @@ def check_tensor(folder: str, fqn: str, meta: Any) -> tuple[int, ...]:
 
 
 def read_tensor(
-    folder: str, md: Any, fqn: str, error: type[UcpError] = DCPFormatError
+    folder: str, md: Any, fqn: str, error: type[UcpError] = DCPFormatError, lead: int | None = None
 ) -> torch.Tensor:
-    """The global tensor `fqn` of a DCP folder, assembled from its chunks."""
+    """The global tensor `fqn` of a DCP folder, assembled from its chunks; with `lead`, only
+    ``tensor[lead]`` (from the chunks that hold it: one layer of a stacked tensor)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     meta = md.state_dict_metadata[fqn]
     shape = check_tensor(folder, fqn, meta)
-    out = torch.empty(shape, dtype=meta.properties.dtype)
+    if lead is not None and not (shape and 0 <= lead < shape[0]):
+        raise error(f"{folder}: {fqn!r}: index {lead} outside its shape {list(shape)}")
+    out = torch.empty(shape if lead is None else shape[1:], dtype=meta.properties.dtype)
     for chunk in meta.chunks:
         offs = tuple(int(o) for o in chunk.offsets)
         sizes = tuple(int(s) for s in chunk.sizes)
+        if lead is not None and not offs[0] <= lead < offs[0] + sizes[0]:
+            continue
         info = md.storage_data.get(MetadataIndex(fqn, torch.Size(offs)))
         if info is None:
             raise error(f"{folder}/.metadata: {fqn!r}: no storage for chunk {offs}")
         t = read_chunk(folder, info, meta.properties.dtype, sizes, f"{fqn!r} {offs}")
+        if lead is not None:
+            t, offs, sizes = t[lead - offs[0]], offs[1:], sizes[1:]
         out[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] = t
     return out
+
+
+def per_row_chunks(md: Any, fqn: str) -> bool:
+    """Whether every chunk of tensor `fqn` holds one index of its first axis (one layer)."""
+    chunks = md.state_dict_metadata[fqn].chunks
+    return bool(chunks) and all(len(c.sizes) > 1 and int(c.sizes[0]) == 1 for c in chunks)
 
 
 def read_objects(folder: str, md: Any) -> dict[str, Any]:

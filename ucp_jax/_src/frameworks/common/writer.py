@@ -10,6 +10,8 @@ result like any saved checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import MismatchError, UnsafePathError
-from ...format import commit, store
+from ...format import commit, space, store
 from ...format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
 from ...mapping.boxes import Box, box_shape
 from ...mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_to_json
@@ -127,12 +129,15 @@ class AtomWriter:
         if layout not in ("aggregated", "per-array"):
             raise ValueError(f"import: layout must be 'aggregated' or 'per-array', not {layout!r}")
         self.loc = store.Location.parse(dst)
-        self.staging = commit.Staging(self.loc, overwrite=overwrite)
-        self.staging.check()
-        self.staging.prepare()
         if max_inflight_bytes is None:
             max_inflight_bytes = config.import_inflight_bytes()
         self.budget = max(int(max_inflight_bytes), 1)
+        # the writes in flight, and a shard being encoded
+        space.require_memory(self.budget + 2 * IMPORT_SHARD_BYTES, f"{self.loc.url}: the import",
+                             space.IMPORT_FIX)  # fmt: skip
+        self.staging = commit.Staging(self.loc, overwrite=overwrite)
+        self.staging.check()
+        self.staging.prepare()
         self.layout = layout
         self._sink: AggregatedSink | PerArraySink = (
             AggregatedSink(self.staging.target, self.budget)
@@ -250,12 +255,22 @@ class AtomWriter:
     def write(self, atom: str, slot: str, box: Box, data: np.ndarray, *, keep: Any = None) -> None:
         """Write `data` into `box` of a slot (created with data's dtype if new).
 
-        `data` (and `keep`) must stay unchanged until `release_sources` or `flush` returns (or
-        the writer commits).
+        A box larger than a shard is handed over shard by shard (TensorStore copies what it
+        writes, so memory holds the source and the writes within the budget, not a second copy
+        of the whole box). `data` (and `keep`) must stay unchanged until `release_sources` or
+        `flush` returns (or the writer commits).
         """
         data = np.asarray(data)
         info = self._slot(atom, slot, data.dtype)
-        self._sink.write(info, box, data.reshape(box_shape(box)), keep)
+        data = data.reshape(box_shape(box))
+        rows = info.chunks[0] if box else 0
+        if data.nbytes <= IMPORT_SHARD_BYTES or not rows:
+            self._sink.write(info, box, data, keep)
+            return
+        (lo, hi), rest = box[0], tuple(box[1:])
+        cuts = [lo, *range((lo // rows + 1) * rows, hi, rows), hi]
+        for a, b in itertools.pairwise(cuts):
+            self._sink.write(info, ((a, b), *rest), data[a - lo : b - lo], keep)
 
     def write_scalar(self, atom: str, slot: str, value: Any) -> None:
         """A scalar slot (e.g. `step`) of an atom of any shape."""
@@ -347,15 +362,22 @@ class AtomWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """On an error (KeyboardInterrupt too) drop what was written; the error goes on."""
+        """On an error (KeyboardInterrupt too) drop what was written; the error goes on (a full
+        disk as a `StorageFullError` that says so)."""
         if exc_type is not None:
+            kept = "the source and earlier checkpoints are intact"
+            full: BaseException | None = space.full_error(
+                exc, self.loc, "the imported checkpoint", kept
+            ) or space.memory_error(exc, f"{self.loc.url}: the import", space.IMPORT_FIX)
             self.abort()
+            if full is not None:
+                raise full from exc
 
     def abort(self) -> None:
         """Drop what was written (the destination is left as it was)."""
-        self._sink.abort()
-        if self.staging.target != self.staging.final:
-            self.staging.target.remove_all()
+        with contextlib.suppress(Exception):
+            self._sink.abort()
+        self.staging.abandon()  # its own staging folder only, and the path's lock released
 
 
 def to_numpy(t: Any) -> np.ndarray:
@@ -368,3 +390,19 @@ def to_numpy(t: Any) -> np.ndarray:
 
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
+
+
+def write_rows(w: AtomWriter, name: str, slot: str, m: Any) -> None:
+    """Write torch tensor `m` (often a transposed view) into a slot in whole-shard row blocks: one
+    block is copied contiguous at a time, so memory holds the source and one shard, not a copy."""
+    import torch
+
+    w.array(name, slot, to_numpy(torch.empty((), dtype=m.dtype)).dtype)
+    shape = tuple(m.shape)
+    fb = w.flat_block(name, slot)
+    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
+    step = max(1, fb // inner) if fb and len(shape) > 1 else max(1, shape[0] if shape else 1)
+    for r0 in range(0, shape[0] if shape else 1, step):
+        block = (m[r0 : r0 + step] if shape else m).contiguous()
+        box = ((r0, r0 + block.shape[0]), *((0, d) for d in shape[1:])) if shape else ()
+        w.write(name, slot, box, to_numpy(block), keep=block)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import os
 import re
-import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 
 from ...checkpoint import Checkpoint
 from ...errors import MismatchError
+from ...format import space
 from ...format.manifest import PARAM_SLOT, STEP_SLOT
 from ...mapping.patterns import Partitioned, VocabPadded, chain_from_json
 from ...untrusted.paths import check_component, join_inside
@@ -58,7 +58,10 @@ def _count(ck: Checkpoint) -> float | None:
 
 
 def _save(obj: Any, path: str) -> None:
-    torch.save(obj, path)
+    # A file this function opens and closes: when torch.save fails (a full disk), the file is
+    # closed here, not held open by the error's traceback, so that removing it frees its space.
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def export_deepspeed_universal(
@@ -104,30 +107,25 @@ def export_deepspeed_universal(
     src = (ck.manifest.source or {}).get("deepspeed") or {}
     ep = expert_parallel if expert_parallel is not None else _source_ep(src)
     stacks = _expert_stacks(params, ep)
-    if os.path.exists(dst):
-        if not overwrite:
-            raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
-        shutil.rmtree(dst)
-    tmp = dst + ".ucp-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    zero = os.path.join(tmp, "zero")
-    os.makedirs(zero)
+    if os.path.exists(dst) and not overwrite:
+        raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
+    largest = max((ck.atoms[a].nbytes for a in params), default=0)  # a whole atom, as fp32 too
+    space.require_memory(3 * largest, f"{dst}: the export", space.EXPORT_FIX)
     bar = Progress(progress, sum(ck.atoms[a].nbytes for a in params), "ucp export")
     try:
-        shapes, step_value = _write_params(ck, params, stacks, zero, _count(ck), bar)
-        groups = param_groups if param_groups is not None else src.get("param_groups")
-        groups = [_group(g) for g in groups or [{} for _ in range(EMPTY_GROUPS)]]
-        version = src.get("ds_version") or DS_VERSION
-        _save(_optimizer_state(src, groups, version, step_value),
-              os.path.join(zero, "optimizer_state.pt"))  # fmt: skip
-        global_steps = ck.step if ck.step is not None else int(step_value or 0)
-        model = _model_states(src, shapes, version, global_steps)
-        _save(model, os.path.join(tmp, "mp_rank_00_model_states.pt"))
-        _save(model, os.path.join(tmp, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with space.folder_in_place(dst, "the export") as tmp:  # an old dst goes at the end
+            zero = os.path.join(tmp, "zero")
+            os.makedirs(zero)
+            shapes, step_value = _write_params(ck, params, stacks, zero, _count(ck), bar)
+            groups = param_groups if param_groups is not None else src.get("param_groups")
+            groups = [_group(g) for g in groups or [{} for _ in range(EMPTY_GROUPS)]]
+            version = src.get("ds_version") or DS_VERSION
+            _save(_optimizer_state(src, groups, version, step_value),
+                  os.path.join(zero, "optimizer_state.pt"))  # fmt: skip
+            global_steps = ck.step if ck.step is not None else int(step_value or 0)
+            model = _model_states(src, shapes, version, global_steps)
+            _save(model, os.path.join(tmp, "mp_rank_00_model_states.pt"))
+            _save(model, os.path.join(tmp, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
     finally:
         bar.stop()
     with open(os.path.join(os.path.dirname(dst), "latest_universal"), "w") as f:

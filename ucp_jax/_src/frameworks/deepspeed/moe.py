@@ -120,10 +120,20 @@ def expert_groups(
     moe = [g for g, pg in enumerate(pgroups or []) if isinstance(pg, dict) and pg.get("moe")]
     if not expert_files and not moe:
         return None
-    if stage >= 3 or n_mp > 1:
+    if stage >= 3:
         raise DeepSpeedFormatError(
-            f"{folder}: a mixture-of-experts checkpoint with ZeRO stage {stage} and {n_mp} "
-            "model-parallel ranks; MoE imports read ZeRO-1/2 without tensor or pipeline parallelism"
+            f"{folder}: a deepspeed.moe checkpoint with ZeRO stage {stage}, which DeepSpeed itself "
+            "refuses to train ('MoE not supported with Stage 3'); MoE imports read ZeRO-1/2 (a "
+            "Hugging Face MoE model under ZeRO-3 is read with its config.json)"
+        )
+    if n_mp > 1:
+        raise DeepSpeedFormatError(
+            f"{folder}: a deepspeed.moe checkpoint with {n_mp} tensor/pipeline-parallel ranks: "
+            "whether each rank's experts are slices of the expert (and along which axis) or "
+            "replicas depends on the model code (enable_expert_tensor_parallelism, its Linear "
+            "layers), which the checkpoint does not record (universal_checkpoint_info covers the "
+            "dense parameters only, and DeepSpeed's ds_to_universal cannot convert MoE either); "
+            "MoE imports read ZeRO-1/2 without tensor or pipeline parallelism"
         )
     cfg = meta.get("ds_config") or {}
     if isinstance(cfg, dict) and cfg.get("use_data_before_expert_parallel_"):

@@ -17,17 +17,21 @@ import dataclasses
 import math
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from ...checkpoint import Checkpoint
 from ...untrusted.lazy import LazyTensor
 from ...untrusted.lazy import load_lazy as load
 from ...untrusted.limits import as_shape, check_disjoint, check_range, numel, ucp_errors
 from ...untrusted.paths import refuse_symlinks
 from ...util.gcpause import gc_paused
 from ...util.inflight import InflightWindow
+from ..common.hf_atoms import write_hf_atoms
 from ..common.progress import Progress
 from ..common.writer import AtomWriter
 from .common import (
@@ -40,6 +44,7 @@ from .common import (
     read_step,
     resolve_folder,
 )
+from .hf_model import find_hf_config
 from .moe import ExpertGroups, check_expert_values, expert_groups, refuse_other_moe
 from .tp_merge import Merger
 
@@ -255,6 +260,7 @@ def import_deepspeed(
     overwrite: bool = False,
     progress: bool | None = None,
     max_inflight_bytes: int | None = None,
+    hf_config: Any = None,
 ) -> str:
     """Import a DeepSpeed ZeRO-1/2/3 checkpoint (fp32 or bf16, any DP, TP/PP) as universal atoms.
 
@@ -262,6 +268,12 @@ def import_deepspeed(
     their global index: `...deepspeed_experts.{e}...`, one atom each); slots are `fp32` (master weights), the optimizer's
     flat states (`exp_avg`, `exp_avg_sq` for Adam) and `step` (a scalar per atom, as DeepSpeed's
     universal format keeps it). Reads every rank file once, weights-only; DeepSpeed is not needed.
+
+    A Hugging Face model's checkpoint (its `config.json` beside `global_step<N>/`, as the HF
+    Trainer saves it, or `hf_config`) of a family `ucp_jax.models.llama` implements is imported as
+    `import_hf` names it instead: fused q/k/v and gate/up, `[in, out]` kernels, one atom per
+    Mixtral expert (transformers' per-expert `w1/w2/w3` or fused `gate_up_proj`/`down_proj`), the
+    config in the manifest's `extra["hf_config"]`; every slot alike.
 
     Args:
         src: the checkpoint directory (with a `latest` file), or a tag folder itself.
@@ -271,6 +283,10 @@ def import_deepspeed(
         progress: show a progress bar (default: when stderr is a terminal).
         max_inflight_bytes: bound on bytes read ahead and written in flight (default:
             `UCP_IMPORT_INFLIGHT_BYTES`, 64 MiB).
+        hf_config: the model's `config.json` (or its folder); default: the one beside the
+            checkpoint, if it describes a Llama / Mistral / Qwen2 / Mixtral model (another one is
+            recorded as skipped in the manifest's source); False: name atoms as the torch
+            parameters even so.
 
     Returns:
         The location of the written checkpoint.
@@ -279,19 +295,45 @@ def import_deepspeed(
         NotACheckpointError: `src` or the tag does not exist.
         DeepSpeedFormatError: not a DeepSpeed ZeRO folder (names what was found).
         UnsafePickleError: a file asks for a global outside the allow-list.
+        HFConfigError: `hf_config` is unreadable or describes another model family.
+        MismatchError: the Hugging Face config does not describe the checkpoint's parameters.
 
     >>> ucp.torch.import_deepspeed("ds_ckpt", "/tmp/ucp/step_3")  # doctest: +SKIP
     """
     folder, found_tag = resolve_folder(src, tag)
+    cfg, cfg_path, skipped = find_hf_config(os.fspath(src), folder, hf_config)
     lay = _scan(folder)
     lay.tag = found_tag or os.path.basename(os.path.normpath(folder))
-    with AtomWriter(dst, overwrite=overwrite, max_inflight_bytes=max_inflight_bytes) as w:
-        _import_zero(lay, w, progress)
-        if lay.experts is not None:
-            check_expert_values(
-                lay.experts, lambda n: w.array(n, "fp32", np.float32).read().result()
-            )
-        return w.commit(step=lay.step(), source=deepspeed_source(lay, "zero"))
+    source = deepspeed_source(lay, "zero")
+    if skipped:
+        source["deepspeed"]["hf_config_skipped"] = skipped
+    if cfg is None:
+        with AtomWriter(dst, overwrite=overwrite, max_inflight_bytes=max_inflight_bytes) as w:
+            _import_raw(lay, w, progress)
+            return w.commit(step=lay.step(), source=source)
+    # the torch-named atoms first (a temporary checkpoint beside dst), then the model's
+    local = "://" not in str(dst)
+    tmp = tempfile.mkdtemp(prefix=".ucp-raw-", dir=os.path.dirname(os.path.abspath(dst)) if (
+        local and os.path.isdir(os.path.dirname(os.path.abspath(dst)))) else None)  # fmt: skip
+    try:
+        raw = os.path.join(tmp, "raw")
+        with AtomWriter(raw, max_inflight_bytes=max_inflight_bytes) as w:
+            _import_raw(lay, w, progress)
+            w.commit(step=lay.step(), source=source)
+        with AtomWriter(dst, overwrite=overwrite, max_inflight_bytes=max_inflight_bytes) as w:
+            layout = write_hf_atoms(Checkpoint(raw), w, cfg)
+            source["huggingface"] = {"config": os.path.abspath(str(cfg_path)),
+                                     "model_type": cfg.model_type, "experts": layout}  # fmt: skip
+            return w.commit(step=lay.step(), source=source, extra={"hf_config": cfg.to_hf()})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _import_raw(lay: RankFiles, w: AtomWriter, progress: bool | None) -> None:
+    """The torch-named atoms of every rank file (experts checked against their files)."""
+    _import_zero(lay, w, progress)
+    if lay.experts is not None:
+        check_expert_values(lay.experts, lambda n: w.array(n, "fp32", np.float32).read().result())
 
 
 def _import_zero(lay: RankFiles, w: AtomWriter, progress: bool | None) -> None:

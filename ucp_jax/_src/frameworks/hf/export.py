@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +22,7 @@ import numpy as np
 
 from ...checkpoint import Checkpoint
 from ...errors import MismatchError
+from ...format import space
 from ...format.manifest import PARAM_SLOT
 from ...llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
 from ...untrusted.paths import check_component
@@ -227,35 +227,30 @@ def write_folder(
         check_component(t.name, f"export: tensor name {t.name!r}")
     shards = shard(tensors, parse_size(max_shard_size))
     n = len(shards)
-    tmp = dst + ".ucp-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    # a block read (and the buffer TensorStore reads it into), converted, transposed
+    space.require_memory(4 * BLOCK_BYTES, f"{dst}: the export", space.EXPORT_FIX)
     bar = Progress(progress, sum(t.nbytes for t in tensors), "ucp export hf")
     wmap: dict[str, str] = {}
     try:
-        for k, group in enumerate(shards, 1):
-            fname = f"model-{k:05d}-of-{n:05d}.safetensors"
-            with open(os.path.join(tmp, fname), "wb") as f:
-                head = _header(group)
-                f.write(len(head).to_bytes(8, "little") + head)
-                for t in group:
-                    for index, nbytes in _blocks(t):
-                        a = ck.read(t.atom, PARAM_SLOT, index)
-                        a = a.T if t.transpose else a
-                        np.ascontiguousarray(a.astype(t.dtype, copy=False)).tofile(f)
-                        bar.advance(nbytes)
-                    wmap[t.name] = fname
-        index_doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": wmap}
-        with open(os.path.join(tmp, INDEX), "w") as f:
-            json.dump(index_doc, f, indent=2)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(dict(config_json), f, indent=2, sort_keys=True)
-        if os.path.exists(dst):
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with space.folder_in_place(dst, "the export") as tmp:
+            for k, group in enumerate(shards, 1):
+                fname = f"model-{k:05d}-of-{n:05d}.safetensors"
+                with open(os.path.join(tmp, fname), "wb") as f:
+                    head = _header(group)
+                    f.write(len(head).to_bytes(8, "little") + head)
+                    for t in group:
+                        for index, nbytes in _blocks(t):
+                            a = ck.read(t.atom, PARAM_SLOT, index)
+                            a = a.T if t.transpose else a
+                            np.ascontiguousarray(a.astype(t.dtype, copy=False)).tofile(f)
+                            bar.advance(nbytes)
+                        wmap[t.name] = fname
+            total = sum(t.nbytes for t in tensors)
+            index_doc = {"metadata": {"total_size": total}, "weight_map": wmap}
+            with open(os.path.join(tmp, INDEX), "w") as f:
+                json.dump(index_doc, f, indent=2)
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(dict(config_json), f, indent=2, sort_keys=True)
     finally:
         bar.stop()
     return dst

@@ -12,7 +12,6 @@ the layer index.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import re
@@ -25,26 +24,10 @@ from ...errors import MismatchError
 from ...mapping.patterns import FusedMark
 from ...untrusted.limits import ucp_errors
 from ...untrusted.safetensors import SafetensorsError, open_tensors
+from ..common.hf_names import AtomFrom
 from ..common.writer import AtomWriter
 
 # ---------------------------------------------------------------------------------- presets
-
-
-@dataclasses.dataclass(frozen=True)
-class AtomFrom:
-    """A target atom built from source tensors: `concat(maybe_T(src_k) for k, axis)`.
-
-    Attributes:
-        sources: source tensor names; `{i}` is the layer index.
-        transpose: transpose each (2-d) source first (torch Linear `[out, in]` -> `[in, out]`).
-        axis: the concatenation axis (after transposing).
-        fallback: sources to use when `sources` are absent (e.g. a tied `lm_head`).
-    """
-
-    sources: tuple[str, ...]
-    transpose: bool = False
-    axis: int = 0
-    fallback: tuple[str, ...] = ()
 
 
 def _llama_demo() -> dict[str, AtomFrom]:

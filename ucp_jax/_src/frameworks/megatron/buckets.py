@@ -11,7 +11,9 @@ order (the order backward produces gradients), each starting at a multiple of 64
 This module rebuilds, from those buffers, the *global* tensors (as the model's sharded tensors name
 them): the local parameter of each rank is its TP slice of the global tensor (a row block, a
 column block, or for SwiGLU's ``linear_fc1`` a row block of each half) and its stage's layers.
-Only the local-spec GPT layout (``ucp_jax._src.frameworks.megatron.read.TENSORS``) is known.
+The registration order is the local layer spec's (:func:`local_params`), for dense GPT models:
+biases, LayerNorm biases and learned position embeddings included; a mixture-of-experts model's
+``ChainedOptimizer`` buffers are refused by the importer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ...llama_config import LlamaConfig
 from ..common.dcp_files import read_tensor
 from .common import LAYERS, MegatronFormatError
 
@@ -30,15 +33,30 @@ _KEY = re.compile(
     r"^optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.gbuf_idx_(?P<b>\d+)\.dtype_(?P<dt>.+)"
     r"\.bucket_idx_(?P<k>\d+)\.(?P<field>param|exp_avg|exp_avg_sq)$"
 )
-# per-layer parameters in TransformerLayer registration order (local spec) and how TP splits them
-_LAYER_ORDER = (
-    ("self_attention.linear_qkv.layer_norm_weight", None),  # input_layernorm
-    ("self_attention.linear_proj.weight", 1),
-    ("self_attention.linear_qkv.weight", 0),
-    ("mlp.linear_fc1.layer_norm_weight", None),  # pre_mlp_layernorm
-    ("mlp.linear_fc1.weight", "glu"),
-    ("mlp.linear_fc2.weight", 1),
-)
+_QKV = "self_attention.linear_qkv."
+_FC1 = "mlp.linear_fc1."
+
+
+def layer_order(cfg: LlamaConfig) -> list[tuple[str, Any]]:
+    """A TransformerLayer's parameters in registration order (local spec) and how TP splits them
+    (an axis, None for replicated, "glu" for a row block of each SwiGLU half)."""
+    ln, lb = cfg.norm == "layer", cfg.linear_bias
+    fc1 = "glu" if cfg.gated_mlp else 0
+    order: list[tuple[str, Any, bool]] = [
+        (_QKV + "layer_norm_weight", None, True),  # input_layernorm
+        (_QKV + "layer_norm_bias", None, ln),
+        ("self_attention.linear_proj.weight", 1, True),
+        ("self_attention.linear_proj.bias", None, lb),
+        (_QKV + "weight", 0, True),
+        (_QKV + "bias", 0, cfg.qkv_bias),
+        (_FC1 + "layer_norm_weight", None, True),  # pre_mlp_layernorm
+        (_FC1 + "layer_norm_bias", None, ln),
+        (_FC1 + "weight", fc1, True),
+        (_FC1 + "bias", fc1, lb),
+        ("mlp.linear_fc2.weight", 1, True),
+        ("mlp.linear_fc2.bias", None, lb),
+    ]
+    return [(name, split) for name, split, present in order if present]
 
 
 def _error(msg: str) -> Exception:
@@ -46,7 +64,7 @@ def _error(msg: str) -> Exception:
 
 
 def local_params(
-    shapes: dict[str, tuple[int, ...]], tp: int, pp: int, t: int, p: int
+    shapes: dict[str, tuple[int, ...]], cfg: LlamaConfig, tp: int, pp: int, t: int, p: int
 ) -> list[tuple[str, int | None, Any, tuple[int, ...]]]:
     """The parameters of model-parallel rank (t, p) in registration order:
     (global tensor name, layer or None, TP split, local shape)."""
@@ -62,18 +80,25 @@ def local_params(
             s[ax] //= tp
         return tuple(s)
 
+    emb = "embedding.word_embeddings.weight"
     out: list[tuple[str, int | None, Any, tuple[int, ...]]] = []
     if p == 0:
-        emb = "embedding.word_embeddings.weight"
         out.append((emb, None, 0, local(shapes[emb], 0)))
+        if cfg.positions == "learned":
+            pos = "embedding.position_embeddings.weight"
+            out.append((pos, None, None, shapes[pos]))
     for i in range(p * per, (p + 1) * per):
-        for name, split in _LAYER_ORDER:
+        for name, split in layer_order(cfg):
             full = LAYERS + name
             out.append((full, i, split, local(shapes[full][1:], split)))
     if p == pp - 1:
-        norm = "decoder.final_layernorm.weight"
-        out.append((norm, None, None, shapes[norm]))
-        out.append(("output_layer.weight", None, 0, local(shapes["output_layer.weight"], 0)))
+        for norm in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
+            if norm in shapes:
+                out.append((norm, None, None, shapes[norm]))
+        if not cfg.tie_embeddings:
+            out.append(("output_layer.weight", None, 0, local(shapes["output_layer.weight"], 0)))
+        elif pp > 1:  # the last stage's copy of the tied embedding (the same values)
+            out.append((emb, None, 0, local(shapes[emb], 0)))
     return out
 
 
@@ -95,6 +120,7 @@ def bucket_tensors(
     md: Any,
     objects: dict[str, Any],
     shapes: dict[str, tuple[int, ...]],
+    cfg: LlamaConfig,
 ) -> dict[tuple[str, str], torch.Tensor]:
     """(global tensor name, slot) -> global tensor, from dp_reshardable buffers ({} if none).
 
@@ -108,6 +134,11 @@ def bucket_tensors(
             buffers.setdefault(g, {}).setdefault((b, kk), {})[m["field"]] = k
     if not buffers:
         return {}
+    if cfg.n_experts:
+        raise _error(
+            f"{folder}: dp_reshardable optimizer buffers of a mixture-of-experts model; only its "
+            "fully_reshardable layout is read (distrib_optim_sharding_type)"
+        )
     ngroups = len(buffers)
     layers = shapes[LAYERS + "self_attention.linear_qkv.weight"][0]
     # TP from the embedding's chunks (the vocab rows split over TP), PP from the group count
@@ -122,7 +153,7 @@ def bucket_tensors(
     out: dict[tuple[str, str], torch.Tensor] = {}
     for g in sorted(buffers):
         t, p = g % tp, g // tp
-        params = local_params(shapes, tp, pp, t, p)
+        params = local_params(shapes, cfg, tp, pp, t, p)
         numel = objects.get(f"optimizer.distributed.dp_group_idx_{g}.per_bucket_numel_unpadded")
         if not isinstance(numel, list) or len(numel) != 1 or not isinstance(numel[0], dict):
             raise _error(

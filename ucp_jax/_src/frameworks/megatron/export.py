@@ -1,13 +1,20 @@
-"""Universal ``models.llama`` atoms -> a Megatron-Core torch_dist checkpoint (any TP / PP on load).
+"""Universal ``models.llama`` atoms -> a Megatron-Core torch_dist checkpoint (any TP / PP / EP on load).
 
-The inverse of :mod:`.megatron`: every tensor is written in its global shape, as Megatron's
-``dist_checkpointing`` stores it (stacked layers ``[L, ...]``, per-group ``[q..., k, v]`` rows,
-``[all gate; all up]`` SwiGLU rows, the vocabulary padded with zero rows), so Megatron-Core's
-``dist_checkpointing.load`` reshards it to whatever TP / PP the loading job runs. The optimizer
-state is written in the layout of Megatron's non-distributed optimizer
-(``optimizer.state.{exp_avg,exp_avg_sq}.<param>``, plus ``fp32_param`` when the model is bf16),
-the common state (iteration, the optimizer's step and parameter groups) as the pickled
-``common_state`` entry of 0.19, and ``metadata.json``. Torch DCP writes the files (one process).
+The inverse of :mod:`.read`: every tensor is written in its global shape, as Megatron's
+``dist_checkpointing`` stores it (stacked layers ``[L, ...]``, SequentialMLP experts ``[L, E, ...]``,
+per-group ``[q..., k, v]`` rows, ``[all gate; all up]`` SwiGLU rows, the vocabulary padded with
+zero rows), so Megatron-Core's ``dist_checkpointing.load`` reshards it to whatever TP / PP / EP the
+loading job runs. Llama-like, GPT-style (LayerNorm, GELU, biases, learned positions, tied
+embeddings) and mixture-of-experts models. The optimizer state is written in the layout of
+Megatron's non-distributed optimizer (``optimizer.state.{exp_avg,exp_avg_sq}.<param>``, plus
+``fp32_param`` when the model is bf16) or, with ``optimizer="distributed"``, of the distributed
+optimizer's ``fully_reshardable`` format (``optimizer.state.{param,exp_avg,exp_avg_sq}``). A MoE
+job with expert parallelism runs a ``ChainedOptimizer`` that keeps the experts' state in
+``chained_1.`` and the rest in ``chained_0.``; without it (EP=1), one optimizer holds all, so the
+layout follows the loading job's expert-parallel size (``expert_parallel``): Megatron itself
+cannot load its EP>1 checkpoints' optimizer state at EP=1. The common state (iteration, the optimizers' step and parameter groups) is the
+pickled ``common_state`` entry of 0.19, next to ``metadata.json``. Torch DCP writes the files
+(one process).
 
 >>> ucp.torch.export_megatron("/tmp/ucp/gpt", "ckpt/iter_0000002")  # doctest: +SKIP
 """
@@ -17,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 from typing import Any
 
 import numpy as np
@@ -25,25 +31,24 @@ import torch
 
 from ...checkpoint import Checkpoint
 from ...errors import UcpError
+from ...format import space
 from ...llama_config import LlamaConfig, config_from_checkpoint
-from .common import LAYERS, TENSORS
+from .common import EXPERTS, LAYERS, TENSORS, atom_of, model_keys
 
-_EXTRA = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
-          "mlp.linear_fc2")  # fmt: skip
-_NAMES = [
-    k for k in TENSORS if not k.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight"))
-]
+_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+            "mlp.linear_fc2")  # fmt: skip
+OPTIMIZERS = ("plain", "distributed")
 
 
 class MegatronExportError(UcpError, ValueError):
-    """The checkpoint cannot be written as a Megatron-Core GPT (not a dense Llama-like model)."""
+    """The checkpoint cannot be written as a Megatron-Core GPTModel."""
 
 
 def _inverse(cfg: LlamaConfig, how: str, a: np.ndarray, padded: int) -> np.ndarray:
-    """One atom (one layer's for stacked tensors) -> Megatron's tensor."""
+    """One atom (one layer's, or one expert's, for stacked tensors) -> Megatron's tensor."""
     if how == "same":
         return a
-    if how in ("t", "glu"):
+    if how == "t":
         return a.T
     if how in ("vocab", "vocab_t"):
         w = a if how == "vocab" else a.T
@@ -51,35 +56,60 @@ def _inverse(cfg: LlamaConfig, how: str, a: np.ndarray, padded: int) -> np.ndarr
         out[: w.shape[0]] = w
         return out
     g, hd, qpg = cfg.n_kv_heads, cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
-    w = a.T  # [q + k + v, d]
+    w = a.T if a.ndim == 2 else a[:, None]  # [q + k + v, d]
     nq = cfg.n_heads * hd
     q = w[:nq].reshape(g, qpg, hd, -1)
     k = w[nq : nq + g * hd].reshape(g, 1, hd, -1)
     v = w[nq + g * hd :].reshape(g, 1, hd, -1)
-    return np.concatenate([q, k, v], 1).reshape(g * (qpg + 2) * hd, -1)
+    out = np.concatenate([q, k, v], 1).reshape(g * (qpg + 2) * hd, -1)
+    return out if a.ndim == 2 else out[:, 0]
 
 
-def _param_groups(ck: Checkpoint, lr: float, weight_decay: float) -> list[dict[str, Any]]:
-    """The optimizer's parameter groups: the Megatron source's, if it was one; else Adam defaults
-    for Megatron's two groups (with and without weight decay)."""
+def _source_chained(ck: Checkpoint) -> bool | None:
+    """Whether the Megatron source saved a ChainedOptimizer (None: not from Megatron)."""
     common = (ck.manifest.source.get("megatron") or {}).get("common")
     opt = common.get("optimizer") if isinstance(common, dict) else None
-    if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):  # mixed precision
-        opt = opt["optimizer"]
-    groups = opt.get("param_groups") if isinstance(opt, dict) else None
-    if isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups):
+    return isinstance(opt, dict) and "0" in opt if isinstance(opt, dict) else None
+
+
+def _source_groups(ck: Checkpoint) -> list[dict[str, Any]]:
+    """The parameter groups the Megatron source recorded (every optimizer of a chain), or []."""
+    groups = (ck.manifest.source.get("megatron") or {}).get("param_groups")
+    return [g for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
+
+
+def _param_groups(
+    ck: Checkpoint, cfg: LlamaConfig, expert: bool, lr: float, weight_decay: float
+) -> list[dict[str, Any]]:
+    """One optimizer's parameter groups (the experts' or the rest): the Megatron source's, if it
+    was one; else Adam defaults for Megatron's groups (with and without weight decay)."""
+    groups = [g for g in _source_groups(ck) if bool(g.get("is_expert_parallel")) == expert]
+    if groups:
         out = copy.deepcopy(groups)
         for g in out:
             if isinstance(g.get("betas"), list):
                 g["betas"] = tuple(g["betas"])
             g.pop("step", None)
         return out
-    base = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0,
+    base = {"is_expert_parallel": expert, "default_config": True, "lr_mult": 1.0,
             "is_decoupled_lr": False, "max_lr": lr, "min_lr": None, "lr": lr,
             "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": weight_decay, "amsgrad": False,
             "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
             "fused": None, "decoupled_weight_decay": True}  # fmt: skip
+    if expert and not cfg.linear_bias:  # SwiGLU experts: only weights, all with weight decay
+        return [base | {"wd_mult": 1.0}]
     return [base | {"wd_mult": 1.0}, base | {"wd_mult": 0.0}]
+
+
+def _common_optimizer(groups: list[dict[str, Any]], step: int, dtype: str, optimizer: str
+                      ) -> dict[str, Any]:  # fmt: skip
+    """One optimizer's common state, as Megatron's state_dict nests it for its kind."""
+    if optimizer == "distributed":
+        return {"optimizer": {"param_groups": [g | {"step": float(step)} for g in groups]},
+                "param_state_sharding_type": "fully_reshardable"}  # fmt: skip
+    optim = {"state": {"common_step": torch.tensor(float(step))}, "param_groups": groups}
+    # Megatron's bf16 (mixed-precision) optimizer nests torch's state dict one level deeper
+    return {"optimizer": optim} if dtype == "bf16" else optim
 
 
 def _obj(obj: Any) -> list[Any]:
@@ -87,11 +117,55 @@ def _obj(obj: Any) -> list[Any]:
     return [obj]
 
 
+def _extra_states(cfg: LlamaConfig) -> dict[str, Any]:
+    """The linears' ``_extra_state`` objects (None for the local spec), one per layer (and expert)."""
+    n, e, out = cfg.n_layers, cfg.n_experts, {}
+    for i in range(n):
+        for m in _LINEARS[:2] if e else _LINEARS:
+            out[f"{LAYERS}{m}._extra_state/shard_{i}_{n}"] = _obj(None)
+        for j in range(e):
+            for m in ("linear_fc1", "linear_fc2"):
+                out[f"{EXPERTS}{m}._extra_state/shard_{i}.{j}_{n}.{e}"] = _obj(None)
+    return out
+
+
+def _tensor(ck: Checkpoint, cfg: LlamaConfig, key: str, slot: str, vp: int) -> np.ndarray | None:
+    """Megatron's global tensor `key` from the atoms' `slot` (None if the atoms lack the slot)."""
+    atom, how = atom_of(key, cfg), TENSORS[key][1]
+    if key.startswith(EXPERTS):
+        names: list[Any] = [[f"blocks.{i}." + atom.replace("{e}", str(e))
+                             for e in range(cfg.n_experts)] for i in range(cfg.n_layers)]  # fmt: skip
+    elif key.startswith(LAYERS):
+        names = [f"blocks.{i}.{atom}" for i in range(cfg.n_layers)]
+    else:
+        names = [atom]
+    first = names[0][0] if isinstance(names[0], list) else names[0]
+    if first not in ck.atoms:
+        raise MegatronExportError(
+            f"{ck.path}: no atom {first!r}, which a {cfg.model_type} model's {key!r} needs"
+        )
+    if slot not in ck.atoms[first].slots:
+        if slot == "fp32":
+            raise MegatronExportError(f"{ck.path}: atom {first!r} has no weights")
+        return None
+
+    def one(name: str) -> np.ndarray:
+        return _inverse(cfg, how, ck.read(name, slot).astype(np.float32), vp)
+
+    if key.startswith(EXPERTS):
+        return np.stack([np.stack([one(n) for n in row]) for row in names])
+    if key.startswith(LAYERS):
+        return np.stack([one(n) for n in names])
+    return one(names[0])
+
+
 def export_megatron(
     src: Any,
     dst: Any,
     *,
     dtype: str = "fp32",
+    optimizer: str = "plain",
+    expert_parallel: int | None = None,
     padded_vocab: int | None = None,
     lr: float = 1e-4,
     weight_decay: float = 0.0,
@@ -104,6 +178,14 @@ def export_megatron(
             ``ucp.save(extra=llama.ucp_extra(cfg))`` record it).
         dst: the folder to write (Megatron's ``iter_XXXXXXX``).
         dtype: the model's parameter dtype, ``"fp32"`` or ``"bf16"`` (then with fp32 masters).
+        optimizer: the layout of the optimizer state: ``"plain"`` (Megatron's non-distributed
+            optimizer) or ``"distributed"`` (``use_distributed_optimizer`` with the
+            ``fully_reshardable`` format); the loading job must use the same.
+        expert_parallel: the expert-parallel size of the MoE job that loads it: above 1, the
+            experts' optimizer state goes to the second optimizer of a ``ChainedOptimizer``
+            (``chained_1.``); 1, one optimizer for all (default: as the Megatron source was saved,
+            else 2). With ``expert_tensor_parallel_size`` other than the tensor-parallel size,
+            Megatron chains the optimizers at EP=1 too: pass 2 then.
         padded_vocab: the vocabulary Megatron's model holds (default: the source's padded size if
             it came from Megatron, else a multiple of 128).
         lr: the optimizer groups' learning rate when the source records none.
@@ -114,7 +196,8 @@ def export_megatron(
         ``dst``.
 
     Raises:
-        MegatronExportError: not a dense Llama-like model, or an unknown dtype.
+        MegatronExportError: a model Megatron's GPTModel does not compute this way (a sliding
+            window, RoPE scaling), or an unknown dtype or optimizer layout.
         FileExistsError: ``dst`` exists and ``overwrite`` is not set.
 
     >>> ucp.torch.export_megatron("/tmp/ucp/gpt", "ckpt/iter_0000002")  # doctest: +SKIP
@@ -124,64 +207,62 @@ def export_megatron(
 
     if dtype not in ("fp32", "bf16"):
         raise MegatronExportError(f"export_megatron: dtype={dtype!r}; expected 'fp32' or 'bf16'")
+    if optimizer not in OPTIMIZERS:
+        raise MegatronExportError(
+            f"export_megatron: optimizer={optimizer!r}; expected one of {list(OPTIMIZERS)}"
+        )
     ck = Checkpoint(src)
     cfg = config_from_checkpoint(ck)
-    if cfg.n_experts or cfg.qkv_bias or cfg.tie_embeddings or cfg.sliding_window:
+    if cfg.sliding_window or cfg.rope_scaling:
         raise MegatronExportError(
-            f"{ck.path}: the model has experts, q/k/v biases, tied embeddings or a sliding window; "
-            "export_megatron writes dense Llama-like GPTs only"
+            f"{ck.path}: the model has a sliding window or RoPE scaling, which Megatron's "
+            "GPTModel layer specs written here do not compute; export_megatron refuses it"
         )
     meg = ck.manifest.source.get("megatron") or {}
     vp = padded_vocab or meg.get("padded_vocab") or -(-cfg.vocab_size // 128) * 128
     dst = os.fspath(dst)
-    if os.path.exists(dst):
-        if not overwrite:
-            raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
-        shutil.rmtree(dst)
+    if os.path.exists(dst) and not overwrite:
+        raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+    total = sum(a.nbytes for a in ck.atoms.values())  # the whole state dict is built in memory
+    space.require_memory(2 * total, f"{dst}: the export", space.EXPORT_FIX)
     step = ck.step or 0
     model_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    sd: dict[str, Any] = {}
-    for key in _NAMES:
-        atom, how = TENSORS[key]
-        names = (
-            [f"blocks.{i}.{atom}" for i in range(cfg.n_layers)]
-            if key.startswith(LAYERS)
-            else [atom]
-        )
-        if names[0] not in ck.atoms:
-            raise MegatronExportError(f"{ck.path}: no atom {names[0]!r} (a Llama-family model)")
-        slots = ck.atoms[names[0]].slots
-        for slot, prefix in (("fp32", ""), ("exp_avg", "optimizer.state.exp_avg."),
-                             ("exp_avg_sq", "optimizer.state.exp_avg_sq.")):  # fmt: skip
-            if slot not in slots:
-                if slot == "fp32":
-                    raise MegatronExportError(f"{ck.path}: atom {names[0]!r} has no weights")
-                continue
-            parts = [_inverse(cfg, how, ck.read(n, slot).astype(np.float32), vp) for n in names]
-            t = torch.from_numpy(np.stack(parts) if key.startswith(LAYERS) else parts[0])
-            if slot == "fp32":
-                sd[key] = t.to(model_dtype)
-                if dtype == "bf16":
-                    sd["optimizer.state.fp32_param." + key] = t
-            else:
-                sd[prefix + key] = t
-    for i in range(cfg.n_layers):
-        for m in _EXTRA:
-            sd[f"{LAYERS}{m}._extra_state/shard_{i}_{cfg.n_layers}"] = _obj(None)
-    optim = {"state": {"common_step": torch.tensor(float(step))},
-             "param_groups": _param_groups(ck, lr, weight_decay)}  # fmt: skip
-    # Megatron's bf16 (mixed-precision) optimizer nests torch's state dict one level deeper
-    common = {"optimizer": {"optimizer": optim} if dtype == "bf16" else optim, "iteration": step}
-    sd["common_state/shard_0_1"] = _obj(common)
-    os.makedirs(dst)
-    dcp.save(
-        sd,
-        storage_writer=dcp.FileSystemWriter(dst),
-        no_dist=True,
-        planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+    master = "param" if optimizer == "distributed" else "fp32_param" if dtype == "bf16" else None
+    chained = bool(cfg.n_experts) and (
+        expert_parallel > 1 if expert_parallel else _source_chained(ck) in (True, None)
     )
-    with open(os.path.join(dst, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+    sd: dict[str, Any] = {}
+    for key in model_keys(cfg):
+        chain = ("chained_1." if key.startswith(EXPERTS) else "chained_0.") if chained else ""
+        for slot in ("fp32", "exp_avg", "exp_avg_sq"):
+            a = _tensor(ck, cfg, key, slot, vp)
+            if a is None:
+                continue
+            t = torch.from_numpy(a)
+            if slot != "fp32":
+                sd[f"{chain}optimizer.state.{slot}.{key}"] = t
+                continue
+            sd[key] = t.to(model_dtype)
+            if master:
+                sd[f"{chain}optimizer.state.{master}.{key}"] = t
+    sd |= _extra_states(cfg)
+    if chained:
+        opts = [_common_optimizer(_param_groups(ck, cfg, e, lr, weight_decay), step, dtype,
+                                  optimizer) for e in (False, True)]  # fmt: skip
+        common: dict[str, Any] = {"optimizer": dict(enumerate(opts)), "iteration": step}
+    else:
+        groups = _param_groups(ck, cfg, False, lr, weight_decay)
+        common = {"optimizer": _common_optimizer(groups, step, dtype, optimizer), "iteration": step}
+    sd["common_state/shard_0_1"] = _obj(common)
+    with space.folder_in_place(dst, "the export") as tmp:  # an old dst goes at the end
+        dcp.save(
+            sd,
+            storage_writer=dcp.FileSystemWriter(tmp),
+            no_dist=True,
+            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        )
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
     return dst
 
 

@@ -105,6 +105,24 @@ def _step_from_directory(directory: Any) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def in_place_job(directory: Any, args: Any) -> save_mod.SaveJob:
+    """The `SaveJob` of a save into Orbax's own temporary step folder (written in place: Orbax
+    renames and finalizes it), from `UniversalSave`-like `args` (params, opt_state, step, rules,
+    extra); the step, when not given, from the folder's name."""
+    path = os.fspath(directory)
+    step = args.step if args.step is not None else _step_from_directory(path)
+    return save_mod.SaveJob(
+        path,
+        args.params,
+        args.opt_state,
+        step=step,
+        rules=args.rules,
+        extra=args.extra,
+        overwrite=True,
+        staging=_InPlace(store.Location.parse(path)),
+    )
+
+
 async def _write(job: save_mod.SaveJob, host: list[Any]) -> None:
     job.write(host)
 
@@ -141,19 +159,8 @@ class UniversalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"UniversalCheckpointHandler saves ucp.orbax.UniversalSave(...), got "
                 f"{type(args).__name__}; pass args=ucp.orbax.UniversalSave(params, opt_state)"
             )
-        path = os.fspath(directory)
-        step = args.step if args.step is not None else _step_from_directory(path)
         try:
-            job = save_mod.SaveJob(
-                path,
-                args.params,
-                args.opt_state,
-                step=step,
-                rules=args.rules,
-                extra=args.extra,
-                overwrite=True,
-                staging=_InPlace(store.Location.parse(path)),
-            )
+            job = in_place_job(directory, args)
             host = job.copy_all_to_host()
         except BaseException:
             _settle_directory_creation()

@@ -42,8 +42,8 @@ from ...mapping.binding import LeafBinding, bind_state, describe_leaf
 from ...mapping.boxes import Box, full_box, relative_slices, to_slices
 from ...mapping.rules import CompiledRules, Rule
 from ...util import config
+from ..common.orbax_source import OrbaxArray, OrbaxImportError, OrbaxSource, open_orbax
 from ..common.writer import AtomWriter, import_chunks
-from .source import OrbaxArray, OrbaxImportError, OrbaxSource, open_orbax
 
 OCDBT_CACHE_BYTES = 16 << 20
 MAX_CHUNK_BLOCK = 128 << 20  # source chunks up to this big are read whole, one at a time

@@ -1,0 +1,94 @@
+"""`ucp export orbax` / `export_orbax`: a plain Orbax checkpoint that Orbax alone restores onto
+any sharding, as a tree of atoms or in the training program's own layout."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from conftest import assert_tree_bitexact
+from helpers import mesh_of, place, targets
+from mp import state
+
+import ucp_jax as ucp
+from ucp_jax._src.cli import main as cli
+from ucp_jax._src.errors import MismatchError
+from ucp_jax._src.frameworks.orbax.export import export_orbax
+
+STACK = [(r"layers\.w", ucp.Stacked("layers.{i}.w"))]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A state saved from a (2, 4) mesh, the scanned [4, ...] leaf as per-layer atoms."""
+    params, opt_state = state.reference_state()
+    mesh = mesh_of((2, 4))
+    path = tmp_path_factory.mktemp("ucp") / "step_2"
+    ucp.save(path, place(params, mesh), place(opt_state, mesh), step=2, rules=STACK)
+    return path, params, opt_state
+
+
+def _restore(path, tree):
+    with ocp.StandardCheckpointer() as ck:
+        return ck.restore(path, tree)
+
+
+def test_atoms_tree_restores_with_orbax_alone_onto_a_new_sharding(tmp_path, saved):
+    path, _, _ = saved
+    dst = tmp_path / "orbax"
+    assert cli(["export", "orbax", str(path), str(dst)]) == 0
+    with ocp.StandardCheckpointer() as ck:
+        meta = ck.metadata(dst)
+    tree = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), meta.item_metadata.tree)
+    got = _restore(dst, targets(tree, mesh_of((4, 2)), style="fsdp"))
+    ck = ucp.open(path)
+    assert int(got["step"]) == 2
+    for name, info in ck.atoms.items():
+        for slot in info.slots:
+            if info.role is not None:
+                node = got
+                for k in name.split("."):
+                    node = node[k]
+            else:
+                node = got["params"] if slot == "fp32" else got["opt_state"][slot]
+                for k in name.split("."):
+                    node = node[k]
+            assert isinstance(node, jax.Array)
+            assert np.asarray(node).tobytes() == np.asarray(ck.read(name, slot)).tobytes(), name
+    leaf = got["params"]["layers"]["0"]["w"]
+    assert len(leaf.sharding.device_set) == 8  # laid out on the new mesh
+
+
+def test_targets_give_the_programs_own_layout_on_any_sharding(tmp_path, saved):
+    path, params, opt_state = saved
+    mesh = mesh_of((4, 2))
+    pt, ot = targets(params, mesh), targets(opt_state, mesh)
+    dst = export_orbax(path, tmp_path / "orbax", params_target=pt, opt_state_target=ot,
+                       rules=STACK)  # fmt: skip
+    other = mesh_of((8,))
+    want = {"params": params, "opt_state": opt_state, "step": np.int64(2)}
+    got = _restore(dst, targets(want, other, style="fsdp"))
+    assert_tree_bitexact(got["params"], params)
+    assert_tree_bitexact(jax.tree.leaves(got["opt_state"]), jax.tree.leaves(opt_state))
+    assert isinstance(got["opt_state"][0], optax.ScaleByAdamState)
+
+
+def test_manager_layout(tmp_path, saved):
+    path, _, _ = saved
+    root = tmp_path / "root"
+    assert cli(["export", "orbax", str(path), str(root), "--manager", "--item", "state"]) == 0
+    assert (root / "2" / "state").is_dir()
+    with ocp.CheckpointManager(root) as mgr:
+        assert mgr.latest_step() == 2
+        got = mgr.restore(2, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    assert int(got["state"]["step"]) == 2
+    assert cli(["export", "orbax", str(path), str(root), "--manager"]) == 1  # exists
+
+
+def test_names_that_make_no_tree_are_refused(tmp_path):
+    ucp.save(tmp_path / "c", {"a": np.zeros(2, np.float32), "a.b": np.ones(2, np.float32)})
+    with pytest.raises(MismatchError, match="targets"):
+        export_orbax(tmp_path / "c", tmp_path / "o")
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,229 @@
+"""One writer per checkpoint path: two saves of the same path at once never mix.
+
+Two jobs misconfigured to save the same step to the same folder (or a job restarted while its
+previous incarnation still writes) would otherwise clear and fill one staging area together.
+
+* Local files: process 0 of a save holds an exclusive `flock` on `<parent>/.<name>.ucp-lock` from
+  `prepare` to the end of `commit` (or its failure). A second save that finds it held fails at
+  once with a `WriterConflictError` naming the holder, having written nothing; the lock goes
+  with its holder's process, so a killed save leaves none behind.
+  Staging folders that killed saves left (their lock free) are removed by the next save into
+  the same folder (`sweep`).
+* Object stores (no locks): process 0 claims the path before it clears anything, by writing
+  `<parent>/.<name>.ucp-writer` on the condition that it is absent (a conditional write: S3 If-None-Match, GCS
+  generations), renews the claim (conditionally on its own last generation) every quarter of
+  `UCP_WRITER_CLAIM_S` and before each transaction and COMMIT, and deletes it after COMMIT. A
+  second save finds the claim and, while it is renewed, fails with a `WriterConflictError`
+  having changed nothing; a claim that stays unchanged for `UCP_WRITER_CLAIM_S` was left by a
+  killed save and is taken over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from typing import IO, Any
+
+from ..errors import WriterConflictError
+from ..util import config
+from . import remote
+from .store import Location
+
+TOKEN_SUFFIX = ".ucp-writer"
+
+
+class PathLock:
+    """The exclusive lock of one local checkpoint path (see the module docstring)."""
+
+    def __init__(self, final: str) -> None:
+        self.path = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.ucp-lock")
+        self.final = final
+        self._f: IO[bytes] | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise WriterConflictError naming who holds it."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        for _ in range(8):  # a holder that unlinks the file as we open it: try the new one
+            f = open(self.path, "a+b")  # noqa: SIM115 - held until release()
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read(200).decode(errors="replace").strip() or "another process"
+                f.close()
+                raise WriterConflictError(
+                    f"{self.final}: another save to this checkpoint is in progress ({holder} "
+                    f"holds {self.path}); two jobs are saving the same step to the same folder: "
+                    "give each its own folder (or step). This save wrote nothing"
+                ) from None
+            try:
+                same = os.fstat(f.fileno()).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                f.truncate(0)
+                f.write(f"pid {os.getpid()} on {socket.gethostname()}".encode())
+                f.flush()
+                self._f = f
+                return
+            f.close()
+        raise WriterConflictError(f"{self.final}: could not take {self.path}; try again")
+
+    def release(self) -> None:
+        """Drop the lock (and its file); a no-op when not held."""
+        f, self._f = self._f, None
+        if f is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            f.close()
+
+    @property
+    def held(self) -> bool:
+        return self._f is not None
+
+
+class Token:
+    """A save's claim on one object-store path: the `.ucp-writer` object (module docstring).
+
+    Taken and renewed with conditional writes (on the generation last seen), so two saves never
+    both hold it; renewed by a background thread every quarter of `UCP_WRITER_CLAIM_S`, so a
+    claim left by a killed save is taken over once it has not changed for that long.
+    """
+
+    def __init__(self, final: Location) -> None:
+        # Beside the checkpoint, not in it (clearing the checkpoint's path keeps the claim):
+        # `<parent>/.<name>.ucp-writer`; listings of checkpoints skip it (no '/COMMIT').
+        spec = dict(final.kvstore)
+        path = spec["path"].rstrip("/")
+        spec["path"] = path.rsplit("/", 1)[0] + "/" if "/" in path else ""
+        self.loc = Location(spec, final.context)
+        self.key = f".{final.name}{TOKEN_SUFFIX}"
+        self.url, self.final = final.url, final  # errors name the checkpoint
+        self.who = f"pid {os.getpid()} on {socket.gethostname()}"
+        self._gen: bytes | None = None
+        self._lost = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _wait(self, future: Any, what: str) -> Any:
+        return remote.wait(future, self.final.kvstore, what) if self.loc.remote else future.result()
+
+    def _read(self) -> Any:
+        return self._wait(self.loc.kv().read(self.key), f"a read of {self.key}")
+
+    def _put(self, value: bytes | None, if_equal: bytes) -> bytes:
+        """A conditional write (None: delete); the new generation, b'' when the condition failed."""
+        kv = self.loc.kv()
+        g = self._wait(kv.write(self.key, value, if_equal=if_equal), f"a write of {self.key}")
+        return bytes(g.generation)
+
+    def _body(self) -> bytes:
+        return f"{uuid.uuid4().hex} {self.who}".encode()
+
+    def _conflict(self, holder: bytes, when: str) -> WriterConflictError:
+        return WriterConflictError(
+            f"{self.url}: another save to this checkpoint {when} ({self.key}: "
+            f"{holder.decode(errors='replace')[:120]!r}); two jobs are saving the same step to "
+            "the same path: give each its own path (or step). This save wrote no COMMIT"
+        )
+
+    def claim(self) -> None:
+        """Take the path, or raise WriterConflictError (having changed nothing)."""
+        r = self._read()
+        gen = bytes(r.stamp.generation)
+        if r.state == "value":  # held: by a live save (it renews) or a dead one (it does not)
+            period = config.writer_claim_s()
+            deadline = time.monotonic() + period
+            while time.monotonic() < deadline:
+                time.sleep(min(period / 8, 1.0))
+                now = self._read()
+                if now.state != "value" or bytes(now.stamp.generation) != gen:
+                    if now.state == "value":
+                        raise self._conflict(bytes(now.value), "is in progress")
+                    gen = bytes(now.stamp.generation)  # it finished: the path is free
+                    break
+        body = self._body()
+        g = self._put(body, gen)
+        if not g:
+            now = self._read()
+            if now.state == "value" and bytes(now.value) == body:  # ours: an answer got lost
+                g = bytes(now.stamp.generation)
+            elif now.state == "value":
+                raise self._conflict(bytes(now.value), "claimed the path at the same moment")
+            else:  # a store without conditional writes: unconditionally (or its own error)
+                g = bytes(self._wait(self.loc.kv().write(self.key, body), "a write").generation)
+        self._gen = g
+        self._thread = threading.Thread(target=self._renew_loop, name="ucp-writer", daemon=True)
+        self._thread.start()
+
+    def renew(self) -> None:
+        """Renew the claim now; raise WriterConflictError if another save holds it."""
+        with self._lock:
+            if self._gen is None:
+                return
+            if not self._lost:
+                body = self._body()
+                g = self._put(body, self._gen)
+                if not g:  # lost, unless the write landed and only its answer did not
+                    now = self._read()
+                    ours = now.state == "value" and bytes(now.value) == body
+                    g = bytes(now.stamp.generation) if ours else b""
+                self._lost = not g
+                self._gen = g or self._gen
+            if self._lost:
+                raise self._conflict(
+                    bytes(self._read().value), "took the path while this one wrote"
+                )
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(config.writer_claim_s() / 4):
+            with contextlib.suppress(Exception):  # a failed renewal shows at the next check
+                self.renew()
+
+    def drop(self) -> None:
+        """Give the path back (after COMMIT, or a failure); idempotent, best effort."""
+        self._stop.set()
+        with self._lock:
+            gen, self._gen = self._gen, None
+        if gen is not None and not self._lost:
+            with contextlib.suppress(Exception):
+                self._put(None, gen)
+
+
+def sweep(parent: str, keep: str) -> None:
+    """Remove what killed saves left in `parent` (their `.<name>.ucp-tmp` staging folders,
+    `.<name>.ucp-old-*` trash and `.<name>.ucp-lock` files), for every path whose lock nobody
+    holds: a save in progress (its lock held) is left alone. `keep`: the caller's own name."""
+    names = set()
+    for n in sorted(_listdir(parent)):
+        parts = n[1:].rsplit(".ucp-", 1) if n.startswith(".") else []
+        if len(parts) == 2 and parts[0]:  # `.<name>.ucp-<kind>`; other dot-files are not ours
+            name, kind = parts
+            if kind in ("tmp", "lock") or kind.startswith("old-"):
+                names.add(name)
+    for name in sorted(names - {keep}):
+        lock = PathLock(os.path.join(parent, name))
+        try:
+            lock.acquire()
+        except WriterConflictError:
+            continue  # a save in progress
+        try:
+            for n in _listdir(parent):
+                if n == f".{name}.ucp-tmp" or n.startswith(f".{name}.ucp-old-"):
+                    shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+        finally:
+            lock.release()
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

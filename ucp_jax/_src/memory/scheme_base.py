@@ -1,0 +1,170 @@
+"""The interface of a redundancy scheme: how a group of nodes keeps what it takes to rebuild lost
+members. The schemes themselves are in `schemes` (replica, xor) and `rs2`.
+
+A scheme answers, for a snapshot layout (`layout.SnapshotLayout`), these questions, and nothing
+else in the package branches on the scheme's name:
+
+- where redundancy bytes live: copies of other nodes' pieces placed among a node's own pieces
+  (`inline_copies`, as `replica` does) and/or a redundancy area after them (`extra_bytes`, the
+  parity lanes of `xor` and `rs2`);
+- what each node fetches to fill them (`needs`: byte ranges of other nodes' pieces, copied or
+  XORed into place); `redundancy.plan_fetches` turns them into device copies or rolls;
+- which lost members of a group can be rebuilt from the members that are left (`decodable`,
+  `tolerance`), which bytes that reads (`decode_ranges`) and the rebuild itself (`decode`, or
+  `decode_all` for every lost member of a group at once);
+- optionally, a digest of each node's own bytes that its peers keep in their redundancy areas
+  (`digest_sources`, `digest`, `keep_digests`; exchanged through the coordination service before
+  a snapshot commits), so that a rebuild from a stale or damaged parity is detected
+  (`ParityMismatch`) instead of restoring wrong values;
+- the same for each process's `extra` (small serialised bytes, exchanged through the
+  coordination service): whose a node keeps redundancy for (`extra_sources`), what it keeps
+  (`keep_extras`, JSON in its snapshot's index) and the rebuild of a lost node's
+  (`rebuild_extra`).
+
+A new scheme is one subclass of `RedundancyScheme`, registered in `schemes.SCHEMES` (or with
+`schemes.register_scheme`); then `SnapshotManager(redundancy="<name>")` uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from ..errors import ChecksumError
+
+
+class BlobPiece(Protocol):
+    """What a scheme reads of a `layout.BlobPiece`: where its bytes lie in its node's blob."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class SnapshotLayout(Protocol):
+    """What a scheme reads of a `layout.SnapshotLayout`.
+
+    A Protocol, so that this module does not import `layout` (which builds on the schemes).
+    """
+
+    @property
+    def by_node(self) -> Sequence[Sequence[Any]]: ...
+
+    @property
+    def copies(self) -> Mapping[Any, Sequence[tuple[int, int]]]: ...
+
+    @property
+    def group_of(self) -> Mapping[int, Sequence[int]]: ...
+
+    @property
+    def primary(self) -> Sequence[int]: ...
+
+    def copy_offset(self, p: Any, holder: int) -> int: ...
+
+
+# (piece of another node, first byte, end byte, offset in this node's blob, XOR it in?)
+Need = tuple[Any, int, int, int, bool]
+
+
+def align(n: int, to: int = 64) -> int:
+    """`n` rounded up to a multiple of `to`."""
+    return -(-n // to) * to
+
+
+class ParityMismatch(ChecksumError):
+    """A node rebuilt from its group does not match the digest its peers kept of it: a parity
+    (or a surviving member's bytes) is stale or damaged. A restore tries an older snapshot, then
+    the persisted checkpoint; it never returns the wrong bytes."""
+
+
+class RedundancyScheme:
+    """Base class: no redundancy (a lost node is lost). Subclasses override what they need."""
+
+    name: ClassVar[str] = ""
+    # Groups smaller than this are merged into the previous group (`layout.make_groups`).
+    min_group_size: ClassVar[int] = 2
+
+    def default_group_size(self, nodes: int) -> int:
+        """Nodes per group when the user gives none (all of them, up to 4)."""
+        return min(max(nodes, 2), 4)
+
+    def tolerance(self, group_size: int) -> int:
+        """How many lost members of a group of that size are always rebuilt."""
+        return 0
+
+    def inline_copies(self, layout: SnapshotLayout, node: int) -> list[int]:
+        """Nodes whose pieces `node` keeps copies of among its own pieces (placed in order)."""
+        return []
+
+    def extra_bytes(self, layout: SnapshotLayout, node: int) -> int:
+        """Bytes of `node`'s redundancy area, after its pieces part."""
+        return 0
+
+    def needs(self, layout: SnapshotLayout, node: int) -> list[Need]:
+        """What `node` fetches from other nodes' pieces to fill its redundancy bytes."""
+        return [
+            (p, 0, p.nbytes, off, False)
+            for p, locs in layout.copies.items()
+            for holder, off in locs
+            if holder == node
+        ]
+
+    def decodable(self, layout: SnapshotLayout, lost: int, present: Collection[int]) -> bool:
+        """Whether `lost` can be rebuilt from the nodes in `present`."""
+        return False
+
+    def decode_ranges(
+        self, layout: SnapshotLayout, lost: int, present: Collection[int]
+    ) -> list[tuple[int, int, int]]:
+        """(node, offset, nbytes) of every byte range `decode` reads to rebuild `lost` from the
+        nodes in `present` (none of them lost)."""
+        return []
+
+    def decode(self, layout: SnapshotLayout, lost: int, blobs: Mapping[int, Any]) -> np.ndarray:
+        """The pieces part of `lost` (`layout.primary[lost]` bytes), from the others' blobs.
+
+        `blobs[node].view(offset, nbytes)` reads a present node's bytes; `blobs` holds the
+        present members of `lost`'s group (and no lost one).
+
+        Raises:
+            ParityMismatch: the rebuilt bytes do not match what the peers kept of them.
+        """
+        raise ValueError(f"node {lost} is lost and the snapshot has no redundancy")
+
+    def decode_all(
+        self, layout: SnapshotLayout, lost: Sequence[int], blobs: Mapping[int, Any]
+    ) -> dict[int, np.ndarray]:
+        """The pieces parts of several lost members of one group (what `decode` gives each)."""
+        return {n: self.decode(layout, n, blobs) for n in lost}
+
+    def digest_sources(self, layout: SnapshotLayout, node: int) -> list[int]:
+        """Nodes whose `digest` `node` keeps (none: no digests are exchanged)."""
+        return []
+
+    def digest(self, layout: SnapshotLayout, node: int, blob: np.ndarray) -> Any:
+        """A digest (JSON) of `node`'s own bytes in its filled blob, for the peers to keep."""
+        return None
+
+    def keep_digests(
+        self, layout: SnapshotLayout, node: int, blob: np.ndarray, digests: Mapping[int, Any]
+    ) -> None:
+        """Write what `node` keeps of its sources' digests into its blob (before it commits)."""
+
+    def extra_sources(self, layout: SnapshotLayout, node: int) -> list[int]:
+        """Nodes whose serialised `extra` `node` keeps redundancy for."""
+        return []
+
+    def keep_extras(self, layout: SnapshotLayout, node: int, raws: Mapping[int, bytes]) -> Any:
+        """What `node` keeps of the extras of `extra_sources` (`raws`: node -> bytes), as JSON."""
+        return None
+
+    def rebuild_extra(
+        self, layout: SnapshotLayout, lost: int, kept: Mapping[int, Any], raws: Mapping[int, bytes]
+    ) -> bytes | None:
+        """The serialised extra of `lost`, from what the present nodes keep (`kept`, node ->
+        `keep_extras` record) and their own extras (`raws`); None when it cannot be rebuilt."""
+        return None

@@ -1,0 +1,89 @@
+"""The saves that run in the background (`ucp.async_save`): one in flight per process.
+
+A `SaveHandle` runs a save job's `write` on its own thread; its error is raised by `wait()` or by
+the next save (`finish_pending`), and once at interpreter exit if nobody waited.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+from typing import Any
+
+from .errors import in_background
+from .format import remote
+
+
+class SaveHandle:
+    """A save running in the background; `.wait()` returns once it is committed.
+
+    >>> h = ucp.async_save("/tmp/ckpt/step_1", params)  # doctest: +SKIP
+    >>> h.wait()  # doctest: +SKIP
+    """
+
+    def __init__(self, job: Any, host: list[Any]) -> None:
+        self.path = job.loc.url
+        self.step = job.manifest.step
+        self._error: BaseException | None = None
+        self._reported = False
+        self._thread = threading.Thread(
+            target=self._run, args=(job, host), name=f"ucp-save-{job.seq}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, job: Any, host: list[Any]) -> None:
+        try:
+            job.write(host)
+        except BaseException as e:  # re-raised on wait() or on the next save
+            self._error = remote.translate(e, job.loc.kvstore, "the save's writes")
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed; raise the save's error if it failed.
+
+        Raises:
+            TimeoutError: still running after `timeout` seconds.
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise in_background(self._error, f"background save to {self.path} failed") from (
+                self._error
+            )
+
+
+_pending: SaveHandle | None = None
+_lock = threading.Lock()
+
+
+def finish_pending() -> None:
+    """One save in flight: wait for the previous one, and raise its error if it was never seen."""
+    global _pending
+    with _lock:
+        prev, _pending = _pending, None
+    if prev is not None:
+        prev.wait()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    try:
+        finish_pending()
+    except Exception as e:
+        print(f"ucp_jax: {e}", file=sys.stderr)
+
+
+def start(job: Any, host: list[Any]) -> SaveHandle:
+    """Start writing `job` (a `save.SaveJob`) from its host copies `host`; it is the save in
+    flight until the next save waits for it."""
+    global _pending
+    handle = SaveHandle(job, host)
+    with _lock:
+        _pending = handle
+    return handle
