@@ -7,7 +7,9 @@ as for a save (see format/aggregate.py). Writes go into TensorStore transactions
 of the in-flight budget; a transaction is committed (its chunks written as one data file) once it
 is that full and every shard it touched is whole, so a shard file is written once, not rewritten
 by the next transaction; up to MAX_COMMITTING transactions write their data files while the next
-one fills. Local data files are written without an fsync each: as each transaction lands, the
+one fills, as long as what they hold and the next one's share stay within the budget (a transaction
+as large as the budget, one shard of 32 MiB under a smaller budget, lands before the next fills).
+Local data files are written without an fsync each: as each transaction lands, the
 writeback of its new data files starts, and a background thread fingerprints its shards (their
 pages still hot) and then waits for that writeback and drops the pages (`store.settle_file`: hot
 pages are recycled instead of fresh memory taken for every byte written, which is most of the cost
@@ -34,7 +36,8 @@ from ...mapping.boxes import Box, to_slices
 
 TXN_SHARE = 4  # a transaction is committed once it holds budget / TXN_SHARE bytes and every
 # shard it touched is whole, or once it holds the whole budget (a shard left open is rewritten)
-MAX_COMMITTING = 2  # transactions writing their data files while the next one fills
+MAX_COMMITTING = 2  # transactions writing their data files while the next one fills (at most:
+# their bytes and the next one's budget / TXN_SHARE stay within the budget)
 SETTLE_MIN_BYTES = 1 << 20  # data files smaller than this (B-tree nodes, small values) stay cached
 
 Shard = tuple[str, tuple[int, ...]]  # (array path, shard grid index)
@@ -63,7 +66,9 @@ class AggregatedSink:
         self._copying = 0  # bytes of sources not copied yet
         self._touched: set[Shard] = set()  # shards the open transaction writes into
         self._left: dict[Shard, int] = {}  # elements of a shard not written yet (when > 0)
-        self._committing: collections.deque[tuple[Any, set[Shard]]] = collections.deque()
+        # (commit future, shards it wrote, bytes it holds) of the transactions landing
+        self._committing: collections.deque[tuple[Any, set[Shard], int]] = collections.deque()
+        self._landing = 0  # bytes the landing transactions hold
         self._creating: list[Any] = []  # array creations of the open transaction
         self._infos: dict[str, SlotInfo] = {}
         # array path -> chunk key -> fingerprint taken after the chunk's last write landed
@@ -158,21 +163,29 @@ class AggregatedSink:
             return
         # A shard this transaction shares with one still committing: that one lands first, so
         # the read-modify-write of the shard starts from what it wrote.
-        last = max((i for i, (_, keys) in enumerate(self._committing) if keys & self._touched),
+        last = max((i for i, (_, keys, _) in enumerate(self._committing) if keys & self._touched),
                    default=-1)  # fmt: skip
         for _ in range(last + 1):
             self._retire()
         for opening in self._creating:
             opening.result()
         self._creating.clear()
-        self._committing.append((self._txn.commit_async(), self._touched))
+        self._committing.append((self._txn.commit_async(), self._touched, self._staged))
+        self._landing += self._staged
         self._txn, self._bound, self._touched = ts.Transaction(), {}, set()
         self._staged, self._dirty = 0, False
-        while len(self._committing) > MAX_COMMITTING:
+        # The landing transactions hold their bytes until written (and encode them on the way):
+        # bounded by count and by bytes, so that the next one's share still fits the budget.
+        while len(self._committing) > MAX_COMMITTING or (
+            self._committing and self._landing > self.budget - self.budget // TXN_SHARE
+        ):
             self._retire()
 
     def _retire(self) -> None:
-        fut, shards = self._committing.popleft()
+        """Wait until the oldest landing transaction has committed; its shards then go to the
+        settle thread (fingerprints, writeback)."""
+        fut, shards, n = self._committing.popleft()
+        self._landing -= n
         fut.result()
         if self._files is None:
             return

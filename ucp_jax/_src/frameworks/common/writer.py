@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,6 +90,28 @@ def import_chunks(
             outer[j] = -(-outer[j] // 2)
     _, inner = store.choose_chunks(tuple(outer), itemsize, [set() for _ in outer])
     return tuple(outer), inner
+
+
+def shard_pieces(
+    box: Box, data: np.ndarray, chunks: Sequence[int], axis: int = 0
+) -> Iterator[tuple[Box, np.ndarray]]:
+    """`box` (holding `data`) cut at shard boundaries, axis by axis, into pieces of at most
+    IMPORT_SHARD_BYTES (whole shards where the box holds them); a smaller box stays whole.
+
+    >>> big = np.zeros((4, 1 << 22), np.float32)  # 64 MiB, shards of 2 rows (32 MiB)
+    >>> [b for b, _ in shard_pieces(((0, 4), (0, 1 << 22)), big, (2, 1 << 22))]
+    [((0, 2), (0, 4194304)), ((2, 4), (0, 4194304))]
+    >>> [b for b, _ in shard_pieces(((0, 3), (0, 4)), np.zeros((3, 4)), (2, 2))]  # small: whole
+    [((0, 3), (0, 4))]
+    """
+    if data.nbytes <= IMPORT_SHARD_BYTES or axis >= len(box):
+        yield box, data
+        return
+    (lo, hi), c = box[axis], max(int(chunks[axis]), 1)
+    for a, b in itertools.pairwise([lo, *range((lo // c + 1) * c, hi, c), hi]):
+        cut = (*box[:axis], (a, b), *box[axis + 1 :])
+        yield from shard_pieces(cut, data[(slice(None),) * axis + (slice(a - lo, b - lo),)],
+                                chunks, axis + 1)  # fmt: skip
 
 
 class AtomWriter:
@@ -262,15 +284,8 @@ class AtomWriter:
         """
         data = np.asarray(data)
         info = self._slot(atom, slot, data.dtype)
-        data = data.reshape(box_shape(box))
-        rows = info.chunks[0] if box else 0
-        if data.nbytes <= IMPORT_SHARD_BYTES or not rows:
-            self._sink.write(info, box, data, keep)
-            return
-        (lo, hi), rest = box[0], tuple(box[1:])
-        cuts = [lo, *range((lo // rows + 1) * rows, hi, rows), hi]
-        for a, b in itertools.pairwise(cuts):
-            self._sink.write(info, ((a, b), *rest), data[a - lo : b - lo], keep)
+        for piece_box, piece in shard_pieces(box, data.reshape(box_shape(box)), info.chunks):
+            self._sink.write(info, piece_box, piece, keep)
 
     def write_scalar(self, atom: str, slot: str, value: Any) -> None:
         """A scalar slot (e.g. `step`) of an atom of any shape."""
