@@ -65,8 +65,10 @@ def test_below_what_is_needed_a_clear_error(work: Path, op: str, frac: float) ->
 
 @pytest.mark.parametrize("rule", [None, "transposed"])
 def test_block_reads_are_bit_exact(tmp_path: Path, rule: str | None, monkeypatch) -> None:
-    """A piece larger than READ_BLOCK is read in row blocks (a last partial one too), straight
+    """Through TensorStore (object stores; local folders read directly, tests/test_direct_read.py),
+    a piece larger than READ_BLOCK is read in row blocks (a last partial one too), straight
     into the restored array, through a transposing view as well."""
+    monkeypatch.setenv("UCP_DIRECT_READ", "0")
     from conftest import assert_tree_bitexact
     from helpers import mesh_of, targets
 

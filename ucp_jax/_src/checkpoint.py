@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ChecksumError, MismatchError, NotACheckpointError, UcpError
-from .format import aggregate, integrity, store
+from .format import aggregate, direct, integrity, store
 from .format.manifest import AtomInfo, Manifest
 from .untrusted import paths
 from .untrusted.json import read_json
@@ -52,6 +52,9 @@ class Checkpoint:
         self._tables: dict[tuple[str, str], dict[str, str]] = {}  # fingerprints (version 2)
         self._checked: dict[tuple[str, str], set[str]] = {}  # chunk files found in place
         self._sized: dict[tuple[str, str], set[str]] = {}  # chunk files of the right size
+        self._ocdbt: direct.OcdbtIndex | None = None  # where version-3 shards lie (direct reads)
+        # (file, offset) -> fingerprint of the shards read directly (taken as they were read)
+        self.fingerprints_seen: direct.Fingerprints = {}
 
     def _check_layout(self, folder: str) -> None:
         """The folder holds the layout the manifest's format_version says (local checkpoints)."""
@@ -181,6 +184,50 @@ class Checkpoint:
                     raise
                 raise store.wrap_io_error(e, where) from e
 
+    def direct_reads(self) -> bool:
+        """Shards of this checkpoint can be read directly (a local folder, see format/direct.py)."""
+        return self.loc.local_path is not None and direct.available()
+
+    def locate_shards(self, regions: Sequence[tuple[str, str, Any]]) -> None:
+        """Find where the shards holding these regions lie (version 3: one walk of the B-tree
+        nodes that lead to them), before they are read directly.
+
+        Args:
+            regions: (atom, slot, box) with box a sequence of (start, stop) per axis.
+        """
+        if not self.direct_reads() or self.manifest.version < aggregate.AGGREGATED_VERSION:
+            return
+        assert self.loc.local_path is not None
+        if self._ocdbt is None:
+            self._ocdbt = direct.OcdbtIndex(self.loc.local_path)
+        keys = [
+            f"{self.atoms[name].slots[slot].path}/{store.chunk_key(index)}".encode()
+            for name, slot, box in regions
+            for index in direct.shards_in(box, self.atoms[name].slots[slot].chunks)
+        ]
+        try:
+            self._ocdbt.locate(keys)
+        except ValueError:
+            self._ocdbt = None  # TensorStore reads them all, and says what is wrong
+
+    def shard_extent(self, name: str, slot: str, index: tuple[int, ...]) -> direct.Extent | None:
+        """Where the shard at grid `index` of an atom slot lies in a local folder (None: read it
+        through TensorStore)."""
+        return self.shard_extent_of_key(self.atoms[name].slots[slot].path, store.chunk_key(index))
+
+    def shard_extent_of_key(self, array: str, key: str) -> direct.Extent | None:
+        """`shard_extent` by the array's path and the chunk key in it ('c/0/1')."""
+        full = f"{array}/{key}"
+        if self.manifest.version >= aggregate.AGGREGATED_VERSION:
+            return None if self._ocdbt is None else self._ocdbt.found.get(full.encode())
+        if self.data.local_path is None or not direct.available():
+            return None
+        path = os.path.join(self.data.local_path, full)
+        try:
+            return direct.Extent(path, 0, os.stat(path).st_size)
+        except OSError:
+            return None
+
     def _process_tables(self) -> dict[str, dict[str, str]]:
         """Format version 3: every process's fingerprint table (read once)."""
         if self._all_tables is None:
@@ -229,7 +276,14 @@ class Checkpoint:
             where = f"{self.path}: atom {name!r} slot {slot!r}"
             self.array(name, slot)  # opened, so its table is loaded
             kv = self.data.child(si.path).kv()
-            integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where)
+            extents: dict[str, tuple[str, int, int]] = {}
+            for k in keys:
+                ext = self.shard_extent_of_key(si.path, k)
+                if ext is not None and ext.inline is None:
+                    extents[k] = (ext.path, ext.offset, ext.length)
+            seen = self.fingerprints_seen
+            known = {k: seen[(e[0], e[1])] for k, e in extents.items() if (e[0], e[1]) in seen}
+            integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where, extents, known)
             self._checked[(name, slot)].update(keys)
 
     def _todo(
@@ -316,12 +370,44 @@ def _check_metadata(meta: Any, shape: tuple[int, ...], si: Any, where: str) -> N
     doc = read_json(raw, f"{where}: zarr.json", max_bytes=1 << 20, error=ChecksumError)
     want = store.array_spec(store.Location.parse("/"), shape, si)["metadata"]
     got = {k: doc.get(k) for k in want} if isinstance(doc, dict) else {}
+    codecs, data_type = got.get("codecs"), got.get("data_type")
+    if isinstance(codecs, list) and isinstance(data_type, str):
+        got["codecs"] = _one_byte_endian(codecs, data_type)
     for field in want:
         if got.get(field) != want[field]:
             raise ChecksumError(
                 f"{where}: zarr.json says {field} {got.get(field)!r}, the manifest "
                 f"{want[field]!r}; the checkpoint is damaged: restore an earlier one"
             )
+
+
+def _one_byte_endian(codecs: list[Any], data_type: str) -> list[Any]:
+    """`codecs` with the `bytes` codec's endian spelled out for a one-byte data type.
+
+    zarr3 leaves a one-byte type's endian unset and TensorStore writes `{"name": "bytes"}` for
+    int8, uint8 and bool, where the manifest's spec says little-endian: the same layout.
+
+    >>> _one_byte_endian([{"name": "bytes"}, {"name": "crc32c"}], "int8")[0]
+    {'name': 'bytes', 'configuration': {'endian': 'little'}}
+    """
+    if data_type not in ("int8", "uint8", "bool"):
+        return codecs
+    out: list[Any] = []
+    for c in codecs:
+        if isinstance(c, dict) and c == {"name": "bytes"}:
+            c = {"name": "bytes", "configuration": {"endian": "little"}}
+        elif isinstance(c, dict) and c.get("name") == "sharding_indexed":
+            conf = c.get("configuration")
+            if isinstance(conf, dict) and isinstance(conf.get("codecs"), list):
+                c = {
+                    **c,
+                    "configuration": {
+                        **conf,
+                        "codecs": _one_byte_endian(conf["codecs"], data_type),
+                    },
+                }
+        out.append(c)
+    return out
 
 
 def _check_file_sizes(folder: str, si: Any, keys: Sequence[str], where: str) -> None:

@@ -13,6 +13,7 @@ import tensorstore as ts
 
 from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
 from .errors import ChecksumError, HostMemoryError, NotACheckpointError
+from .format import direct
 from .format.manifest import COMMIT, STEP_SLOT
 from .format.store import wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, unbind_state
@@ -183,6 +184,7 @@ def _restore(
     ]
     ckpt.open_arrays([(name, slot) for name, slot, _ in regions])
     ckpt.check_sizes(regions)  # before reading: no file decodes into more than its chunk
+    ckpt.locate_shards(regions)  # local folders: shards read directly (format/direct.py)
     stats = ReadStats()
     _check_memory(ckpt, resolved, budget)
     try:
@@ -285,19 +287,22 @@ def _issue(
         stats.bytes_chunks += chunk_bytes_touched(
             p.atom_box, arr.shape, sinfo.inner_chunks or sinfo.chunks, itemsize
         )
-        src = arr[to_slices(p.atom_box)]
         if arr.dtype.numpy_dtype == b.dtype:
             whole_trailing: tuple[Any, ...] = (*rel, ...)
             dst = p.leaf_to_atom(out[whole_trailing])
             if np.may_share_memory(dst, out):  # a view: no reshape copy was needed
+                if ckpt.direct_reads():
+                    pending.append((p, _read_direct(ckpt, name, slot, arr, p.atom_box, dst), None))
+                    continue
                 try:
                     view = ts.array(dst, copy=False, write=True)
                 except (ValueError, TypeError):
                     pass
                 else:
+                    src = arr[to_slices(p.atom_box)]
                     pending.append((p, _write_in_blocks(view, src, itemsize), None))
                     continue
-        pending.append((p, src.read(), rel))
+        pending.append((p, arr[to_slices(p.atom_box)].read(), rel))
     return out, pending
 
 
@@ -338,6 +343,21 @@ def _write_in_blocks(view: Any, src: Any, itemsize: int) -> Any:
         end = min(r + rows, shape[0])  # TensorStore does not clip a slice to the domain
         futures.append(view[r:end].write(src[r:end]))
     return _AllOf(futures)
+
+
+def _read_direct(
+    ckpt: Checkpoint, name: str, slot: str, arr: Any, box: Any, dst: np.ndarray
+) -> direct.Pieces:
+    """Read `box` of a local atom slot into `dst` with positioned reads (format/direct.py); a
+    shard that reader does not take is read by TensorStore."""
+    si = ckpt.atoms[name].slots[slot]
+    lay = direct.Layout(tuple(arr.shape), si.chunks, si.inner_chunks, arr.dtype.numpy_dtype, si)
+
+    def through_tensorstore(part: Any, out: np.ndarray) -> None:
+        out[...] = arr[to_slices(part)].read().result()
+
+    locate = lambda index: ckpt.shard_extent(name, slot, index)  # noqa: E731
+    return direct.submit(locate, lay, box, dst, through_tensorstore, ckpt.fingerprints_seen)
 
 
 def _finish(

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from .errors import MismatchError
-from .format import aggregate, commit, integrity, store
+from .format import aggregate, commit, direct, integrity, store
 from .format.integrity import keys_in_box
 from .format.manifest import (
     PER_ARRAY_VERSION,
@@ -368,10 +368,24 @@ class SaveJob:
                 with contextlib.suppress(Exception):
                     pending.result()
             raise
-        integrity.write_process_table(db, written, f"p{me}")
+        integrity.write_process_table(db, written, f"p{me}", self._extents(local, me, written))
         if local is not None:
             store.sync_tree(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
         self._commit()
+
+    @staticmethod
+    def _extents(
+        local: str | None, me: int, written: dict[SlotInfo, set[str]]
+    ) -> dict[str, tuple[str, int, int] | None] | None:
+        """Where this process's chunks lie in its local data files (None: not local)."""
+        if local is None:
+            return None
+        index = direct.OcdbtIndex(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
+        keys = [f"{i.path}/{k}" for i, ks in written.items() for k in ks]
+        index.locate([k.encode() for k in keys])
+        found = {k: index.found.get(k.encode()) for k in keys}
+        return {k: (e.path, e.offset, e.length) for k, e in found.items()
+                if e is not None and e.inline is None}  # fmt: skip
 
     def _still_ours(self, me: int) -> None:
         """Before a transaction lands: this save's claim on the path renewed (object stores)."""

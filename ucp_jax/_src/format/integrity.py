@@ -103,22 +103,55 @@ def local_fingerprint(path: str, info: SlotInfo) -> tuple[str, int, int, int] | 
     at commit if the file's size, mtime and inode are still the same (`write_table`'s `known`;
     TensorStore replaces a file by renaming a new one over it, so a rewrite changes the inode).
     """
-    tail = _tail_size(info)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        size = st.st_size
-        t = os.pread(fd, tail, size - tail) if size >= tail else b""
-        crc = zlib.crc32(t)
-        if info.inner_chunks is not None and len(t) == tail:
-            for end in _trailer_ends(t, info):
-                crc = zlib.crc32(os.pread(fd, 4, end - 4) if end <= size else b"?", crc)
-        return f"{crc:08x}", size, st.st_mtime_ns, st.st_ino
+        return fingerprint_range(fd, 0, st.st_size, info), st.st_size, st.st_mtime_ns, st.st_ino
     finally:
         os.close(fd)
+
+
+def fingerprint_range(fd: int, base: int, size: int, info: SlotInfo) -> str:
+    """The fingerprint of the chunk (shard) whose `size` bytes start at `base` of file `fd`."""
+    tail = _tail_size(info)
+    t = os.pread(fd, tail, base + size - tail) if size >= tail else b""
+    crc = zlib.crc32(t)
+    if info.inner_chunks is not None and len(t) == tail:
+        for end in _trailer_ends(t, info):
+            crc = zlib.crc32(os.pread(fd, 4, base + end - 4) if end <= size else b"?", crc)
+    return f"{crc:08x}"
+
+
+def extent_fingerprints(
+    extents: Mapping[str, tuple[str, int, int] | None], info: SlotInfo
+) -> dict[str, str]:
+    """Fingerprints of chunks whose bytes lie in local files: key -> (path, offset, length).
+
+    What `fingerprints` computes through the kvstore, read with a few `pread`s per chunk (a
+    version-3 checkpoint's values, located by format/direct.py); a key without an extent, or
+    whose file cannot be opened, is left out (the caller reads it through the kvstore).
+    """
+    out: dict[str, str] = {}
+    fds: dict[str, int] = {}
+    try:
+        for key, ext in extents.items():
+            if ext is None:
+                continue
+            path, base, size = ext
+            if path not in fds:
+                try:
+                    fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                                        | getattr(os, "O_CLOEXEC", 0))  # fmt: skip
+                except OSError:
+                    continue
+            out[key] = fingerprint_range(fds[path], base, size, info)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
 
 
 def _local_fingerprints(local: str, info: SlotInfo, keys: Iterable[str]) -> dict[str, str]:
@@ -346,9 +379,18 @@ def read_table(
 
 
 def check(
-    kv: ts.KvStore, info: SlotInfo, keys: Sequence[str], table: Mapping[str, str], where: str
+    kv: ts.KvStore,
+    info: SlotInfo,
+    keys: Sequence[str],
+    table: Mapping[str, str],
+    where: str,
+    extents: Mapping[str, tuple[str, int, int] | None] | None = None,
+    known: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse chunk files whose fingerprint is not the one recorded for their position.
+
+    `extents`: where chunks lie in local files (key -> (path, offset, length)), read there;
+    `known`: fingerprints taken already (while the chunks were read, format/direct.py).
 
     Raises:
         ChecksumError: a file has no recorded fingerprint, or another one (naming the file).
@@ -359,7 +401,12 @@ def check(
             f"{where}: no fingerprint recorded for chunk file {missing[0]!r} "
             f"({len(missing)} in all); the digests of this array are damaged or missing"
         )
-    got = fingerprints(kv, info, keys)
+    got = dict(known or {})
+    if extents:
+        got.update(extent_fingerprints({k: e for k, e in extents.items() if k not in got}, info))
+    rest = [k for k in keys if k not in got]
+    if rest:
+        got.update(fingerprints(kv, info, rest))
     for k in keys:
         if got.get(k) != table[k]:
             raise ChecksumError(
@@ -378,14 +425,18 @@ def write_process_table(
     db: Any,
     keys: Mapping[SlotInfo, Iterable[str]],
     writer: str,
+    extents: Mapping[str, tuple[str, int, int] | None] | None = None,
+    *,
     known: Mapping[str, Mapping[str, str]] | None = None,
 ) -> None:
     """Format version 3: the fingerprints of every chunk `writer` wrote, all arrays in one object.
 
     `db` is the writer's database (a `store.Location`); the table goes to `digests/<writer>.json`
     in it, written even when empty (process 0's merge takes it as the sign the writer finished).
-    `known`: array path -> chunk key -> fingerprint the writer already took (through the database,
-    after the last write of that chunk committed); the other chunks are fingerprinted here.
+    `extents`: where chunks lie in local data files (full key -> (path, offset, length), see
+    format/direct.py); those are fingerprinted with a few `pread`s each. `known`: array path ->
+    chunk key -> fingerprint the writer already took (through the database, after the last write
+    of that chunk committed). The other chunks are read through OCDBT, all arrays in one batch.
     """
     kv = db.kv()
     known = known or {}
@@ -396,15 +447,18 @@ def write_process_table(
         if not ks:
             continue
         have = known.get(info.path, {})
-        arrays[info.path] = {k: have[k] for k in ks if k in have}
-        rest = [k for k in ks if k not in have]
-        if rest:
-            todo.append((info, [f"{info.path}/{k}" for k in rest]))
-    got = fingerprints_many(kv, todo)
-    for info, full in todo:
-        table = arrays[info.path]
         cut = len(info.path) + 1
-        table.update({k[cut:]: got[k] for k in full if k in got})
+        full = [f"{info.path}/{k}" for k in ks if k not in have]
+        got = extent_fingerprints({k: extents.get(k) for k in full}, info) if extents else {}
+        arrays[info.path] = {**{k: have[k] for k in ks if k in have},
+                             **{k[cut:]: v for k, v in got.items()}}  # fmt: skip
+        rest = [k for k in full if k not in got]
+        if rest:
+            todo.append((info, rest))
+    got_many = fingerprints_many(kv, todo)
+    for info, rest in todo:
+        cut = len(info.path) + 1
+        arrays[info.path].update({k[cut:]: got_many[k] for k in rest if k in got_many})
     doc = {"format": PROCESS_DIGEST_FORMAT, "writer": writer, "arrays": arrays}
     kv.write(f"{DIGEST_DIR}/{writer}.json", json.dumps(doc, sort_keys=True).encode()).result()
 

@@ -245,7 +245,7 @@ class AggregatedSink:
         process database once, before the caller's COMMIT."""
         self.flush()
         self._stop_settling()
-        integrity.write_process_table(self.db, written, "p0", self._fps)
+        integrity.write_process_table(self.db, written, "p0", known=self._fps)
         if self.local is not None:
             store.sync_tree(os.path.join(self.local, f"{aggregate.PROCESS_PREFIX}0"))
 

@@ -1,0 +1,165 @@
+"""Local restores read shards directly (format/direct.py): positioned reads, a hardware CRC32C.
+
+The referee is TensorStore: every restore here is compared bit for bit with the same restore
+through TensorStore (UCP_DIRECT_READ=0) and with the saved values; the shard locations found by
+walking OCDBT's B-tree are compared with what TensorStore's own kvstore reads for each key; and a
+damaged shard read this way raises what TensorStore raises, never returns its bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+from conftest import assert_tree_bitexact
+from helpers import mesh_of, targets
+
+import ucp_jax as ucp
+from ucp_jax._src.format import direct
+
+pytestmark = pytest.mark.skipif(not direct.available(), reason="no hardware CRC32C here")
+
+
+def _state(dtype: str) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    dt = jnp.bfloat16 if dtype == "bf16" else np.dtype(dtype)
+    return {
+        "big": rng.standard_normal((512, 1024)).astype(dt),  # sharded: inner chunks in shards
+        "wide": rng.standard_normal((8, 4096)).astype(dt),
+        "odd": rng.standard_normal((12, 40)).astype(dt),  # one chunk per shard
+        "vec": rng.standard_normal(64).astype(dt),
+        "scalar": np.asarray(rng.standard_normal()).astype(dt),
+    }
+
+
+def _restore(path: Path, state: dict, mesh_shape: tuple[int, ...], style: str, direct_on: bool):
+    os.environ["UCP_DIRECT_READ"] = "1" if direct_on else "0"
+    try:
+        before = direct.counts()
+        out, _ = ucp.restore(path, targets(state, mesh_of(mesh_shape), style))
+        after = direct.counts()
+    finally:
+        os.environ.pop("UCP_DIRECT_READ", None)
+    return out, {k: after[k] - before[k] for k in after}
+
+
+@pytest.mark.parametrize("layout", ["aggregated", "per-array"])
+@pytest.mark.parametrize("dtype", ["float32", "bf16", "int8", "bool"])  # 1-byte: a regression
+@pytest.mark.parametrize(
+    ("saved", "restored", "style"),
+    [((2, 4), (2, 4), "spread"), ((2, 4), (4, 2), "spread"), ((8,), (2,), "fsdp"),
+     ((1,), (8,), "fsdp"), ((2, 2), (1,), "replicated")],
+)  # fmt: skip
+def test_direct_reads_equal_tensorstore(
+    tmp_path: Path, monkeypatch, layout: str, dtype: str, saved, restored, style: str
+) -> None:
+    """Same mesh and resharded, every dtype, both layouts: the direct read takes every shard
+    and gives TensorStore's bytes."""
+    monkeypatch.setenv("UCP_LAYOUT", layout)
+    state = _state(dtype)
+    placed = jax.tree.map(
+        lambda x, t: jax.device_put(x, t.sharding), state, targets(state, mesh_of(saved))
+    )
+    ucp.save(tmp_path / "ck", placed)
+    mine, n = _restore(tmp_path / "ck", state, restored, style, True)
+    theirs, m = _restore(tmp_path / "ck", state, restored, style, False)
+    assert_tree_bitexact(mine, theirs)
+    assert_tree_bitexact(jax.tree.map(np.asarray, mine), state)
+    assert n["direct"] > 0 and n["fallback"] == 0, n
+    assert m == {"direct": 0, "fallback": 0}, m
+
+
+def test_transposed_and_fused_atoms(tmp_path: Path) -> None:
+    """Atoms stored in another axis order or cut from a fused leaf are read through views."""
+    rng = np.random.default_rng(0)
+    state = {"w": rng.standard_normal((256, 96), np.float32),
+             "qkv": rng.standard_normal((64, 3 * 128), np.float32)}  # fmt: skip
+    rules = [("w", ucp.Transposed((1, 0))), ("qkv", ucp.Fused((128, 128, 128), axis=1))]
+    ucp.save(tmp_path / "ck", state, rules=rules)
+    for mesh in ((1,), (4,), (2, 4)):
+        out, n = _restore(tmp_path / "ck", state, mesh, "spread", True)
+        assert_tree_bitexact(jax.tree.map(np.asarray, out), state)
+        assert n["direct"] > 0 and n["fallback"] == 0, n
+
+
+def test_ocdbt_walk_finds_what_tensorstore_reads(tmp_path: Path) -> None:
+    """A B-tree of several levels (tiny nodes): every key's extent holds the bytes TensorStore's
+    kvstore reads for it; an inline value is carried as its bytes, an absent key is None."""
+    folder = tmp_path / "db"
+    spec = {"driver": "ocdbt", "base": f"file://{folder}/",
+            "config": {"max_decoded_node_bytes": 256, "max_inline_value_bytes": 8}}  # fmt: skip
+    kv = ts.KvStore.open(spec).result()
+    rng = np.random.default_rng(1)
+    values = {f"atoms/a{i:03d}/fp32/c/{i % 3}/{i % 5}": rng.bytes(int(rng.integers(9, 300)))
+              for i in range(200)}  # fmt: skip
+    values["atoms/tiny/c"] = b"1234"  # inline
+    txn = ts.Transaction()
+    for k, v in values.items():
+        kv.with_transaction(txn)[k] = v
+    txn.commit_sync()
+    height = ts.ocdbt.dump(kv.base).result()["versions"][-1]["root_height"]
+    assert height >= 2, height  # the walk descends through interior nodes
+    index = direct.OcdbtIndex(str(folder))
+    wanted = [k.encode() for k in list(values)[::7]] + [b"atoms/tiny/c", b"atoms/none/c/0"]
+    index.locate(wanted)
+    for key in wanted:
+        ext = index.found[key]
+        if key == b"atoms/none/c/0":
+            assert ext is None
+            continue
+        assert ext is not None, key
+        if key == b"atoms/tiny/c":
+            assert ext.inline == b"1234"
+            continue
+        with open(ext.path, "rb") as f:
+            f.seek(ext.offset)
+            assert f.read(ext.length) == kv[key.decode()], key
+
+
+@pytest.mark.parametrize("layout", ["aggregated", "per-array"])
+@pytest.mark.parametrize("where", ["data", "index", "truncate"])
+def test_damage_raises_what_tensorstore_raises(
+    tmp_path: Path, monkeypatch, layout: str, where: str
+) -> None:
+    """A flipped data byte, a flipped shard-index byte, a truncated file: the direct read hands
+    the shard to TensorStore, which raises ChecksumError naming the atom; nothing is returned."""
+    monkeypatch.setenv("UCP_LAYOUT", layout)
+    state = {"big": np.arange(512 * 1024, dtype=np.float32)}
+    ucp.save(tmp_path / "ck", state)
+    if layout == "aggregated":
+        index = direct.OcdbtIndex(str(tmp_path / "ck"))
+        index.locate([b"atoms/big/fp32/c/0"])
+        ext = index.found[b"atoms/big/fp32/c/0"]
+        assert ext is not None
+        path, offset, length = ext.path, ext.offset, ext.length
+    else:
+        path = str(tmp_path / "ck" / "atoms" / "big" / "fp32" / "c" / "0")
+        offset, length = 0, os.path.getsize(path)
+    assert length > 1 << 20  # the whole array in one shard of inner chunks and an index
+    with open(path, "r+b") as f:
+        if where == "truncate":
+            f.truncate(offset + length - 4096)
+        else:
+            at = offset + (4096 if where == "data" else length - 20)  # the index ends a shard
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x40]))
+    before = direct.counts()
+    with pytest.raises(ucp.ChecksumError, match="atom 'big'"):
+        ucp.restore(tmp_path / "ck", targets(state, mesh_of((1,))))
+    after = direct.counts()
+    assert after["fallback"] > before["fallback"], (before, after)
+
+
+def test_disabled_by_environment(tmp_path: Path) -> None:
+    """UCP_DIRECT_READ=0 sends every read through TensorStore (the object-store path)."""
+    state = {"w": np.ones((64, 64), np.float32)}
+    ucp.save(tmp_path / "ck", state)
+    _, n = _restore(tmp_path / "ck", state, (2,), "spread", False)
+    assert n == {"direct": 0, "fallback": 0}

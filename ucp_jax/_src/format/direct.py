@@ -1,0 +1,456 @@
+"""Local chunk reads straight into their place: positioned reads and a hardware CRC32C.
+
+TensorStore reads a chunk of a local checkpoint into a buffer of its own, checks its crc32c with
+absl's portable CRC (the pip wheels are built without the x86 CRC instructions), decodes it into
+another buffer and copies that into the restore's: three passes over every byte where a plain read
+makes one, which kept warm restores at a third of the machine's read limit. For the arrays ucp
+writes itself (zarr3, raw little-endian bytes and a crc32c per chunk, inner chunks in a
+`sharding_indexed` shard; `checkpoint._check_metadata` has already proved the zarr.json is that),
+a restore from a local folder instead reads each shard's byte ranges with `preadv` (into the
+restore buffer itself where the chunk is a contiguous part of it, else into a small per-thread
+buffer that stays in cache), checks every chunk's crc32c with the CPU's CRC instructions
+(`crc32c`, released GIL), and copies it into place. Every check TensorStore makes is made here
+too; anything this reader does not expect (an inline value, a missing inner chunk, a size or a
+checksum that disagrees) sends that piece back through TensorStore, so a damaged checkpoint
+raises the same errors as before and no value is ever taken from bytes that failed a check.
+
+Where the bytes are: version 2, one file per shard; version 3, an OCDBT value (a byte range of a
+data file), located through `tensorstore.ocdbt.dump` of the B-tree nodes on the way to the keys
+this process needs (not the whole tree).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import os
+import re
+import struct
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from .integrity import fingerprint_range
+from .manifest import SlotInfo
+
+_crc32c: Any
+try:
+    import crc32c as _crc32c
+except ImportError:  # pragma: no cover - a dependency; without it TensorStore reads everything
+    _crc32c = None
+
+Box = Sequence[tuple[int, int]]
+
+_THREADS = 8  # positioned reads in flight (the plain read limit of the roofline uses 4)
+_SCRATCH = 4 << 20  # bytes of one thread's buffer: runs of inner chunks are read this much at once
+_NO_CHUNK = (1 << 64) - 1  # a shard index entry of an inner chunk that was never written
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*/?$")
+
+
+class Mismatch(Exception):
+    """The bytes are not laid out as this reader expects; TensorStore reads the piece instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Extent:
+    """The bytes of one stored shard: `length` bytes at `offset` of the file at `path`, or the
+    bytes themselves (`inline`: a small value kept in an OCDBT B-tree node)."""
+
+    path: str
+    offset: int
+    length: int
+    inline: bytes | None = None
+
+
+def available() -> bool:
+    """This host can read ucp's chunks directly (a hardware CRC32C, little-endian)."""
+    enabled = os.environ.get("UCP_DIRECT_READ", "1").lower() not in ("0", "false", "no")
+    return (
+        enabled
+        and _crc32c is not None
+        and bool(getattr(_crc32c, "hardware_based", False))
+        and sys.byteorder == "little"
+    )
+
+
+def _crc(buf: Any) -> int:
+    assert _crc32c is not None
+    return int(_crc32c.crc32c(buf))
+
+
+_counts = {"direct": 0, "fallback": 0}  # shards read by this reader / sent to TensorStore
+
+
+def counts() -> dict[str, int]:
+    """Shards this process read directly and through TensorStore (since it started).
+
+    >>> sorted(counts())
+    ['direct', 'fallback']
+    """
+    with _pool_lock:
+        return dict(_counts)
+
+
+def _count(kind: str) -> None:
+    with _pool_lock:
+        _counts[kind] += 1
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_local = threading.local()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="ucp-read")
+        return _pool
+
+
+def _scratch(n: int) -> np.ndarray:
+    """This thread's reusable read buffer of at least `n` bytes."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.nbytes < n:
+        buf = np.empty(max(n, _SCRATCH), np.uint8)
+        _local.buf = buf
+    return buf[:n]
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    """A writable byte view of a C-contiguous array."""
+    return memoryview(a.reshape(-1).view(np.uint8).data)
+
+
+def _read_exact(fd: int, views: list[memoryview], offset: int) -> None:
+    """Fill `views` from `offset` of `fd`, or raise Mismatch at the end of the file."""
+    while views:
+        got = os.preadv(fd, views, offset)
+        if got <= 0:
+            raise Mismatch("file ends early")
+        offset += got
+        while views and got >= views[0].nbytes:
+            got -= views[0].nbytes
+            views.pop(0)
+        if got:
+            views[0] = views[0][got:]
+
+
+def _open(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise Mismatch(f"cannot open {path}: {e}") from e
+
+
+# ---------------------------------------------------------------- where the shards are
+
+
+def _ocdbt_value(ref: str, folder: str) -> Extent | None:
+    """'value:<base>:<file>:<offset>:<length>' -> the Extent (None: not a plain local range)."""
+    parts = ref.split(":")
+    if len(parts) != 5 or parts[0] != "value" or not parts[3].isdigit() or not parts[4].isdigit():
+        return None
+    rel = parts[1] + parts[2]
+    if not _SAFE_PATH.match(rel) or ".." in rel.split("/"):
+        return None
+    return Extent(os.path.join(folder, rel), int(parts[3]), int(parts[4]))
+
+
+class OcdbtIndex:
+    """Keys of a local OCDBT database (format version 3) -> where their values lie.
+
+    Only the B-tree nodes on the way to the wanted keys are read (each once).
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._base = ts.KvStore.open({"driver": "file", "path": folder.rstrip("/") + "/"}).result()
+        self._root: tuple[str | None] | None = None
+        self.found: dict[bytes, Extent | None] = {}
+
+    def _root_location(self) -> str | None:
+        if self._root is None:
+            manifest = ts.ocdbt.dump(self._base).result()
+            versions = manifest.get("versions") or []
+            latest: dict[str, Any] = max(
+                versions, key=lambda v: v.get("generation_number", 0), default={}
+            )
+            self._root = (latest.get("root", {}).get("location"),)
+        return self._root[0]
+
+    def locate(self, keys: Sequence[bytes]) -> None:
+        """Find the extents of `keys` (None for a key that is inline or absent)."""
+        todo = sorted(k for k in set(keys) if k not in self.found)
+        if not todo:
+            return
+        for k in todo:
+            self.found[k] = None
+        root = self._root_location()
+        if root is not None:
+            self._walk(root, b"", todo)
+
+    def _walk(self, location: str, prefix: bytes, wanted: list[bytes]) -> None:
+        node = ts.ocdbt.dump(self._base, location).result()
+        entries = node.get("entries") or []
+        if node.get("height", 0) == 0:
+            for e in entries:
+                key = prefix + bytes(e["key"])
+                if key not in self.found:
+                    continue
+                ref, value = e.get("indirect_value"), e.get("inline_value")
+                if isinstance(ref, str):
+                    self.found[key] = _ocdbt_value(ref, self.folder)
+                elif isinstance(value, bytes):
+                    self.found[key] = Extent("", 0, len(value), value)
+            return
+        lows = [prefix + bytes(e["key"]) for e in entries]
+        for i, e in enumerate(entries):
+            lo = bisect.bisect_left(wanted, lows[i])
+            hi = bisect.bisect_left(wanted, lows[i + 1]) if i + 1 < len(entries) else len(wanted)
+            if lo < hi:
+                sub = prefix + bytes(e.get("subtree_common_prefix", b""))
+                self._walk(e["location"], sub, wanted[lo:hi])
+
+
+# ---------------------------------------------------------------- reading one shard
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one stored array is cut: shape, shard shape, inner chunk shape (None: one chunk)."""
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    inner: tuple[int, ...] | None
+    dtype: np.dtype
+    info: SlotInfo | None = None  # with it, each shard read is also fingerprinted
+
+
+Fingerprints = dict[tuple[str, int], str]  # (file, offset) of a shard -> its fingerprint
+
+
+def shards_in(box: Box, chunks: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """Grid indices of the shards that meet `box`.
+
+    >>> list(shards_in([(0, 3), (2, 4)], (2, 4)))
+    [(0, 0), (1, 0)]
+    """
+    ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, chunks)]
+    yield from _product(ranges)
+
+
+def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
+    if not ranges:
+        yield ()
+        return
+    for i in ranges[0]:
+        for rest in _product(ranges[1:]):
+            yield (i, *rest)
+
+
+def _meet(a: Box, b: Box) -> list[tuple[int, int]]:
+    return [(max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b)]
+
+
+def _rel(box: Box, origin: Sequence[int]) -> tuple[Any, ...]:
+    """Index of `box` in an array holding the region from `origin` (a view, 0-d included)."""
+    return (*(slice(a - o, b - o) for (a, b), o in zip(box, origin)), Ellipsis)
+
+
+def read_shard(
+    ext: Extent,
+    lay: Layout,
+    index: tuple[int, ...],
+    box: Box,
+    dst: np.ndarray,
+    dst_origin: Box,
+    fingerprints: Fingerprints | None = None,
+) -> None:
+    """Read the part `box` (array coordinates, inside shard `index`) of one shard into `dst`.
+
+    `dst` holds the region `dst_origin` of the array (its own axis order is the array's). With
+    `fingerprints` (and `lay.info`), the shard's fingerprint (format/integrity.py) is recorded
+    there too, from the same open file while its pages are hot.
+
+    Raises:
+        Mismatch: the shard is not as expected (size, index, a checksum): read it another way.
+    """
+    origin = [i * c for i, c in zip(index, lay.chunks)]
+    out = dst[_rel(box, [a for a, _ in dst_origin])]
+    if ext.inline is not None:
+        n = math.prod(lay.chunks) * lay.dtype.itemsize
+        if lay.inner is not None or len(ext.inline) != n + 4:
+            raise Mismatch("an inline value of another size")
+        raw = np.frombuffer(ext.inline, np.uint8)
+        if _crc(raw[:n]) != struct.unpack("<I", ext.inline[n:])[0]:
+            raise Mismatch("crc32c")
+        out[...] = raw[:n].view(lay.dtype).reshape(lay.chunks)[_rel(box, origin)]
+        return
+    fd = _open(ext.path)
+    try:
+        if lay.inner is None:
+            _read_chunk(fd, ext.offset, ext.length, lay.chunks, lay.dtype, origin, box, out)
+        else:
+            _read_sharded(fd, ext, lay, origin, box, out)
+        where = (ext.path, ext.offset)
+        if fingerprints is not None and lay.info is not None and where not in fingerprints:
+            fingerprints[where] = fingerprint_range(fd, ext.offset, ext.length, lay.info)
+    finally:
+        os.close(fd)
+
+
+def _read_chunk(
+    fd: int,
+    offset: int,
+    length: int,
+    shape: Sequence[int],
+    dtype: np.dtype,
+    origin: Sequence[int],
+    box: Box,
+    out: np.ndarray,
+) -> None:
+    """One chunk (raw bytes + crc32c) at `offset`: its part `box` into `out`."""
+    n = math.prod(shape) * dtype.itemsize
+    if length != n + 4:
+        raise Mismatch(f"a chunk of {length} bytes, {n + 4} expected")
+    whole = all(a == o and b == o + s for (a, b), o, s in zip(box, origin, shape))
+    if whole and out.flags.c_contiguous and out.dtype == dtype:
+        trailer = bytearray(4)
+        _read_exact(fd, [_bytes_of(out), memoryview(trailer)], offset)
+        if _crc(out.reshape(-1).view(np.uint8)) != struct.unpack("<I", trailer)[0]:
+            raise Mismatch("crc32c")
+        return
+    buf = _scratch(n + 4)
+    _read_exact(fd, [_bytes_of(buf)], offset)
+    if _crc(buf[:n]) != struct.unpack("<I", buf[n:].tobytes())[0]:
+        raise Mismatch("crc32c")
+    out[...] = buf[:n].view(dtype).reshape(shape)[_rel(box, origin)]
+
+
+def _read_sharded(
+    fd: int, ext: Extent, lay: Layout, origin: Sequence[int], box: Box, out: np.ndarray
+) -> None:
+    """A `sharding_indexed` shard: its index (at the end), then the inner chunks `box` meets."""
+    assert lay.inner is not None
+    grid = [c // i for c, i in zip(lay.chunks, lay.inner)]
+    if any(c % i for c, i in zip(lay.chunks, lay.inner)):
+        raise Mismatch("inner chunks do not divide the shard")
+    count = math.prod(grid)
+    index_bytes = count * 16 + 4
+    if ext.length < index_bytes:
+        raise Mismatch("shard smaller than its index")
+    raw = bytearray(index_bytes)
+    _read_exact(fd, [memoryview(raw)], ext.offset + ext.length - index_bytes)
+    if _crc(memoryview(raw)[:-4]) != struct.unpack("<I", raw[-4:])[0]:
+        raise Mismatch("shard index crc32c")
+    table = np.frombuffer(raw, "<u8", count * 2).reshape(count, 2)
+    inner_bytes = math.prod(lay.inner) * lay.dtype.itemsize
+    data_end = ext.length - index_bytes
+    box_origin = [a for a, _ in box]
+    ranges = [range((a - o) // i, -(-(b - o) // i)) for (a, b), o, i in zip(box, origin, lay.inner)]
+    todo = []  # (offset in shard, inner box)
+    for idx in _product(ranges):
+        flat = 0
+        for k, g in zip(idx, grid):
+            flat = flat * g + k
+        off, nbytes = int(table[flat, 0]), int(table[flat, 1])
+        if off == _NO_CHUNK or nbytes != inner_bytes + 4 or off + nbytes > data_end:
+            raise Mismatch("inner chunk missing or of another size")
+        ibox = [(o + k * i, o + (k + 1) * i) for o, k, i in zip(origin, idx, lay.inner)]
+        todo.append((off, ibox))
+    todo.sort(key=lambda t: t[0])
+    step = inner_bytes + 4
+    per_run = max(_SCRATCH // step, 1)
+    i = 0
+    while i < len(todo):
+        j = i + 1
+        while j < len(todo) and j - i < per_run and todo[j][0] == todo[j - 1][0] + step:
+            j += 1
+        buf = _scratch((j - i) * step)
+        _read_exact(fd, [_bytes_of(buf)], ext.offset + todo[i][0])
+        for k in range(i, j):
+            chunk = buf[(k - i) * step : (k - i + 1) * step]
+            if _crc(chunk[:inner_bytes]) != struct.unpack("<I", chunk[inner_bytes:].tobytes())[0]:
+                raise Mismatch("crc32c")
+            ibox = todo[k][1]
+            part = _meet(ibox, box)
+            src = chunk[:inner_bytes].view(lay.dtype).reshape(lay.inner)
+            out[_rel(part, box_origin)] = src[_rel(part, [a for a, _ in ibox])]
+        i = j
+
+
+class Pieces:
+    """The shard reads of one restored piece, waited for together; a shard this reader could
+    not take is read by `fallback(box)` (TensorStore) in its place."""
+
+    def __init__(self, futures: list[Future[None]]) -> None:
+        self.futures = futures
+
+    def result(self) -> None:
+        for f in self.futures:
+            f.result()
+
+
+def submit(
+    locate: Callable[[tuple[int, ...]], Extent | None],
+    lay: Layout,
+    box: Box,
+    dst: np.ndarray,
+    fallback: Callable[[Box, np.ndarray], None],
+    fingerprints: Fingerprints | None = None,
+) -> Pieces:
+    """Read the region `box` of a stored array into `dst` (shaped as `box`), shard by shard.
+
+    Args:
+        locate: the Extent of the shard at a grid index (None: read that shard by `fallback`).
+        lay: the stored array's layout.
+        box: the region, (start, stop) per axis.
+        dst: the buffer it goes into, in the array's axis order.
+        fallback: reads a sub-box into its part of `dst` another way (TensorStore); it raises
+            the error a damaged file deserves.
+        fingerprints: where each shard read directly records its fingerprint.
+
+    Returns:
+        The pending reads; `.result()` waits for them and raises what a fallback raised.
+    """
+    pool = _executor()
+    futures = []
+    for index in shards_in(box, lay.chunks):
+        sbox = [(i * c, (i + 1) * c) for i, c in zip(index, lay.chunks)]
+        part = _meet(sbox, box)
+        if any(a >= b for a, b in part):
+            continue
+        futures.append(
+            pool.submit(_one, locate, lay, index, part, dst, box, fallback, fingerprints)
+        )
+    return Pieces(futures)
+
+
+def _one(
+    locate: Callable[[tuple[int, ...]], Extent | None],
+    lay: Layout,
+    index: tuple[int, ...],
+    part: Box,
+    dst: np.ndarray,
+    box: Box,
+    fallback: Callable[[Box, np.ndarray], None],
+    fingerprints: Fingerprints | None,
+) -> None:
+    ext = locate(index)
+    if ext is not None:
+        try:
+            read_shard(ext, lay, index, part, dst, box, fingerprints)
+            _count("direct")
+            return
+        except Mismatch:
+            pass  # TensorStore reads it: the same bytes, its checks, its errors
+    _count("fallback")
+    fallback(part, dst[_rel(part, [a for a, _ in box])])
