@@ -30,7 +30,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ...format import aggregate, integrity, store
+from ...format import aggregate, integrity, process_tables, store
 from ...format.manifest import SlotInfo
 from ...mapping.boxes import Box, to_slices
 
@@ -245,7 +245,7 @@ class AggregatedSink:
         process database once, before the caller's COMMIT."""
         self.flush()
         self._stop_settling()
-        integrity.write_process_table(self.db, written, "p0", known=self._fps)
+        process_tables.write_process_table(self.db, written, "p0", known=self._fps)
         if self.local is not None:
             store.sync_tree(os.path.join(self.local, f"{aggregate.PROCESS_PREFIX}0"))
 
