@@ -8,6 +8,9 @@ of the whole process tree (sampled every 20 ms; --repeat runs each, alternating,
 time), and checks that both give the same tensors. Every run starts after a `sync` (no dirty
 pages of the run before), and a timed `sync` after it says when its output is on disk:
 `ucp convert` fsyncs what it wrote before it commits, torch.save (in ds_to_universal) does not.
+Each run's CPU seconds (user + system, the whole process tree) are reported beside its wall time:
+they depend less on what else the machine is doing. `--baseline DIR` adds a third tool, `ucp
+convert` of another ucp_jax checkout (e.g. the commit before a change), in the same rounds.
 
     python benchmarks/convert_deepspeed.py [--layers 12] [--dp 2] [--workdir /tmp/ucp_bench_ds]
 
@@ -25,6 +28,7 @@ import sys
 from harness import (
     MiB,
     Spread,
+    child_cpu_seconds,
     child_env,
     interleaved,
     markdown_table,
@@ -148,6 +152,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/ucp_bench_ds")
     ap.add_argument("--repeat", type=int, default=3, help="runs per tool (median wall time)")
     ap.add_argument("--json", default="bench_out/convert_deepspeed.json", help="results as JSON")
+    ap.add_argument("--baseline", default=None, help="another ucp_jax checkout to time as well")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -169,43 +174,65 @@ def main() -> None:
     ucp_cmd = [sibling_executable("ucp"), "convert", "deepspeed", tag, ucp_out, "--no-progress"]
     env = child_env(XLA_FLAGS="")
     cmds = {"ds_to_universal": ds_cmd, "ucp convert deepspeed": ucp_cmd}
-    runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name in cmds}
-    # both tools in every round (a busy moment hits both), in the same order each round
-    for i, order in interleaved(list(cmds), args.repeat, alternate=False):
-        for name in order:
-            shutil.rmtree(os.path.dirname(ds_out) if name == "ds_to_universal" else ucp_out,
-                          ignore_errors=True)  # fmt: skip
+    envs = {name: env for name in cmds}
+    outs = {"ds_to_universal": os.path.dirname(ds_out), "ucp convert deepspeed": ucp_out}
+    if args.baseline:
+        base = "ucp convert deepspeed (baseline)"
+        outs[base] = ucp_out + "_baseline"
+        cmds[base] = [*ucp_cmd[:-2], outs[base], "--no-progress"]
+        envs[base] = dict(env, PYTHONPATH=os.path.abspath(args.baseline))
+    runs: dict[str, list[tuple[float, int, float, float]]] = {name: [] for name in cmds}
+    # every tool in every round (a busy moment hits all), the ucp ones in alternating order
+    for i, order in interleaved(list(cmds)[1:], args.repeat):
+        for name in ["ds_to_universal", *order]:
+            shutil.rmtree(outs[name], ignore_errors=True)
             sync()  # no dirty pages of the previous run left
-            wall, peak, _ = run_measured(cmds[name], env)
+            c0 = child_cpu_seconds()
+            wall, peak, _ = run_measured(cmds[name], envs[name])
+            cpu = child_cpu_seconds() - c0
             durable = wall + sync()  # what the tool left unwritten reaches the disk
-            runs[name].append((wall, peak, durable))
+            runs[name].append((wall, peak, durable, cpu))
             print(f"run {i + 1}: {name}: {wall:.1f} s ({durable:.1f} s until its output is on "
-                  f"disk), peak RSS {peak / MiB:.0f} MiB")  # fmt: skip
+                  f"disk), {cpu:.1f} CPU s, peak RSS {peak / MiB:.0f} MiB")  # fmt: skip
     results = {
-        name: {"wall_s": Spread.of(w for w, _, _ in r).median,
-               "durable_s": Spread.of(d for _, _, d in r).median,
-               "peak_rss_bytes": max(p for _, p, _ in r), "runs": r}
+        name: {"wall_s": Spread.of(x[0] for x in r).median,
+               "wall_min_s": Spread.of(x[0] for x in r).min,
+               "wall_max_s": Spread.of(x[0] for x in r).max,
+               "durable_s": Spread.of(x[2] for x in r).median,
+               "cpu_s": Spread.of(x[3] for x in r).median,
+               "peak_rss_bytes": max(x[1] for x in r), "runs": r}
         for name, r in runs.items()
     }  # fmt: skip
     checked = compare(ds_out, ucp_out)
     n_atoms = len(os.listdir(os.path.join(ds_out, "zero"))) - 1
     total_state = sum(optim.values())
     a, b = results["ds_to_universal"], results["ucp convert deepspeed"]
+
+    def line(r: dict) -> str:
+        return (f"{r['wall_s']:.1f} s ({r['wall_min_s']:.1f}-{r['wall_max_s']:.1f}), "
+                f"{r['cpu_s']:.1f} CPU s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+
     rows = [
         ("checkpoint", f"GPT ({args.layers} layers), ZeRO-{args.stage}, DP={args.dp}, "
                        f"{n_atoms} tensors, {total_state / 2**30:.2f} GiB of fp32+moments in "
                        f"{len(optim)} rank files"),
         ("largest rank file", f"{largest / 2**20:.0f} MiB"),
-        ("ds_to_universal (median wall, max RSS)",
-         f"{a['wall_s']:.1f} s, peak RSS {a['peak_rss_bytes'] / 2**20:.0f} MiB"),
-        ("ucp convert deepspeed (median wall, max RSS)",
-         f"{b['wall_s']:.1f} s, peak RSS {b['peak_rss_bytes'] / 2**20:.0f} MiB"),
+        ("ds_to_universal (median wall (range), CPU, max RSS)", line(a)),
+        ("ucp convert deepspeed (median wall (range), CPU, max RSS)", line(b)),
         ("speed-up (wall time of the command)", f"{a['wall_s'] / b['wall_s']:.1f}x"),
+        ("speed-up (CPU seconds)", f"{a['cpu_s'] / b['cpu_s']:.1f}x"),
         ("until the output is on disk (command + sync)",
          f"{a['durable_s']:.1f} s vs {b['durable_s']:.1f} s: {a['durable_s'] / b['durable_s']:.1f}x"),
         ("ucp peak RSS / largest rank file", f"{b['peak_rss_bytes'] / largest:.2f}"),
-        ("identical tensors (sampled)", f"{checked} files"),
     ]  # fmt: skip
+    if args.baseline:
+        c = results["ucp convert deepspeed (baseline)"]
+        rows += [
+            ("baseline ucp convert deepspeed (median wall (range), CPU, max RSS)", line(c)),
+            ("this checkout vs baseline (wall, CPU)",
+             f"{b['wall_s'] / c['wall_s']:.2f}x, {b['cpu_s'] / c['cpu_s']:.2f}x"),
+        ]  # fmt: skip
+    rows.append(("identical tensors (sampled)", f"{checked} files"))
     print()
     print(markdown_table(["", ""], rows))
     if args.json:

@@ -10,8 +10,11 @@ state sharded on a (2, 4) mesh of CPU devices (OCDBT, Orbax's defaults): an embe
   device, then `ucp.save` of it;
 - an idle process that only imports what the converter imports (the interpreter's own RSS).
 
-It measures wall time and the peak resident memory of each process tree (sampled every 20 ms),
-checks both outputs hold identical atoms, and prints a table (and --json).
+It measures wall time, CPU seconds and the peak resident memory of each process tree (sampled
+every 20 ms), checks both outputs hold identical atoms, and prints a table (and --json).
+`--repeat N` runs the processes N times, their order reversed every other round, and reports
+medians with their range (peak RSS: the largest); `--baseline DIR` adds `ucp convert orbax` of
+another ucp_jax checkout (e.g. the commit before a change) to every round.
 
     python benchmarks/convert_orbax.py [--embed-mib 256] [--workdir /tmp/ucp_bench_orbax]
 """
@@ -30,7 +33,18 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, REPO)  # this checkout's ucp_jax, before any installed one
 
-from harness import MiB, child_env, markdown_table, run_measured, sync, write_json  # noqa: E402
+from harness import (  # noqa: E402
+    MiB,
+    Spread,
+    child_cpu_seconds,
+    child_env,
+    interleaved,
+    markdown_table,
+    run_measured,
+    sibling_executable,
+    sync,
+    write_json,
+)
 
 
 def build(path: str, embed_mib: int) -> None:
@@ -111,6 +125,8 @@ def main() -> None:
     ap.add_argument("--embed-mib", type=int, default=256, help="size of the largest array")
     ap.add_argument("--workdir", default="/tmp/ucp_bench_orbax")
     ap.add_argument("--json", default="bench_out/convert_orbax.json", help="results as JSON")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every process (medians)")
+    ap.add_argument("--baseline", default=None, help="another ucp_jax checkout to time as well")
     ap.add_argument("--worker", nargs="+", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -130,36 +146,64 @@ def main() -> None:
     out_convert = os.path.join(args.workdir, "ucp_convert")
     out_today = os.path.join(args.workdir, "ucp_today")
     cmds = {
-        "ucp convert orbax": [sys.executable, "-m", "ucp_jax._src.cli", "convert", "orbax", src,
-                              out_convert],
+        # the console script: `python -m` would put the working directory first on sys.path,
+        # before a --baseline checkout's PYTHONPATH
+        "ucp convert orbax": [sibling_executable("ucp"), "convert", "orbax", src, out_convert],
         "Orbax restore + ucp.save": [sys.executable, HERE, "--worker", "today", src, out_today],
         "idle (imports only)": [sys.executable, HERE, "--worker", "idle"],
     }  # fmt: skip
+    envs = {name: env for name in cmds}
+    if args.baseline:
+        out_base = os.path.join(args.workdir, "ucp_convert_baseline")
+        cmds["ucp convert orbax (baseline)"] = [*cmds["ucp convert orbax"][:-1], out_base]
+        envs["ucp convert orbax (baseline)"] = dict(env, PYTHONPATH=os.path.abspath(args.baseline))
+    runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name in cmds}
+    for i, order in interleaved(list(cmds), args.repeat):
+        for name in order:
+            if cmds[name][-1].startswith(args.workdir):
+                shutil.rmtree(cmds[name][-1], ignore_errors=True)
+            sync()  # no dirty pages of the run before
+            c0 = child_cpu_seconds()
+            wall, peak, _ = run_measured(cmds[name], envs[name])
+            cpu = child_cpu_seconds() - c0
+            runs[name].append((wall, peak, cpu))
+            print(f"round {i + 1}: {name}: {wall:.1f} s, {cpu:.1f} CPU s, peak RSS "
+                  f"{peak / MiB:.0f} MiB", flush=True)  # fmt: skip
     results = {}
-    for d in (out_convert, out_today):
-        shutil.rmtree(d, ignore_errors=True)
-    for name, cmd in cmds.items():
-        sync()  # no dirty pages of the run before
-        wall, peak, _ = run_measured(cmd, env)
-        results[name] = {"wall_s": round(wall, 2), "peak_rss_bytes": peak}
-        print(f"{name}: {wall:.1f} s, peak RSS {peak / MiB:.0f} MiB", flush=True)
+    for name, r in runs.items():
+        wall = Spread.of(x[0] for x in r)
+        results[name] = {"wall_s": round(wall.median, 2), "wall_min_s": round(wall.min, 2),
+                         "wall_max_s": round(wall.max, 2),
+                         "cpu_s": round(Spread.of(x[2] for x in r).median, 2),
+                         "peak_rss_bytes": max(x[1] for x in r), "runs": r}  # fmt: skip
     t0 = time.perf_counter()
     checked = compare(out_convert, out_today)
     a, b = results["ucp convert orbax"], results["Orbax restore + ucp.save"]
     base = results["idle (imports only)"]["peak_rss_bytes"]
+
+    def line(r: dict) -> str:
+        return (f"{r['wall_s']:.1f} s ({r['wall_min_s']:.1f}-{r['wall_max_s']:.1f}), "
+                f"{r['cpu_s']:.1f} CPU s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+
     rows = [
         ("checkpoint", f"Orbax StandardCheckpointer, OCDBT, params + Adam mu/nu on a (2, 4) "
                        f"mesh, {size / 2**30:.2f} GiB on disk, largest array "
                        f"{largest / 2**20:.0f} MiB"),
-        ("ucp convert orbax", f"{a['wall_s']:.1f} s, peak RSS {a['peak_rss_bytes'] / 2**20:.0f} MiB"),
-        ("Orbax restore + ucp.save", f"{b['wall_s']:.1f} s, peak RSS "
-                                     f"{b['peak_rss_bytes'] / 2**20:.0f} MiB"),
-        ("speed-up", f"{b['wall_s'] / a['wall_s']:.2f}x"),
+        ("ucp convert orbax", line(a)),
+        ("Orbax restore + ucp.save", line(b)),
+        ("speed-up", f"{b['wall_s'] / a['wall_s']:.2f}x (CPU {b['cpu_s'] / a['cpu_s']:.2f}x)"),
         ("idle interpreter (same imports)", f"peak RSS {base / 2**20:.0f} MiB"),
         ("ucp peak RSS / largest array", f"{a['peak_rss_bytes'] / largest:.2f} (above the idle "
                                          f"interpreter: {(a['peak_rss_bytes'] - base) / largest:.2f})"),
-        ("identical atoms", f"{checked} arrays compared in {time.perf_counter() - t0:.1f} s"),
     ]  # fmt: skip
+    if args.baseline:
+        c = results["ucp convert orbax (baseline)"]
+        rows += [
+            ("baseline ucp convert orbax", line(c)),
+            ("baseline peak RSS / largest array", f"{c['peak_rss_bytes'] / largest:.2f}"),
+        ]
+    rows.append(("identical atoms", f"{checked} arrays compared in "
+                                    f"{time.perf_counter() - t0:.1f} s"))  # fmt: skip
     print()
     print(markdown_table(["", ""], rows))
     if args.json:

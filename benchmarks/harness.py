@@ -3,8 +3,9 @@
 * devices: `force_cpu_devices` (N forced CPU devices, before jax is imported) and `child_env`
   (the environment of a worker process: its device count, platform, PYTHONPATH);
 * timing: `timed` (wall + CPU seconds of this process + the load average at the start, after a
-  GC and a sync), `interleaved` (the tools' order in each repeat, alternating so that a busy
-  moment of a shared machine hits every tool), `Spread` (median, min, max), `p99`;
+  GC and a sync), `child_cpu_seconds` (CPU seconds of the children it waited for),
+  `interleaved` (the tools' order in each repeat, alternating so that a busy moment of a shared
+  machine hits every tool), `Spread` (median, min, max), `p99`;
 * memory: `peak_rss` / `reset_peak_rss` (this process's high-water mark) and `run_measured` (a
   command's wall time and the peak resident memory of its whole process tree);
 * disk: `sync` (timed), `drop_caches`, `evict_pages`, `dir_bytes`;
@@ -92,6 +93,13 @@ def child_env(
 def cpu_seconds() -> float:
     """User + system CPU time of this process (all threads)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def child_cpu_seconds() -> float:
+    """User + system CPU time of this process's finished (waited-for) children and their own
+    waited-for descendants: the difference around `run_measured` is the command's CPU time."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
 
 

@@ -204,8 +204,15 @@ def test_dcp_malicious_metadata_refused(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_import_is_durable_before_commit(tmp_path, monkeypatch):
-    """Imports write files without a sync each, then fsync every file and folder before COMMIT."""
+@pytest.mark.parametrize("layout", ["aggregated", "per-array"])
+def test_import_is_durable_before_commit(tmp_path, monkeypatch, layout):
+    """Imports write files without a sync each, then fsync every file and folder before COMMIT.
+
+    aggregated (format version 3): the files of the import's process database (`ocdbt.p0/`);
+    the root database is written at commit by the merge, through the syncing context.
+    per-array (format version 2): every chunk file and zarr.json under `atoms/`.
+    """
+    monkeypatch.setenv("UCP_LAYOUT", layout)
     synced: list[str] = []
     fsync = os.fsync
 
@@ -231,8 +238,13 @@ def test_import_is_durable_before_commit(tmp_path, monkeypatch):
     data = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
     # every data file was fsynced, at its staging path, before the manifest and COMMIT were written
     before = {p.replace(staging, out) for p in synced[: at_commit[0]]}
-    chunk_files = [p for p in data if "/atoms/" in p]
-    assert len(chunk_files) >= 12  # 6 atoms: zarr.json + one chunk file each
+    if layout == "per-array":
+        chunk_files = [p for p in data if "/atoms/" in p]
+        assert len(chunk_files) >= 12  # 6 atoms: zarr.json + one chunk file each
+    else:
+        chunk_files = [p for p in data if "/ocdbt.p0/" in p]
+        assert len(chunk_files) >= 2  # its manifest and at least one data file
+        assert ucp.open(out).manifest.version == 3
     assert set(chunk_files) <= before, sorted(set(chunk_files) - before)[:3]
     assert ucp.open(out).read("w3").tobytes() == sd["w3"].numpy().tobytes()
 

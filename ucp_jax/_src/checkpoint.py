@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ChecksumError, MismatchError, NotACheckpointError, UcpError
-from .format import aggregate, direct, integrity, store
+from .format import aggregate, direct, integrity, process_tables, store
 from .format.manifest import AtomInfo, Manifest
 from .untrusted import paths
 from .untrusted.json import read_json
@@ -231,7 +231,7 @@ class Checkpoint:
     def _process_tables(self) -> dict[str, dict[str, str]]:
         """Format version 3: every process's fingerprint table (read once)."""
         if self._all_tables is None:
-            self._all_tables = integrity.read_process_tables(
+            self._all_tables = process_tables.read_process_tables(
                 self.data.kv(), self.path, self.manifest.tables
             )
         return self._all_tables

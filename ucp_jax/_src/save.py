@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from .errors import MismatchError
-from .format import aggregate, commit, direct, integrity, store
+from .format import aggregate, commit, direct, process_tables, store
 from .format.integrity import keys_in_box
 from .format.manifest import (
     PER_ARRAY_VERSION,
@@ -368,7 +368,7 @@ class SaveJob:
                 with contextlib.suppress(Exception):
                     pending.result()
             raise
-        integrity.write_process_table(db, written, f"p{me}", self._extents(local, me, written))
+        process_tables.write_process_table(db, written, f"p{me}", self._extents(local, me, written))
         if local is not None:
             store.sync_tree(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
         self._commit()

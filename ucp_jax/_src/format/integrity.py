@@ -15,8 +15,9 @@ atom, slot and chunk.
 Format version 3 (the aggregated layout, `aggregate.py`): chunks are values of an OCDBT
 database, and a fingerprint is taken the same way through it (byte-range reads of each value's
 tail); each process records every array it wrote in one table, `digests/p<k>.json` in its own
-database (`{"format": "ucp-digests/2", "writer": "p<k>", "arrays": {path: {key: fingerprint}}}`),
-so the tables are one object per process, not one per array.
+database (`{"format": "ucp-digests/2", "writer": "p<k>", "arrays": {path: {key: fingerprint}}}`,
+written and read by `process_tables.py`), so the tables are one object per process, not one per
+array.
 
 The tables are tied to the manifest: at commit, process 0 records the sha256 of every table in
 it (`Manifest.tables`, key relative to the data root: `digests/p0.json` in version 3,
@@ -170,12 +171,21 @@ def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[st
     local = _local_dir(kv)
     if local is not None:
         return _local_fingerprints(local, info, keys)
-    sharded = info.inner_chunks is not None
-    tail = _tail_size(info)
-    with ts.Batch() as batch:
-        futs = [kv.read(k, byte_range=slice(-tail, None), batch=batch) for k in keys]
+    return fingerprints_many(kv, [(info, keys)])
+
+
+def fingerprints_many(
+    kv: ts.KvStore, items: Sequence[tuple[SlotInfo, Sequence[str]]]
+) -> dict[str, str]:
+    """`fingerprints` of the chunks of many arrays of one kvstore (keys relative to `kv`, each
+    read with its array's `SlotInfo`), in the same two rounds of batched reads: one batch for
+    all of them, not one per array (an OCDBT database then reads its manifest once per round).
+    """
     tails: dict[str, bytes] = {}
-    for k, f in zip(keys, futs):
+    with ts.Batch() as batch:
+        futs = [(k, kv.read(k, byte_range=slice(-_tail_size(info), None), batch=batch))
+                for info, keys in items for k in keys]  # fmt: skip
+    for k, f in futs:
         try:
             r = f.result()
         except ValueError:  # shorter than its tail: a truncated file
@@ -183,17 +193,20 @@ def fingerprints(kv: ts.KvStore, info: SlotInfo, keys: Iterable[str]) -> dict[st
             continue
         if r.state == "value":
             tails[k] = bytes(r.value)
-    if not sharded:
-        return {k: f"{zlib.crc32(t):08x}" for k, t in tails.items()}
     reads: dict[str, list[Any]] = {}
     with ts.Batch() as batch:
-        for k, t in tails.items():
-            if len(t) != tail:
+        for info, keys in items:
+            if info.inner_chunks is None:
                 continue
-            reads[k] = [
-                kv.read(k, byte_range=slice(end - 4, end), batch=batch)
-                for end in _trailer_ends(t, info)
-            ]
+            tail = _tail_size(info)
+            for k in keys:
+                t = tails.get(k)
+                if t is None or len(t) != tail:
+                    continue
+                reads[k] = [
+                    kv.read(k, byte_range=slice(end - 4, end), batch=batch)
+                    for end in _trailer_ends(t, info)
+                ]
     out = {}
     for k, t in tails.items():
         crc = zlib.crc32(t)
@@ -402,92 +415,3 @@ def check(
                 f"(fingerprint {got.get(k, 'missing')}, recorded {table[k]}): it was swapped, "
                 "replaced or rewritten; the checkpoint is corrupt: restore an earlier one"
             )
-
-
-# --------------------------------------------------------- format version 3: one table per process
-
-PROCESS_DIGEST_FORMAT = "ucp-digests/2"
-
-
-def write_process_table(
-    db: Any,
-    keys: Mapping[SlotInfo, Iterable[str]],
-    writer: str,
-    extents: Mapping[str, tuple[str, int, int] | None] | None = None,
-) -> None:
-    """Format version 3: the fingerprints of every chunk `writer` wrote, all arrays in one object.
-
-    `db` is the writer's database (a `store.Location`); the table goes to `digests/<writer>.json`
-    in it, written even when empty (process 0's merge takes it as the sign the writer finished).
-    `extents`: where chunks lie in local data files (full key -> (path, offset, length), see
-    format/direct.py); those are fingerprinted with a few `pread`s each, the others with byte-range
-    reads through OCDBT.
-    """
-    kv = db.kv()
-    arrays: dict[str, dict[str, str]] = {}
-    for info, ks in keys.items():
-        ks = sorted(set(ks))
-        if not ks:
-            continue
-        full = [f"{info.path}/{k}" for k in ks]
-        got = extent_fingerprints({k: extents.get(k) for k in full}, info) if extents else {}
-        rest = [k for k in full if k not in got]
-        if rest:
-            got.update(fingerprints(kv, info, rest))
-        arrays[info.path] = {k: got[f"{info.path}/{k}"] for k in ks if f"{info.path}/{k}" in got}
-    doc = {"format": PROCESS_DIGEST_FORMAT, "writer": writer, "arrays": arrays}
-    kv.write(f"{DIGEST_DIR}/{writer}.json", json.dumps(doc, sort_keys=True).encode()).result()
-
-
-def read_process_tables(
-    kv: ts.KvStore, where: str, committed: Mapping[str, str] | None = None
-) -> dict[str, dict[str, str]]:
-    """Format version 3: every process's table, merged: array path -> chunk key -> fingerprint.
-
-    `committed`: the manifest's `tables` (each table's sha256 is checked against it).
-
-    Raises:
-        ChecksumError: a table is unreadable, two tables disagree on a chunk, or one is not the
-            one sealed in the manifest.
-    """
-    from .store import wrap_io_error
-
-    try:
-        listed = kv.list(ts.KvStore.KeyRange(DIGEST_DIR + "/", DIGEST_DIR + "0")).result()
-    except ValueError as e:
-        raise wrap_io_error(e, f"{where}: the fingerprint tables") from e
-    names = [k.decode() for k in listed]
-    with ts.Batch() as batch:
-        futs = [kv.read(k, batch=batch) for k in names]
-    results = []
-    for name, f in zip(names, futs):
-        try:
-            results.append(f.result())
-        except ValueError as e:
-            raise wrap_io_error(e, f"{where}: {name}") from e
-    out: dict[str, dict[str, str]] = {}
-    for name, r in zip(names, results):
-        try:
-            doc = read_json(bytes(r.value), f"{where}: {name}", error=ChecksumError)
-            ok = (
-                isinstance(doc, dict)
-                and doc.get("format") == PROCESS_DIGEST_FORMAT
-                and isinstance(doc.get("arrays"), dict)
-                and all(
-                    isinstance(t, dict) and all(isinstance(v, str) for v in t.values())
-                    for t in doc["arrays"].values()
-                )
-            )
-        except ChecksumError as e:
-            raise ChecksumError(f"{where}: {name} is not a readable fingerprint table ({e})") from e
-        if not ok:
-            raise ChecksumError(f"{where}: {name} is not a readable fingerprint table; damaged")
-        for path, chunks in doc["arrays"].items():
-            table = out.setdefault(path, {})
-            for k, v in chunks.items():
-                if table.setdefault(k, v) != v:
-                    raise ChecksumError(
-                        f"{where}: two fingerprint tables disagree on {path}/{k}; damaged"
-                    )
-    check_sealed({n: bytes(r.value) for n, r in zip(names, results)}, committed, "", where)
-    return out

@@ -35,6 +35,19 @@ def limit_malloc_arenas(n: int = 2) -> bool:
     return bool(mallopt(-8, int(n))) if mallopt is not None else False  # M_ARENA_MAX
 
 
+def release_large_buffers(threshold: int = 1 << 20) -> bool:
+    """Give allocations of `threshold` bytes or more their own mappings, unmapped when freed (as
+    MALLOC_MMAP_THRESHOLD_=threshold would), for this process.
+
+    glibc raises its mmap threshold as large buffers are freed (up to 32 MiB); buffers that big
+    then come from the heap and stay resident after they are freed, so a converter that decodes
+    32 MiB chunks one after another holds several of them at once. With the threshold fixed, a
+    freed buffer goes back to the system at once. Returns whether it applied (glibc only).
+    """
+    mallopt = getattr(libc(), "mallopt", None)
+    return bool(mallopt(-3, int(threshold))) if mallopt is not None else False  # M_MMAP_THRESHOLD
+
+
 def exchange(a: str, b: str) -> bool:
     """Swap two paths atomically (renameat2 with RENAME_EXCHANGE, Linux): a reader of either
     path finds one of the two, never nothing. Returns False where unsupported (nothing moved)."""

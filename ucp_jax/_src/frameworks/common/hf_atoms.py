@@ -118,7 +118,7 @@ def write_hf_atoms(ck: Checkpoint, w: AtomWriter, config: LlamaConfig) -> str:
                 box[axis] = (off, off + a.shape[axis])
                 off += a.shape[axis]
                 w.write(atom, slot, tuple(box), np.ascontiguousarray(a))
-        w.flush()
+        w.release_sources()  # this atom's pieces may go
     return layout
 
 

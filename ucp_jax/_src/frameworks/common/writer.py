@@ -2,33 +2,32 @@
 
 Importers hand over pieces of atoms as they read them (a box, or a flat range of a possibly
 TP-sliced, vocab-padded parameter); nothing is buffered here beyond the writes in flight, which
-are bounded in bytes. Uses the library's own store helpers, so `ucp.open`, `ucp.restore` and
-`ucp verify` read the result like any saved checkpoint.
+are bounded in bytes. The arrays go where a save puts them (format version 3 by default: one OCDBT
+database, `sink_aggregated`; version 2 with `UCP_LAYOUT=per-array`: `sink_per_array`), with the
+library's own store and commit helpers, so `ucp.open`, `ucp.restore` and `ucp verify` read the
+result like any saved checkpoint.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import math
-import os
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from ...errors import MismatchError, UnsafePathError
-from ...format import commit, integrity, space, store
+from ...format import commit, space, store
 from ...format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
-from ...mapping.boxes import Box, box_shape, to_slices
+from ...mapping.boxes import Box, box_shape
 from ...mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_to_json
 from ...untrusted.paths import check_component
 from ...util import config
 from ...util.dtypes import dtype_name
-from ...util.inflight import InflightWindow
+from .sink_aggregated import AggregatedSink
+from .sink_per_array import PerArraySink
 
 
 def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Box, int]]:
@@ -66,21 +65,26 @@ def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Box, i
     return out
 
 
-SETTLE_LAG = 8  # files written whose pages stay cached before they are settled (see _settle)
 IMPORT_SHARD_BYTES = 32 << 20  # importers write a shard in one go: small shards, bounded memory
 
 
 def import_chunks(
-    shape: Sequence[int], itemsize: int
+    shape: Sequence[int], itemsize: int, grid: Sequence[int] | None = None
 ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """Shard and inner chunk shapes of an imported slot: shards of whole trailing rows, <= 32 MiB.
 
     Shards split the leading axis first, so a flat range aligned to `flat_block` covers whole
-    shards and each shard file is written once (no read-modify-write).
+    shards and each shard file is written once (no read-modify-write). `grid`: the source's
+    chunk shape; shards are then cut inside its chunks (each written whole from one of them).
+
+    >>> import_chunks((16384, 4096), 4)[0], import_chunks((16384, 4096), 4, (4096, 2048))[0]
+    ((2048, 4096), (4096, 2048))
     """
     if not shape:
         return (), None
     outer = [max(int(d), 1) for d in shape]
+    if grid is not None and len(grid) == len(shape):
+        outer = [max(min(int(g), o), 1) for g, o in zip(grid, outer)]
     for j in range(len(outer)):
         while math.prod(outer) * itemsize > IMPORT_SHARD_BYTES and outer[j] > 1:
             outer[j] = -(-outer[j] // 2)
@@ -88,10 +92,37 @@ def import_chunks(
     return tuple(outer), inner
 
 
+def shard_pieces(
+    box: Box, data: np.ndarray, chunks: Sequence[int], axis: int = 0
+) -> Iterator[tuple[Box, np.ndarray]]:
+    """`box` (holding `data`) cut at shard boundaries, axis by axis, into pieces of at most
+    IMPORT_SHARD_BYTES (whole shards where the box holds them); a smaller box stays whole.
+
+    >>> big = np.zeros((4, 1 << 22), np.float32)  # 64 MiB, shards of 2 rows (32 MiB)
+    >>> [b for b, _ in shard_pieces(((0, 4), (0, 1 << 22)), big, (2, 1 << 22))]
+    [((0, 2), (0, 4194304)), ((2, 4), (0, 4194304))]
+    >>> [b for b, _ in shard_pieces(((0, 3), (0, 4)), np.zeros((3, 4)), (2, 2))]  # small: whole
+    [((0, 3), (0, 4))]
+    """
+    if data.nbytes <= IMPORT_SHARD_BYTES or axis >= len(box):
+        yield box, data
+        return
+    (lo, hi), c = box[axis], max(int(chunks[axis]), 1)
+    for a, b in itertools.pairwise([lo, *range((lo // c + 1) * c, hi, c), hi]):
+        cut = (*box[:axis], (a, b), *box[axis + 1 :])
+        yield from shard_pieces(cut, data[(slice(None),) * axis + (slice(a - lo, b - lo),)],
+                                chunks, axis + 1)  # fmt: skip
+
+
 class AtomWriter:
     """One imported checkpoint being written: create slots, write regions, commit.
 
-    Used as a context manager, an error before `commit` drops what was written.
+    It writes the layout `ucp.save` writes (`UCP_LAYOUT`, see `config.save_layout`): by default
+    format version 3, every array in one OCDBT database (`sink_aggregated`); `per-array` gives
+    format version 2, one file per chunk (`sink_per_array`). Either way the manifest, fingerprint
+    tables and COMMIT are those of a save, so `ucp.open`, `ucp.restore` and `ucp verify` read
+    the result like any saved checkpoint. Used as a context manager, an error before `commit`
+    drops what was written.
 
     >>> with AtomWriter("/tmp/ucp/imported") as w:  # doctest: +SKIP
     ...     w.write_flat("emb.weight", "fp32", (53, 24), np.float32, flat, start=0)
@@ -99,8 +130,26 @@ class AtomWriter:
     """
 
     def __init__(
-        self, dst: Any, *, overwrite: bool = False, max_inflight_bytes: int | None = None
+        self,
+        dst: Any,
+        *,
+        overwrite: bool = False,
+        max_inflight_bytes: int | None = None,
+        layout: str | None = None,
     ) -> None:
+        """Prepare the staging area of `dst` (refused if it holds a checkpoint, unless `overwrite`).
+
+        Args:
+            dst: where to write (local path, kvstore URL or spec, Location).
+            overwrite: replace a committed checkpoint at `dst`.
+            max_inflight_bytes: bytes of writes held in memory at once (default:
+                `UCP_IMPORT_INFLIGHT_BYTES`).
+            layout: 'aggregated' (format version 3) or 'per-array' (version 2); default
+                `UCP_LAYOUT`, else 'aggregated'.
+        """
+        layout = layout or config.save_layout()
+        if layout not in ("aggregated", "per-array"):
+            raise ValueError(f"import: layout must be 'aggregated' or 'per-array', not {layout!r}")
         self.loc = store.Location.parse(dst)
         if max_inflight_bytes is None:
             max_inflight_bytes = config.import_inflight_bytes()
@@ -111,20 +160,14 @@ class AtomWriter:
         self.staging = commit.Staging(self.loc, overwrite=overwrite)
         self.staging.check()
         self.staging.prepare()
-        # Local files: written without a sync each, their writeback started as each completes,
-        # all fsynced once before COMMIT (see store.sync_tree): durable, without a blocking
-        # fsync per file.
-        self._local = self.staging.target.local_path
-        self._context = store.CONTEXT if self._local is None else store.DEFERRED_SYNC_CONTEXT
-        self._written: collections.deque[tuple[str, SlotInfo]] = collections.deque()  # writeback on
-        # array path -> chunk key -> fingerprint taken before its pages were dropped (see commit)
-        self._known: dict[str, dict[str, tuple[str, int, int, int]]] = {}
-        self._settler: ThreadPoolExecutor | None = None
-        self._settling: list[Future[None]] = []
+        self.layout = layout
+        self._sink: AggregatedSink | PerArraySink = (
+            AggregatedSink(self.staging.target, self.budget)
+            if layout == "aggregated"
+            else PerArraySink(self.staging.target, self.budget)
+        )
         self.atoms: dict[str, dict[str, Any]] = {}
-        self._arrays: dict[tuple[str, str], Any] = {}
-        # (write future, what must stay alive until it lands, (atom, slot, box))
-        self._inflight: InflightWindow[tuple[Any, Any, Any]] = InflightWindow(self.budget)
+        self._arrays: dict[tuple[str, str], SlotInfo] = {}  # the created slots
 
     # ------------------------------------------------------------------------------- atoms
 
@@ -136,6 +179,7 @@ class AtomWriter:
         pattern: Sequence[Pattern] = (),
         fused: Sequence[FusedMark] = (),
         role: str | None = None,
+        grid: Sequence[int] | None = None,
     ) -> None:
         """Declare an atom (idempotent; the shape must not change).
 
@@ -146,6 +190,8 @@ class AtomWriter:
                 the manifest (e.g. `VocabPadded`, `Partitioned` for TP-sliced sources).
             fused: the sub-param fusions it holds (e.g. q, k, v concatenated).
             role: for an optimizer leaf that mirrors no parameter, e.g. 'ScaleByAdamState.count'.
+            grid: the chunk shape of the source array it is read from, when it is read chunk by
+                chunk: the slots' shards are cut inside those chunks (see `import_chunks`).
 
         Raises:
             UnsafePathError: the name cannot be an atom folder (not a string, empty, `.`, `..`,
@@ -158,7 +204,8 @@ class AtomWriter:
                 raise UnsafePathError(f"import: tensor name {name!r} is not a string")
             atom_dir(name)  # refuses names that cannot be a folder
             self.atoms[name] = {"shape": shape, "slots": {}, "pattern": chain_to_json(pattern),
-                                "fused": fused_marks_to_json(fused), "role": role}  # fmt: skip
+                                "fused": fused_marks_to_json(fused), "role": role,
+                                "grid": None if grid is None else tuple(grid)}  # fmt: skip
         elif a["shape"] != shape:
             raise MismatchError(
                 f"import: parameter {name!r} has shape {a['shape']} in one file and {shape} in "
@@ -168,23 +215,31 @@ class AtomWriter:
     def array(
         self, atom: str, slot: str, dtype: Any, *, slot_shape: Sequence[int] | None = None
     ) -> Any:
-        """The TensorStore array of one slot, created on first use."""
-        if (atom, slot) not in self._arrays:
-            self.create_many([(atom, slot, dtype, slot_shape)])
-        return self._arrays[(atom, slot)]
+        """The TensorStore array of one slot, created on first use (it reads what has landed:
+        `flush` first to read back what was written)."""
+        return self._sink.array(self._slot(atom, slot, dtype, slot_shape))
 
-    def _slot_spec(
+    def _slot(
+        self, atom: str, slot: str, dtype: Any, slot_shape: Sequence[int] | None = None
+    ) -> SlotInfo:
+        """The SlotInfo of one slot, created on first use."""
+        info = self._arrays.get((atom, slot))
+        if info is None:
+            self.create_many([(atom, slot, dtype, slot_shape)])
+            info = self._arrays[(atom, slot)]
+        return info
+
+    def _slot_info(
         self, atom: str, slot: str, dtype: Any, slot_shape: Sequence[int] | None
-    ) -> tuple[SlotInfo, dict[str, Any]]:
-        """The SlotInfo and TensorStore spec of one slot (its own shape, or the atom's)."""
+    ) -> tuple[tuple[int, ...], SlotInfo]:
+        """The shape and SlotInfo of one slot (its own shape, or the atom's)."""
         a = self.atoms[atom]
         check_component(slot, f"import: atom {atom!r}: slot")
         shape = a["shape"] if slot_shape is None else tuple(int(d) for d in slot_shape)
         dt = np.dtype(dtype)
-        chunks, inner = import_chunks(shape, dt.itemsize)
         own = None if shape == a["shape"] else shape
-        info = SlotInfo(dtype_name(dt), f"{atom_dir(atom)}/{slot}", chunks, inner, own)
-        return info, store.array_spec(self.staging.target, shape, info)
+        chunks, inner = import_chunks(shape, dt.itemsize, None if own else a.get("grid"))
+        return shape, SlotInfo(dtype_name(dt), f"{atom_dir(atom)}/{slot}", chunks, inner, own)
 
     def create_many(self, slots: Sequence[tuple[str, str, Any, Sequence[int] | None]]) -> None:
         """Create many slots at once, concurrently: (atom, slot, dtype, slot shape or None).
@@ -192,14 +247,15 @@ class AtomWriter:
         Creating arrays one by one pays the storage's latency (metadata write + sync) per array;
         importers that know their atoms up front create them all in one go.
         """
-        futs = []
+        todo: dict[tuple[str, str], tuple[tuple[int, ...], SlotInfo]] = {}
         for atom, slot, dtype, slot_shape in slots:
-            if (atom, slot) in self._arrays:
-                continue
-            info, spec = self._slot_spec(atom, slot, dtype, slot_shape)
-            futs.append((atom, slot, info, ts.open(spec, create=True, context=self._context)))
-        for atom, slot, info, fut in futs:
-            self._arrays[(atom, slot)] = fut.result()
+            if (atom, slot) not in self._arrays and (atom, slot) not in todo:
+                todo[(atom, slot)] = self._slot_info(atom, slot, dtype, slot_shape)
+        if not todo:
+            return
+        self._sink.create(list(todo.values()))
+        for (atom, slot), (_, info) in todo.items():
+            self._arrays[(atom, slot)] = info
             self.atoms[atom]["slots"][slot] = info
 
     def flat_block(self, atom: str, slot: str) -> int | None:
@@ -219,26 +275,22 @@ class AtomWriter:
     # ------------------------------------------------------------------------------ writing
 
     def write(self, atom: str, slot: str, box: Box, data: np.ndarray, *, keep: Any = None) -> None:
-        """Write `data` into `box` of a slot (created with data's dtype if new)."""
-        arr = self.array(atom, slot, data.dtype)
-        data = np.asarray(data).reshape(box_shape(box))
-        rows = self.atoms[atom]["slots"][slot].chunks[0] if box else 0
-        if data.nbytes <= IMPORT_SHARD_BYTES or not rows:
-            pieces = [(box, data)]
-        else:  # shard by shard through the in-flight window: TensorStore copies what it writes
-            (lo, hi), rest = box[0], tuple(box[1:])
-            cuts = [lo, *range((lo // rows + 1) * rows, hi, rows), hi]
-            pieces = [(((a, b), *rest), data[a - lo : b - lo]) for a, b in itertools.pairwise(cuts)]
-        for piece_box, piece in pieces:
-            fut = arr[to_slices(piece_box)].write(piece)
-            item = (fut, (piece, keep), (atom, slot, piece_box))
-            for done in self._inflight.push(item, piece.nbytes):
-                self._retire(done)
+        """Write `data` into `box` of a slot (created with data's dtype if new).
+
+        A box larger than a shard is handed over shard by shard (TensorStore copies what it
+        writes, so memory holds the source and the writes within the budget, not a second copy
+        of the whole box). `data` (and `keep`) must stay unchanged until `release_sources` or
+        `flush` returns (or the writer commits).
+        """
+        data = np.asarray(data)
+        info = self._slot(atom, slot, data.dtype)
+        for piece_box, piece in shard_pieces(box, data.reshape(box_shape(box)), info.chunks):
+            self._sink.write(info, piece_box, piece, keep)
 
     def write_scalar(self, atom: str, slot: str, value: Any) -> None:
         """A scalar slot (e.g. `step`) of an atom of any shape."""
         data = np.asarray(value)
-        self.array(atom, slot, data.dtype, slot_shape=())
+        self._slot(atom, slot, data.dtype, slot_shape=())
         self.write(atom, slot, (), data)
 
     def write_flat(
@@ -274,61 +326,15 @@ class AtomWriter:
                 continue
             self.write(atom, slot, tuple(target), piece[tuple(cut)], keep=keep)
 
-    def _retire(self, item: tuple[Any, Any, Any]) -> None:
-        fut, _, (atom, slot, box) = item
-        fut.commit.result()
-        if self._local is not None:
-            info = self.atoms[atom]["slots"][slot]
-            for path in self._shard_files(atom, slot, box):
-                store.start_writeback(path)
-                self._written.append((path, info))
-            self._settle(SETTLE_LAG)
-
-    def _settle(self, lag: int) -> None:
-        """Wait for the writeback of all but the newest `lag` files and drop their pages, on a
-        background thread (see store.settle_file)."""
-        while len(self._written) > lag:
-            if self._settler is None:
-                self._settler = ThreadPoolExecutor(1, thread_name_prefix="ucp-settle")
-            path, info = self._written.popleft()
-            self._settling.append(self._settler.submit(self._fingerprint_and_settle, path, info))
-        done = [f for f in self._settling if f.done()]
-        for f in done:
-            f.result()
-            self._settling.remove(f)
-
-    def _fingerprint_and_settle(self, path: str, info: SlotInfo) -> None:
-        """Background: fingerprint a written file while its pages are hot, then settle it."""
-        found = integrity.local_fingerprint(path, info)
-        if found is not None and self._local is not None:
-            key = os.path.relpath(path, os.path.join(self._local, info.path))
-            self._known.setdefault(info.path, {})[key] = found
-        store.settle_file(path)
-
-    def _stop_settling(self) -> None:
-        try:
-            for f in self._settling:
-                f.result()
-        finally:
-            self._settling.clear()
-            if self._settler is not None:
-                self._settler.shutdown(wait=True)
-                self._settler = None
-
-    def _shard_files(self, atom: str, slot: str, box: Box) -> list[str]:
-        """The local shard files a write of `box` into a slot touched."""
-        info = self.atoms[atom]["slots"][slot]
-        assert self._local is not None
-        ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, info.chunks)]
-        return [
-            os.path.join(self._local, info.path, store.chunk_key(idx))
-            for idx in itertools.product(*ranges)
-        ]
-
     def flush(self) -> None:
-        """Wait until every write issued so far is durable (and its source may be released)."""
-        for item in self._inflight.drain():
-            self._retire(item)
+        """Wait until every write issued so far has landed (and its source may be released)."""
+        self._sink.flush()
+
+    def release_sources(self) -> None:
+        """Wait until no write issued so far reads from its source: the sources may then be
+        freed, reused or unmapped. Cheaper than `flush` with format version 3, where the writes
+        land later, in large transactions (a `flush` commits the open one)."""
+        self._sink.release_sources()
 
     # ------------------------------------------------------------------------------- commit
 
@@ -346,20 +352,12 @@ class AtomWriter:
         `rules` / `leaves`: the manifest's rules and leaf records, when the importer mapped the
         source's leaves with rules (restore uses them when it is given none).
         """
-        self.flush()
-        if self._local is not None:
-            self._settle(0)
-            self._stop_settling()
         written = {
             info: store.expected_chunk_keys(a["shape"] if info.shape is None else info.shape, info)
             for a in self.atoms.values()
             for info in a["slots"].values()
         }
-        commit.record_fingerprints(
-            self.staging.target, written, "p0", self._known, deferred_sync=self._local is not None
-        )  # sync_tree follows
-        if self._local is not None:
-            store.sync_tree(self._local)
+        self._sink.finish(written)
         atoms = {}
         for name, a in self.atoms.items():
             if not a["slots"]:
@@ -371,7 +369,7 @@ class AtomWriter:
             )  # fmt: skip
         src = {**source_header(), **source}
         manifest = Manifest(step=step, atoms=atoms, source=src, extra=extra, rules=rules or [],
-                            leaves=leaves or {})  # fmt: skip
+                            leaves=leaves or {}, version=self._sink.version)  # fmt: skip
         self.staging.commit(manifest)
         return self.loc.url
 
@@ -393,9 +391,7 @@ class AtomWriter:
     def abort(self) -> None:
         """Drop what was written (the destination is left as it was)."""
         with contextlib.suppress(Exception):
-            self.flush()
-        with contextlib.suppress(Exception):
-            self._stop_settling()
+            self._sink.abort()
         self.staging.abandon()  # its own staging folder only, and the path's lock released
 
 

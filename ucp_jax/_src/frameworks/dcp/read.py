@@ -112,7 +112,7 @@ def import_dcp(
                     box = tuple((o, o + s) for o, s in zip(offs, sizes))
                     w.write(atom, slot, box, to_numpy(t.reshape(sizes)), keep=t)
                     bar.advance(t.numel() * t.element_size())
-                w.flush()
+                w.release_sources()
             for fqn, meta in entries.items():
                 if isinstance(meta, BytesStorageMetadata):
                     info = md.storage_data.get(MetadataIndex(fqn))

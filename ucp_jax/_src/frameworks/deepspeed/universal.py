@@ -74,7 +74,7 @@ def import_deepspeed_universal(
         try:
             for name in params:
                 _import_param(w, os.path.join(zero, name), name, shapes, step, bar)
-                w.flush()
+                w.release_sources()
             run = _run(folder, found_tag, meta, osd)
             return w.commit(step=run.step(), source=deepspeed_source(run, "universal"))
         finally:

@@ -153,7 +153,7 @@ def import_hf(
             read += srcs
             nread += sum(a.nbytes for a in arrays)
             if nread > RELEASE_BYTES:  # bounded memory: written, so their pages can go
-                w.flush()
+                w.release_sources()
                 _release(tensors, read)
                 read, nread = [], 0
         files = sorted({os.path.basename(sf.path) for sf in tensors.values()})

@@ -155,7 +155,7 @@ def import_safetensors(
                             f"{spec.axis} ({[x.shape for x in arrays]})"
                         )
                 write_concatenated(w, atom, arrays, spec.axis, want)
-                w.flush()
+                w.release_sources()
         files = sorted({os.path.basename(sf.path) for sf in tensors.values()})
         meta = next(iter(tensors.values())).metadata if tensors else {}
         source = {

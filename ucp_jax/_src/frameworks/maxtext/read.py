@@ -164,8 +164,8 @@ def _write_atom(
                 rows = model.raw_rows(x)
                 w.write(atom, name, ((lo, hi), (0, rows.shape[1])), rows)
                 exact = True
-        if exact or not aligned:
-            w.flush()  # blocks that share a shard file: one after the other
+        if (exact or not aligned) and w.layout == "per-array":
+            w.flush()  # version 2: blocks that share a shard file, one after the other
 
 
 @ucp_errors(MaxTextFormatError, "import_maxtext")

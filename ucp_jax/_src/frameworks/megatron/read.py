@@ -276,7 +276,7 @@ def import_megatron(
                         w.atom(name, m.shape, fused=fused_of(cfg, name))
                         write_rows(w, name, slot, m)
                     del t
-                w.flush()
+                w.release_sources()
         if step is None:
             step = _step_of(common)
         info: dict[str, Any] = {"path": os.path.abspath(folder), "heads": cfg.n_heads,

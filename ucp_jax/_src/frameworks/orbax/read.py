@@ -16,10 +16,12 @@ Names follow `mapping.names`: NNX `{"value": x}` wrappers and a lone Linen `para
 are not part of atom names. `rules` map leaves to atoms as in `ucp.save` (e.g. `ucp.Stacked` to
 import a scanned `[layers, ...]` leaf as per-layer atoms).
 
-Streaming: each array is read by TensorStore (through the spec Orbax reads it with) in blocks of
-at most 32 MiB, a bounded number of bytes ahead, and each block goes straight into the atoms'
-arrays (`AtomWriter`: digests, integrity tables, COMMIT). Peak host memory is about
-`2 * max_inflight_bytes` plus one block, whatever the checkpoint's size.
+Streaming: each array is read by TensorStore (through the spec Orbax reads it with) chunk by
+chunk (Orbax's chunks, each decoded once; blocks of at most 32 MiB for a leaf with a pattern or
+huge chunks), half the budget ahead, and each block goes straight into the atoms' arrays
+(`AtomWriter`: digests, integrity tables, COMMIT), whose shards are cut inside Orbax's chunks so
+that each is written whole, once. Peak host memory is about `2 * max_inflight_bytes` plus a few
+blocks, whatever the checkpoint's size.
 
 >>> ucp.import_orbax("/ckpt/1000", "/tmp/ucp/step_1000")  # doctest: +SKIP
 """
@@ -44,6 +46,7 @@ from ..common.orbax_source import OrbaxArray, OrbaxImportError, OrbaxSource, ope
 from ..common.writer import AtomWriter, import_chunks
 
 OCDBT_CACHE_BYTES = 16 << 20
+MAX_CHUNK_BLOCK = 128 << 20  # source chunks up to this big are read whole, one at a time
 MAX_ELEMENTS = 1 << 48  # of one array; more is a damaged or hostile shape
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -159,6 +162,31 @@ class _Reader:
                 f"{a.item}: cannot read the step ({a.name!r}): {str(e)[:300]}; damaged"
             ) from e
 
+    def grid(self, b: LeafBinding) -> tuple[int, ...] | None:
+        """The source's chunk shape of a leaf imported as it is (one atom, no pattern), when its
+        chunks are small enough to be read whole: blocks are then whole chunks, each decoded once
+        (a compressed chunk is decoded whole for any part of it), and the atom's shards are cut
+        inside them; else None (blocks of the atom's own shards)."""
+        if b.chain or not b.shape:
+            return None
+        shape = self.arrays[b.name].chunk_layout.write_chunk.shape
+        if shape is None or len(shape) != len(b.shape):
+            return None
+        grid = tuple(max(1, min(int(c), int(d))) for c, d in zip(shape, b.shape))
+        if int(np.prod(grid, dtype=np.int64)) * b.dtype.itemsize > MAX_CHUNK_BLOCK:
+            return None
+        return grid
+
+    def blocks(self, b: LeafBinding) -> list[Box]:
+        """The boxes a leaf is read in: its source chunks (see `grid`), or import shards."""
+        grid = self.grid(b)
+        if grid is None:
+            return leaf_blocks(b.shape, b.dtype.itemsize)
+        out: list[Box] = [()]
+        for d, c in zip(b.shape, grid):
+            out = [(*x, (lo, min(lo + c, int(d)))) for x in out for lo in range(0, int(d), c)]
+        return out
+
     def read(self, b: LeafBinding, box: Box) -> Any:
         return self.arrays[b.name][to_slices(box)].read()
 
@@ -179,7 +207,7 @@ class _Reader:
         window: collections.deque[tuple[LeafBinding, Box, Any, int]] = collections.deque()
         ahead = 0
         for b in bindings:
-            for box in leaf_blocks(b.shape, b.dtype.itemsize):
+            for box in self.blocks(b):
                 n = int(np.prod([hi - lo for lo, hi in box], dtype=np.int64)) * b.dtype.itemsize
                 while window and ahead + n > budget:
                     b0, box0, fut0, n0 = window.popleft()
@@ -192,11 +220,11 @@ class _Reader:
             yield b0, box0, self.result(b0, fut0)
 
 
-def _declare(w: AtomWriter, b: LeafBinding) -> None:
-    """Declare the atoms of a leaf, as `ucp.save` records them."""
+def _declare(w: AtomWriter, b: LeafBinding, grid: tuple[int, ...] | None) -> None:
+    """Declare the atoms of a leaf, as `ucp.save` records them (shards inside `grid`)."""
     for atom, (shape, fused) in b.atoms().items():
         fresh = atom not in w.atoms
-        w.atom(atom, shape, pattern=tuple(b.chain), fused=fused, role=b.role)
+        w.atom(atom, shape, pattern=tuple(b.chain), fused=fused, role=b.role, grid=grid)
         if not fresh and w.has(atom, b.slot):
             raise MismatchError(
                 f"import_orbax: leaves map twice to atom {atom!r} slot {b.slot!r} (the second: "
@@ -243,7 +271,7 @@ def import_orbax(
             in the manifest, so a restore into the same layout needs none.
         step: the step to take from a CheckpointManager root (default: the latest).
         overwrite: replace an existing checkpoint at `dst`.
-        max_inflight_bytes: bytes read ahead, and bytes of writes in flight (each).
+        max_inflight_bytes: bytes of writes in flight; half of it is read ahead.
 
     Returns:
         The location of the written checkpoint.
@@ -289,8 +317,10 @@ def import_orbax(
     step_value = source.step if step_leaf is None else reader.scalar(source, step_leaf)
     with AtomWriter(dst, overwrite=overwrite, max_inflight_bytes=budget) as w:
         for b in bindings:
-            _declare(w, b)
-        for b, box, data in reader.stream(bindings, budget):
+            _declare(w, b, reader.grid(b))
+        # half the budget read ahead: a block costs about three times its size while it is read
+        # (the compressed chunk, the decoded one, the block copied out of it)
+        for b, box, data in reader.stream(bindings, max(budget // 2, 1)):
             whole = True
             for p in b.pieces(box):
                 if p.atom is None:
@@ -298,8 +328,8 @@ def import_orbax(
                 part = data[relative_slices(p.leaf_box, box)]
                 w.write(p.atom, b.slot, p.atom_box, p.leaf_to_atom(part), keep=data)
                 whole = whole and p.atom_box == full_box(p.atom_shape)
-            if b.chain and not whole:
-                w.flush()  # blocks that share a shard file: one after the other
+            if b.chain and not whole and w.layout == "per-array":
+                w.flush()  # version 2: blocks that share a shard file, one after the other
         source_info = {
             "framework": "orbax",
             "orbax": {
@@ -326,6 +356,10 @@ def convert_main(args: Any) -> int:
         from ...util.libc import limit_malloc_arenas
 
         limit_malloc_arenas(2)
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # freed chunk buffers go back at once
+        from ...util.libc import release_large_buffers
+
+        release_large_buffers()
     t0 = time.perf_counter()
     import_orbax(args.src, args.dst, item=args.item, step=args.step, overwrite=args.overwrite)
     ck = Checkpoint(args.dst)  # DST, not the returned path: a kvstore spec keeps its endpoint

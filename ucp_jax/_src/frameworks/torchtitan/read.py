@@ -232,7 +232,7 @@ def import_torchtitan(
                     N.to_atom_part(ts[0], cfg, parts[0][0], "torchtitan")  # fmt: skip
                 w.atom(atom, tuple(m.shape), fused=fused)
                 write_rows(w, atom, slot, m)
-            w.flush()
+            w.release_sources()
         kept = _kept(objects, folder)
         if step is None and isinstance(kept["train_state"].get("step"), int):
             step = kept["train_state"]["step"]

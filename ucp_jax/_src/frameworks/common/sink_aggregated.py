@@ -1,0 +1,261 @@
+"""Format version 3 for importers (the default): every array in one OCDBT database, as `ucp.save`.
+
+An import is one writing process: its arrays and chunks go to `ocdbt.p0/` under the staging
+folder (`aggregate.process_db`), its fingerprint table to `digests/p0.json` in that database, and
+`commit.Staging.commit` merges it into the root database before the manifest and COMMIT, exactly
+as for a save (see format/aggregate.py). Writes go into TensorStore transactions of about a quarter
+of the in-flight budget; a transaction is committed (its chunks written as one data file) once it
+is that full and every shard it touched is whole, so a shard file is written once, not rewritten
+by the next transaction; up to MAX_COMMITTING transactions write their data files while the next
+one fills, as long as what they hold and the next one's share stay within the budget (a transaction
+as large as the budget, one shard of 32 MiB under a smaller budget, lands before the next fills).
+Local data files are written without an fsync each: as each transaction lands, the
+writeback of its new data files starts, and a background thread fingerprints its shards (their
+pages still hot) and then waits for that writeback and drops the pages (`store.settle_file`: hot
+pages are recycled instead of fresh memory taken for every byte written, which is most of the cost
+of writing on a VM); one `store.sync_tree` pass over the database makes everything durable before
+the table is final and COMMIT is written.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import math
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import tensorstore as ts
+
+from ...format import aggregate, integrity, process_tables, store
+from ...format.manifest import SlotInfo
+from ...mapping.boxes import Box, to_slices
+
+TXN_SHARE = 4  # a transaction is committed once it holds budget / TXN_SHARE bytes and every
+# shard it touched is whole, or once it holds the whole budget (a shard left open is rewritten)
+MAX_COMMITTING = 2  # transactions writing their data files while the next one fills (at most:
+# their bytes and the next one's budget / TXN_SHARE stay within the budget)
+SETTLE_MIN_BYTES = 1 << 20  # data files smaller than this (B-tree nodes, small values) stay cached
+
+Shard = tuple[str, tuple[int, ...]]  # (array path, shard grid index)
+
+
+class AggregatedSink:
+    """Where an `AtomWriter` of format version 3 puts its arrays (this process: `p0`)."""
+
+    version = aggregate.AGGREGATED_VERSION
+
+    def __init__(self, target: store.Location, budget: int) -> None:
+        self.target = target
+        self.local = target.local_path
+        self.budget = max(int(budget), 1)
+        ctx = aggregate.fresh_context(deferred_sync=self.local is not None)
+        self.db = aggregate.process_db(target, 0, ctx)
+        self._base: dict[str, Any] = {}  # array path -> array (no transaction; writes bind it)
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._txn = ts.Transaction()
+        self._bound: dict[str, Any] = {}  # array path -> array bound to the open transaction
+        self._dirty = False
+        self._staged = 0  # bytes written into the open transaction
+        # (write future, its source, bytes) until copied: a transaction commits once its copies
+        # are done (TensorStore waits for them), so committing does not wait here
+        self._copies: collections.deque[tuple[Any, Any, int]] = collections.deque()
+        self._copying = 0  # bytes of sources not copied yet
+        self._touched: set[Shard] = set()  # shards the open transaction writes into
+        self._left: dict[Shard, int] = {}  # elements of a shard not written yet (when > 0)
+        # (commit future, shards it wrote, bytes it holds) of the transactions landing
+        self._committing: collections.deque[tuple[Any, set[Shard], int]] = collections.deque()
+        self._landing = 0  # bytes the landing transactions hold
+        self._creating: list[Any] = []  # array creations of the open transaction
+        self._infos: dict[str, SlotInfo] = {}
+        # array path -> chunk key -> fingerprint taken after the chunk's last write landed
+        self._fps: dict[str, dict[str, str]] = {}
+        self._files = (os.path.join(self.local, f"{aggregate.PROCESS_PREFIX}0", "d")
+                       if self.local is not None else None)  # fmt: skip
+        self._seen: set[str] = set()  # data files already handed to the settler
+        self._settler: ThreadPoolExecutor | None = None
+        self._settling: collections.deque[Future[None]] = collections.deque()
+
+    # ---------------------------------------------------------------------------- arrays
+
+    def create(self, items: Sequence[tuple[tuple[int, ...], SlotInfo]]) -> None:
+        """Create arrays (shape, slot info) in the open transaction, concurrently.
+
+        Their metadata is written in the background (each creation first looks the array up in
+        the database: a read an importer that declares atoms one by one would otherwise wait
+        for, per atom); the transaction waits for it before it commits. Writes go through
+        handles that assume the metadata, so they need not wait.
+        """
+        futs = []
+        for shape, info in items:
+            spec = store.array_spec(self.db, shape, info)
+            opening = ts.open(spec, create=True, context=self.db.ctx, transaction=self._txn)
+            self._creating.append(opening)
+            futs.append((shape, info, store.open_array_async(self.db, shape, info, write=True)))
+        for shape, info, base in futs:
+            self._base[info.path] = base.result()
+            self._shapes[info.path] = tuple(shape)
+            self._infos[info.path] = info
+            self._dirty = True
+
+    def array(self, info: SlotInfo) -> Any:
+        """A created slot's array (it reads what has landed: see `flush`)."""
+        return self._base[info.path]
+
+    # ---------------------------------------------------------------------------- writing
+
+    def write(self, info: SlotInfo, box: Box, data: Any, keep: Any) -> None:
+        arr = self._bound.get(info.path)
+        if arr is None:
+            arr = self._bound[info.path] = self._base[info.path].with_transaction(self._txn)
+        fut = arr[to_slices(box)].write(data)
+        self._copies.append((fut, (data, keep), data.nbytes))
+        self._copying += data.nbytes
+        while self._copies and (self._copies[0][0].copy.done() or self._copying > self.budget):
+            self._copied()
+        self._dirty = True
+        self._staged += data.nbytes
+        self._cover(info, box)
+        if self._staged >= self.budget // TXN_SHARE and (
+            self._staged >= self.budget or not self._open_shards()
+        ):
+            self._commit_open()
+
+    def _cover(self, info: SlotInfo, box: Box) -> None:
+        """Count the elements of each shard `box` writes (a shard is whole at zero left)."""
+        shape = self._shapes[info.path]
+        chunks = info.chunks
+        ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, chunks)]
+        for idx in itertools.product(*ranges):
+            key = (info.path, idx)
+            lo_hi = [(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape)]
+            left = self._left.get(key)
+            if left is None:
+                left = math.prod(b - a for a, b in lo_hi)
+            got = math.prod(max(0, min(hi, b) - max(lo, a)) for (lo, hi), (a, b) in zip(box, lo_hi))
+            if left - got > 0:
+                self._left[key] = left - got
+            else:
+                self._left.pop(key, None)
+            self._touched.add(key)
+
+    def _open_shards(self) -> bool:
+        return any(k in self._left for k in self._touched)
+
+    def release_sources(self) -> None:
+        """Every write issued so far has been copied out of its source (which may be released);
+        the writes land when their transaction commits (see `flush`)."""
+        while self._copies:
+            self._copied()
+
+    def _copied(self) -> None:
+        """Wait until the oldest write's source is copied; drop it."""
+        fut, _, n = self._copies.popleft()
+        self._copying -= n
+        fut.copy.result()
+
+    def _commit_open(self) -> None:
+        """Commit the open transaction (in the background) and open the next one."""
+        if not self._dirty:
+            return
+        # A shard this transaction shares with one still committing: that one lands first, so
+        # the read-modify-write of the shard starts from what it wrote.
+        last = max((i for i, (_, keys, _) in enumerate(self._committing) if keys & self._touched),
+                   default=-1)  # fmt: skip
+        for _ in range(last + 1):
+            self._retire()
+        for opening in self._creating:
+            opening.result()
+        self._creating.clear()
+        self._committing.append((self._txn.commit_async(), self._touched, self._staged))
+        self._landing += self._staged
+        self._txn, self._bound, self._touched = ts.Transaction(), {}, set()
+        self._staged, self._dirty = 0, False
+        # The landing transactions hold their bytes until written (and encode them on the way):
+        # bounded by count and by bytes, so that the next one's share still fits the budget.
+        while len(self._committing) > MAX_COMMITTING or (
+            self._committing and self._landing > self.budget - self.budget // TXN_SHARE
+        ):
+            self._retire()
+
+    def _retire(self) -> None:
+        """Wait until the oldest landing transaction has committed; its shards then go to the
+        settle thread (fingerprints, writeback)."""
+        fut, shards, n = self._committing.popleft()
+        self._landing -= n
+        fut.result()
+        if self._files is None:
+            return
+        if self._settler is None:
+            self._settler = ThreadPoolExecutor(1, thread_name_prefix="ucp-settle")
+        self._settling.append(self._settler.submit(self._fingerprint_and_settle, shards))
+        while self._settling and self._settling[0].done():
+            self._settling.popleft().result()
+
+    def _fingerprint_and_settle(self, shards: set[Shard]) -> None:
+        """Background: start the writeback of the data files a landed transaction wrote,
+        fingerprint its shards while their pages are hot, then wait for the writeback and drop
+        the pages."""
+        assert self._files is not None
+        new = sorted(set(store.listdir(self._files)) - self._seen)
+        self._seen.update(new)
+        paths = [os.path.join(self._files, n) for n in new]
+        for path in paths:
+            store.start_writeback(path)
+        by_array: dict[str, list[str]] = {}
+        for path, idx in shards:
+            by_array.setdefault(path, []).append(f"{path}/{store.chunk_key(idx)}")
+        items = [(self._infos[p], keys) for p, keys in by_array.items()]
+        got = integrity.fingerprints_many(self.db.kv(), items)
+        for p, keys in by_array.items():
+            table = self._fps.setdefault(p, {})
+            for k in keys:
+                if k in got:
+                    table[k[len(p) + 1 :]] = got[k]
+        for path in paths:
+            with contextlib.suppress(OSError):
+                if os.path.getsize(path) >= SETTLE_MIN_BYTES:
+                    store.settle_file(path)
+
+    def _stop_settling(self) -> None:
+        try:
+            while self._settling:
+                self._settling.popleft().result()
+        finally:
+            self._settling.clear()
+            if self._settler is not None:
+                self._settler.shutdown(wait=True)
+                self._settler = None
+
+    def flush(self) -> None:
+        """Every write issued so far has landed (the open transaction is committed, and every
+        transaction has committed) and no longer holds its source."""
+        self._commit_open()
+        while self._committing:
+            self._retire()
+        self.release_sources()  # copied before their transactions committed: nothing to wait for
+
+    # ----------------------------------------------------------------------------- finish
+
+    def finish(self, written: dict[SlotInfo, set[str]]) -> None:
+        """Land everything, write this process's fingerprint table, then (local files) fsync the
+        process database once, before the caller's COMMIT."""
+        self.flush()
+        self._stop_settling()
+        process_tables.write_process_table(self.db, written, "p0", known=self._fps)
+        if self.local is not None:
+            store.sync_tree(os.path.join(self.local, f"{aggregate.PROCESS_PREFIX}0"))
+
+    def abort(self) -> None:
+        """Drop the open transaction and let the committing ones end, quietly."""
+        self._creating.clear()
+        with contextlib.suppress(Exception):
+            self._txn.abort()
+        while self._committing:
+            with contextlib.suppress(Exception):
+                self._retire()
+        with contextlib.suppress(Exception):
+            self._stop_settling()
