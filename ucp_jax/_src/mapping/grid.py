@@ -106,7 +106,7 @@ def grid_plan(info: MeshInfo, spec: tuple[Any, ...], shape: tuple[int, ...]) -> 
     counts, size, index = [], [], []
     for dim, ax in zip(shape, axes):
         n = math.prod(sizes[a] for a in ax)
-        if n == 0 or dim % n:
+        if n == 0 or dim % n or (dim == 0 and n > 1):  # uneven, or empty shards (one box)
             return None
         i = np.zeros(coords.shape[1], dtype=np.int64)
         for a in ax:
@@ -158,6 +158,26 @@ def local_regions(plan: GridPlan, local: Sequence[tuple[int, Any]], salt: int, i
         else:  # slab i of its shard is written by the replica of rank (salt + k + i) % r
             out.append((slab(box, *split, (q - salt - k) % r), dev, box))
     out.sort(key=lambda t: (t[2], t[0]))
+    return out
+
+
+def axis_intervals(
+    plan: GridPlan, itemsize: int, shape: Sequence[int]
+) -> list[tuple[tuple[int, int], ...]]:
+    """Per array axis, the distinct intervals of the job's writer regions along it.
+
+    Every combination of one interval per axis is one writer region (of some process): the
+    grid's cells, or, where replicated shards are split among their replicas, their slabs (the
+    same axis and slab size in every cell). Their ends are `cuts`.
+    """
+    out = [tuple((k * s, (k + 1) * s) for k in range(n)) if s else ((0, 0),)
+           for n, s in zip(plan.counts, plan.size)]  # fmt: skip
+    r = plan.replicas
+    if r > 1 and math.prod(plan.size) * itemsize >= SPLIT_MIN_BYTES:
+        split = split_axis(plan.box(0), r)
+        if split is not None:
+            ax, step = split
+            out[ax] = tuple((k * step, (k + 1) * step) for k in range(int(shape[ax]) // step))
     return out
 
 
