@@ -57,6 +57,9 @@ class SavePlan:
         if self.mesh_info is not None and isinstance(b.sharding, jax.sharding.NamedSharding):
             info = self.mesh_info(b.sharding.mesh)
         tasks, cuts = plan_writes(b, info)
+        grids: dict[
+            tuple[Any, ...], tuple[Any, tuple[tuple[int, ...], tuple[int, ...] | None]]
+        ] = {}
         for atom, (shape, fused) in b.atoms().items():
             entry = self.atoms.setdefault(atom, {"shape": shape, "slots": {}, "pattern": [],
                                                  "leaf": b.name, "fused": [], "role": b.role})  # fmt: skip
@@ -75,9 +78,11 @@ class SavePlan:
                 entry["pattern"] = chain_to_json(b.chain)
                 entry["fused"] = fused_marks_to_json(fused)
                 entry["leaf"] = b.name
-            chunks, inner = store.choose_chunks(
-                shape, b.dtype.itemsize, cuts.get(atom, [set() for _ in shape])
-            )
+            bounds = cuts.get(atom, [set() for _ in shape])
+            key = (shape, *map(id, bounds))  # atoms of a leaf often share their boundary sets
+            if key not in grids:  # (the sets are kept with the grid: their ids stay theirs)
+                grids[key] = (bounds, store.choose_chunks(shape, b.dtype.itemsize, bounds))
+            chunks, inner = grids[key][1]
             info_ = SlotInfo(dtype_name(b.dtype), f"{atom_dir(atom)}/{b.slot}", chunks, inner)
             entry["slots"][b.slot] = info_
             self.slots[(atom, b.slot)] = (shape, info_)

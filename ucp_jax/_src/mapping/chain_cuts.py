@@ -87,7 +87,7 @@ def chain_cuts(
     dims = tuple(int(d) for d in shape)
     full = full_box(dims)
     root = Node(ctx.base or ctx.name, full, dims, full, tuple(range(len(dims))))
-    lanes = [_Lane(root, tuple(tuple(dict.fromkeys(a)) for a in axes))]
+    lanes = [_Lane(root, tuple(tuple(a) for a in axes))]
     for p in reversed(chain):
         lanes = [m for lane in lanes for m in _split(p, lane, ctx)]
     ends: dict[int, set[int]] = {}  # id(spans of one axis) -> their ends, computed once

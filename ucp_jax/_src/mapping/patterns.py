@@ -118,7 +118,10 @@ def _replace(t: tuple[Any, ...], i: int, v: Any) -> tuple[Any, ...]:
 
 
 def expand_template(template: str, ctx: LeafContext, env: tuple[tuple[str, int], ...]) -> str:
-    name = ctx.match.expand(template) if ctx.match is not None else template
+    """`template` with the rule's regex groups (`\\1`), then `{i}`-style indices, expanded."""
+    # re parses a template on every expand; one without a backslash expands to itself
+    has_groups = ctx.match is not None and "\\" in template
+    name = ctx.match.expand(template) if has_groups else template  # type: ignore[union-attr]
     for key, val in env:
         name = name.replace("{" + key + "}", str(val))
     return name
