@@ -5,7 +5,7 @@ by `bind_state` with the rules a model has; the planner gets this process's devi
 (ids only: `grid.MeshInfo`) through `SavePlan`'s `mesh_info` hook and plans every leaf as a save
 does: this process's write tasks, every atom's writer boundaries (patterned leaves included), the
 chunk grids (`store.choose_chunks`), the merged writes. Timed for one process in the middle of the
-job, after a warm-up (imports, caches) on a small tree.
+job, after a warm-up (imports, first calls) on a 64-device mesh.
 
 Against code from before issue 24 (no `ucp_jax._src.save_plan`; run with `PYTHONPATH` at such a
 checkout), `SaveJob._plan_leaf` itself is timed on a bare job, with the only thing a simulated mesh
@@ -172,6 +172,6 @@ def _plan_before(bindings: list[Any], info: Any, everyone: Any, me: int) -> tupl
 
 def plan_sim(devices: list[int], leaves: int, per_process: int, *, patterned: bool = False
              ) -> list[dict[str, Any]]:  # fmt: skip
-    """`plan_once` at each device count, after a warm-up (20 leaves at the smallest count)."""
-    plan_once(min(devices), min(leaves, 20), per_process, patterned)
+    """`plan_once` at each device count, after a warm-up (the same tree on 64 devices)."""
+    plan_once(max(64, 8 * per_process), leaves, per_process, patterned)
     return [plan_once(n, leaves, per_process, patterned) for n in devices]

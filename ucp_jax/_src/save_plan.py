@@ -46,6 +46,7 @@ class SavePlan:
         self.tasks: list[WriteTask] = []
         self.merged: dict[int, MergedWrite] = {}
         self.slots: dict[tuple[str, str], tuple[tuple[int, ...], SlotInfo]] = {}
+        self._grids: dict[tuple[Any, ...], tuple[Any, tuple[Any, Any]]] = {}
 
     def add(self, b: LeafBinding) -> None:
         """Plan one leaf: its write tasks, its atoms and the chunk grid of its slot in each.
@@ -57,9 +58,6 @@ class SavePlan:
         if self.mesh_info is not None and isinstance(b.sharding, jax.sharding.NamedSharding):
             info = self.mesh_info(b.sharding.mesh)
         tasks, cuts = plan_writes(b, info)
-        grids: dict[
-            tuple[Any, ...], tuple[Any, tuple[tuple[int, ...], tuple[int, ...] | None]]
-        ] = {}
         for atom, (shape, fused) in b.atoms().items():
             entry = self.atoms.setdefault(atom, {"shape": shape, "slots": {}, "pattern": [],
                                                  "leaf": b.name, "fused": [], "role": b.role})  # fmt: skip
@@ -79,10 +77,11 @@ class SavePlan:
                 entry["fused"] = fused_marks_to_json(fused)
                 entry["leaf"] = b.name
             bounds = cuts.get(atom, [set() for _ in shape])
-            key = (shape, *map(id, bounds))  # atoms of a leaf often share their boundary sets
-            if key not in grids:  # (the sets are kept with the grid: their ids stay theirs)
-                grids[key] = (bounds, store.choose_chunks(shape, b.dtype.itemsize, bounds))
-            chunks, inner = grids[key][1]
+            # atoms (and leaves) often share their boundary sets: one chunk grid for them
+            key = (shape, b.dtype.itemsize, *map(id, bounds))
+            if key not in self._grids:  # (the sets are kept with it: their ids stay theirs)
+                self._grids[key] = (bounds, store.choose_chunks(shape, b.dtype.itemsize, bounds))
+            chunks, inner = self._grids[key][1]
             info_ = SlotInfo(dtype_name(b.dtype), f"{atom_dir(atom)}/{b.slot}", chunks, inner)
             entry["slots"][b.slot] = info_
             self.slots[(atom, b.slot)] = (shape, info_)

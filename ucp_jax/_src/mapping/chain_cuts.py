@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TypeVar
 
-from .boxes import full_box
+from .boxes import full_box, interval_ends
 from .patterns import (
     Averaged,
     Fused,
@@ -90,18 +90,10 @@ def chain_cuts(
     lanes = [_Lane(root, tuple(tuple(a) for a in axes))]
     for p in reversed(chain):
         lanes = [m for lane in lanes for m in _split(p, lane, ctx)]
-    ends: dict[int, set[int]] = {}  # id(spans of one axis) -> their ends, computed once
-    keep = []  # the spans whose ids key `ends` stay alive until the end
     out: dict[str, list[set[int]]] = {}
     for lane in lanes:
         assert lane.node.name is not None
-        mine = []
-        for spans in lane.spans:
-            got = ends.get(id(spans))
-            if got is None:
-                got = ends[id(spans)] = {x for iv in spans for x in iv}
-                keep.append(spans)
-            mine.append(got)
+        mine = [interval_ends(spans) for spans in lane.spans]  # shared by lanes and leaves
         seen = out.get(lane.node.name)
         out[lane.node.name] = mine if seen is None else [a | b for a, b in zip(seen, mine)]
     return out
