@@ -118,10 +118,7 @@ def _replace(t: tuple[Any, ...], i: int, v: Any) -> tuple[Any, ...]:
 
 
 def expand_template(template: str, ctx: LeafContext, env: tuple[tuple[str, int], ...]) -> str:
-    """`template` with the rule's regex groups (`\\1`), then `{i}`-style indices, expanded."""
-    # re parses a template on every expand; one without a backslash expands to itself
-    has_groups = ctx.match is not None and "\\" in template
-    name = ctx.match.expand(template) if has_groups else template  # type: ignore[union-attr]
+    name = ctx.match.expand(template) if ctx.match and "\\" in template else template  # re parses
     for key, val in env:
         name = name.replace("{" + key + "}", str(val))
     return name
