@@ -181,6 +181,18 @@ def test_a_committed_checkpoint_missing_from_the_index_is_added_back(mem_root):
     assert ucp.list_checkpoints(root) == [f"{root}/a", f"{root}/b"]
 
 
+def test_ucp_index_drops_entries_of_checkpoints_deleted_by_other_tools(mem_root):
+    root = mem_root
+    for n in ("a", "b"):
+        ucp.save(f"{root}/{n}", _tree(1), step=1)
+    store.Location.parse(f"{root}/b").remove_all()  # `aws s3 rm --recursive`: the entry stays
+    assert ucp.list_checkpoints(root) == [f"{root}/a", f"{root}/b"]
+    assert cli_main(["index", root]) == 0
+    assert ucp.list_checkpoints(root) == [f"{root}/a"]
+    assert store.Location.parse(root).list_keys(".ucp-index/", ".ucp-index0") == [
+        ".ucp-index/.complete", ".ucp-index/a"]  # fmt: skip
+
+
 def test_index_names_are_untrusted(mem_root, caplog):
     """Entries that are not one plain path component, or hidden, are skipped with a warning."""
     root = mem_root

@@ -146,8 +146,9 @@ def heal(final: Location, marker: bytes) -> None:
 
 
 def build(folder: Location) -> list[str]:
-    """Index every committed checkpoint under `folder` from a listing of every key there, then
-    mark the index complete; return their names (`ucp index`; the first save into a folder).
+    """Index every committed checkpoint under `folder` from a listing of every key there (and
+    drop the entries of any other), then mark the index complete; return the names indexed
+    (`ucp index`; the first save into a folder).
 
     Raises:
         ValueError: `folder` is a local folder (listed directly, it has no index).
@@ -167,6 +168,9 @@ def build(folder: Location) -> list[str]:
             writes[n] = kv.write(f"{INDEX}/{n}", bytes(r.value))
     for n, w in writes.items():
         _wait(folder, w, f"a write of {INDEX}/{n}")
+    for key in folder.list_keys(INDEX + "/", INDEX + "0"):  # entries of deleted checkpoints
+        if key[len(INDEX) + 1 :] not in writes and key != f"{INDEX}/{COMPLETE}":
+            folder.delete(key)
     folder.write(f"{INDEX}/{COMPLETE}", b"ucp-index/1\n")
     return list(writes)
 
