@@ -8,14 +8,17 @@ and the number of objects (files) a checkpoint is, for `ucp.save` / `ucp.restore
 `StandardCheckpointer` (OCDBT, its default). Each timing is the median of `--repeats`.
 
 Planning (`SaveJob` construction: which regions this process writes, chunk grids) is timed at
-each N, and simulated for one process of 8 devices in meshes of up to 16k devices (ids only, no
-devices or data) for a 300-leaf tree: the grid planner of `ucp_jax/_src/mapping/grid.py`. `--layout` picks the
-layout ucp saves (`UCP_LAYOUT`; default aggregated, format version 3).
+each N, and simulated (`plan_sim.py`) for one process of 8 devices in meshes of up to 16k devices
+(ids only, no devices or data) for a 300-leaf tree, plain and with fused / vocab-padded / stacked
+leaves: `SaveJob`'s whole per-leaf plan, atom boundaries and chunk grids included. `--plan-only`
+runs only that (with PYTHONPATH at an older checkout it times that checkout's planner).
+`--layout` picks the layout ucp saves (`UCP_LAYOUT`; default aggregated, format version 3).
 
 Usage::
 
     python benchmarks/scale.py --out bench_out/scale.json
     python benchmarks/scale.py --devices 8 64 --repeats 1
+    python benchmarks/scale.py --plan-only --plan-devices 1024 4096 16384
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from functools import partial
 from typing import Any
 
 from harness import Spread, child_env, dir_bytes, load_average, markdown_table, timed, write_json
+from plan_sim import plan_sim
 
 LAYERS = 32
 WIDTH = 256  # every matrix is WIDTH x WIDTH (bf16: 128 KiB)
@@ -121,80 +124,6 @@ def worker(n: int, repeats: int, work: str) -> dict[str, Any]:
     return res
 
 
-def plan_sim(
-    devices: list[int], leaves: int, per_process: int, *, patterned: bool = False
-) -> list[dict[str, Any]]:
-    """Per-process save planning over abstract meshes of `devices` (ids only, no data).
-
-    Per leaf, what `SaveJob` does for a NamedSharding leaf: its grid (mapping/grid.py, cached
-    per mesh, spec and shape), this process's regions and writers, the writer boundaries and the
-    chunk grid (`store.choose_chunks`). Timed for the last process of the job. With `patterned`,
-    leaves cycle through the patterns a model has: fused QKV (split per TP rank), a vocabulary-
-    padded embedding, layers stacked on axis 0 (32 per leaf), and plain; each local region is
-    mapped through its leaf's pattern chain to atom pieces, and every leaf's atoms are listed
-    (what the manifest records); the mesh is (devices / 8, 8), tensor parallel 8 (listing a
-    fused leaf's atoms costs O(TP degree), not O(devices)). `SaveJob` itself still finds a
-    patterned leaf's chunk boundaries from every writer's region (O(devices) per patterned leaf,
-    `binding.atom_boundaries`): that step is not in this simulation.
-    """
-    import numpy as np
-
-    from ucp_jax._src.format import store
-    from ucp_jax._src.mapping import grid
-    from ucp_jax._src.mapping.patterns import (
-        Fused,
-        LeafContext,
-        Stacked,
-        VocabPadded,
-        atom_shapes,
-        chain_pieces,
-    )
-
-    out = []
-    specs = [("data", "model"), ("model", "data"), (None, "model"), ("model", None), ()]
-    side = WIDTH * 64
-    for n in devices:
-        # plain: a near-square mesh; patterned: a model's layout, tensor parallel 8 ('model')
-        a, b = (n // 8, 8) if patterned else mesh_shape(n)
-        ids = np.arange(n, dtype=np.int64).reshape(a, b)
-        me = n // per_process - 1
-        local = tuple((i, i) for i in range(me * per_process, (me + 1) * per_process))
-        info = grid.MeshInfo((("data", a), ("model", b)), ids, local)
-        axes = {"data": a, "model": b}
-        grid.grid_plan.cache_clear()
-        t0 = time.perf_counter()
-        regions = pieces = atoms = 0
-        for leaf in range(leaves):
-            kind = leaf % 4 if patterned else 3
-            spec: tuple[Any, ...] = specs[leaf % len(specs)]
-            shape: tuple[int, ...] = (side, side)  # 16384 x 16384 bf16: 512 MiB leaves
-            chain: tuple[Any, ...] = ()
-            if kind == 0:  # fused QKV, columns split over 'model' (any TP degree)
-                spec = (None, "model")
-                chain = (Fused((side // 2, side // 4, side // 4), axis=1, shard_axis="model"),)
-            elif kind == 1:  # embedding padded to a multiple of the vocabulary split
-                spec = ("model", None)
-                chain = (VocabPadded(side - 123, axis=0),)
-            elif kind == 2:  # 32 layers stacked on axis 0
-                shape, spec = (32, side // 8, side // 8), (None, "data", "model")
-                chain = (Stacked(f"blocks.{{i}}.w{leaf}", axes=0),)
-            plan = grid.grid_plan(info, spec, shape)
-            assert plan is not None
-            mine = grid.local_regions(plan, info.local, leaf * 7919, 2)
-            regions += len(mine)
-            ctx = LeafContext(f"w{leaf}", None, axes)
-            if chain:
-                atoms += len(atom_shapes(chain, ctx, shape))
-                for box, _, _ in mine:
-                    pieces += len(chain_pieces(chain, ctx, shape, box))
-            store.choose_chunks(shape, 2, grid.cuts(plan, 2, shape))
-        secs = time.perf_counter() - t0
-        out.append({"devices": n, "processes": n // per_process, "leaves": leaves,
-                    "patterned": patterned, "plan_s": secs, "local_regions": regions,
-                    "pattern_pieces": pieces, "atoms": atoms})  # fmt: skip
-    return out
-
-
 def run_worker(n: int, repeats: int, layout: str) -> dict[str, Any]:
     """`worker(n, ...)` in a subprocess with `n` forced CPU devices; its result."""
     env = child_env(n, UCP_LAYOUT=layout)
@@ -209,6 +138,8 @@ def run_worker(n: int, repeats: int, layout: str) -> dict[str, Any]:
 
 def report(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> str:
     """Three Markdown tables: the measured runs, planning at each N, simulated planning."""
+    if not rows:
+        return _simulated(plans)
     runs = markdown_table(
         ["devices", "ucp save", "ucp restore (reshard)", "ucp files", "Orbax save",
          "Orbax restore", "Orbax files", "save ×", "restore ×", "files ×"],
@@ -223,16 +154,20 @@ def report(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> str:
         [[f"{r['devices']:,}", r["leaves"], f"{r['plan_s'] * 1e3:.1f} ms"] for r in rows],
         align="rrr",
     )
-    simulated = markdown_table(
-        ["devices", "processes", "leaves", "patterns", "planning per process (simulated)",
-         "local regions", "pattern pieces", "atoms"],
-        [[f"{p['devices']:,}", f"{p['processes']:,}", p["leaves"],
-          "fused/padded/stacked/plain" if p.get("patterned") else "plain",
-          f"{p['plan_s'] * 1e3:.1f} ms", f"{p['local_regions']:,}",
-          f"{p.get('pattern_pieces', 0):,}", f"{p.get('atoms', 0):,}"] for p in plans],
-        align="rrrlrrrr",
+    return "\n\n".join([runs, planning, _simulated(plans)])
+
+
+def _simulated(plans: list[dict[str, Any]]) -> str:
+    """The simulated planning table."""
+    return markdown_table(
+        ["devices", "processes", "mesh", "leaves", "patterns", "SaveJob planning per process",
+         "own tasks", "atom slots", "plan digest"],
+        [[f"{p['devices']:,}", f"{p['processes']:,}", "x".join(map(str, p["mesh"])), p["leaves"],
+          "fused/padded/stacked/plain" if p["patterned"] else "plain",
+          f"{p['plan_s'] * 1e3:.1f} ms", f"{p['tasks']:,}", f"{p['slots']:,}", p["digest"]]
+         for p in plans],
+        align="rrrrlrrrl",
     )  # fmt: skip
-    return "\n\n".join([runs, planning, simulated])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -246,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layout", default="aggregated", choices=["aggregated", "per-array"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="only the simulated planning (no device runs, no Orbax)")  # fmt: skip
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -253,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(worker(args.worker, args.repeats, args.work)))
         return
     rows = []
-    for n in args.devices:
+    for n in [] if args.plan_only else args.devices:
         r = run_worker(n, args.repeats, args.layout)
         r["save_ratio"] = r["ucp_save"] / r["orbax_save"]
         r["restore_ratio"] = r["ucp_restore"] / r["orbax_restore"]
@@ -262,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{n} devices done", file=sys.stderr)
     plans = plan_sim(args.plan_devices, args.plan_leaves, args.per_process)
     plans += plan_sim(args.plan_devices, args.plan_leaves, args.per_process, patterned=True)
+    import ucp_jax
+
+    print(f"ucp_jax from {ucp_jax.__file__}; planner: {plans[-1]['planner']}", file=sys.stderr)
     print(report(rows, plans))
     doc = {"targets": TARGETS, "repeats": args.repeats, "layout": args.layout, "rows": rows,
            "planning": plans, "load_average": load_average()}  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ChecksumError, MismatchError, NotACheckpointError, UcpError
-from .format import aggregate, direct, integrity, process_tables, store
+from .format import aggregate, direct, index, integrity, process_tables, store
 from .format.manifest import AtomInfo, Manifest
 from .untrusted import paths
 from .untrusted.json import read_json
@@ -452,4 +452,4 @@ def list_checkpoints(directory: Any) -> list[Any]:
     >>> ucp.list_checkpoints("/tmp/ckpt")  # doctest: +SKIP
     ['/tmp/ckpt/step_10', '/tmp/ckpt/step_20']
     """
-    return store.list_checkpoints(directory)
+    return index.list_checkpoints(directory)

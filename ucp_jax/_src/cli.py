@@ -11,7 +11,7 @@ from typing import Any
 
 from .checkpoint import Checkpoint
 from .errors import UcpError
-from .format import store
+from .format import index, store
 from .mapping.patterns import chain_text
 from .util import config
 from .util.dtypes import np_dtype
@@ -101,6 +101,18 @@ def verify_checkpoint(path: str, out: Any = None) -> int:
         print(f"{len(problems)} problem(s) in {narrays} arrays of {ck.path}", file=out)
         return 1
     print(f"OK {ck.path}: {narrays} arrays, {_mib(nbytes)} MiB read, all checksums match", file=out)
+    return 0
+
+
+def list_command(path: str, *, build: bool = False, out: Any = None) -> int:
+    """`ucp ls`: print the committed checkpoints under `path`, one a line; `ucp index` first
+    indexes an object-store folder from a listing of every key (once; see format/index.py)."""
+    out = out or sys.stdout
+    if build:
+        names = index.build(store.Location.parse(path))
+        print(f"indexed {len(names)} checkpoint(s) in {path}", file=out)
+    for p in index.list_checkpoints(path):
+        print(p, file=out)
     return 0
 
 
@@ -392,6 +404,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the manifest as JSON, with sizes")
     p = sub.add_parser("verify", help="read every chunk; check checksums and the manifest")
     p.add_argument("path")
+    p = sub.add_parser(
+        "ls", help="the committed checkpoints in a folder (object stores: its index)"
+    )
+    p.add_argument("path")
+    p = sub.add_parser(
+        "index",
+        help="index the checkpoints of an object-store folder (for ones older versions saved)",
+    )
+    p.add_argument("path")
     p = sub.add_parser("plan", help="what a restore onto given targets would do (reads no array)")
     p.add_argument("path")
     p.add_argument(
@@ -411,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return inspect_checkpoint(args.path, args.json)
         if args.cmd == "plan":
             return plan_command(args.path, args.target, args.rules)
+        if args.cmd in ("ls", "index"):
+            return list_command(args.path, build=args.cmd == "index")
         return verify_checkpoint(args.path)
     except UcpError as e:
         print(f"ucp {args.cmd}: {e}", file=sys.stderr)

@@ -15,33 +15,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from .errors import MismatchError
 from .format import aggregate, commit, direct, process_tables, store
 from .format.integrity import keys_in_box
-from .format.manifest import (
-    PER_ARRAY_VERSION,
-    AtomInfo,
-    Manifest,
-    SlotInfo,
-    atom_dir,
-    source_header,
-)
-from .mapping.binding import (
-    LeafBinding,
-    WriteTask,
-    atom_boundaries,
-    bind_state,
-    describe_leaf,
-    my_write_tasks,
-    plan_on_grid,
-    write_regions,
-)
+from .format.manifest import PER_ARRAY_VERSION, Manifest, SlotInfo, source_header
+from .mapping.binding import LeafBinding, WriteTask, bind_state, describe_leaf
 from .mapping.boxes import Box, box_size, relative_slices, to_slices
-from .mapping.merge import MERGE_BYTES, MergedWrite, merge_plan
-from .mapping.patterns import chain_to_json, fused_marks_to_json
 from .mapping.rules import CompiledRules, Rule
+from .save_plan import SavePlan
 from .util import config
-from .util.dtypes import dtype_name
 from .util.inflight import InflightWindow
 from .util.sync import barrier
 
@@ -103,25 +84,13 @@ class SaveJob:
         for b in bindings:
             if isinstance(b.value, jax.ShapeDtypeStruct):
                 raise TypeError(f"save: leaf {b.name!r} is a ShapeDtypeStruct; save real arrays")
-        self.atoms: dict[str, dict[str, Any]] = {}
-        self.tasks: list[WriteTask] = []
-        self.merged: dict[int, MergedWrite] = {}  # id(task) -> the merged write it is part of
-        self._shards: dict[int, dict[Any, Any]] = {}  # id(leaf value) -> device -> its shard
-        self.slots: dict[tuple[str, str], tuple[tuple[int, ...], SlotInfo]] = {}
+        plan = SavePlan(self.budget)
         for b in bindings:
-            self._plan_leaf(b)
-        atoms = {
-            name: AtomInfo(
-                shape=a["shape"],
-                dtype=(a["slots"].get("fp32") or next(iter(a["slots"].values()))).dtype,
-                slots=a["slots"],
-                pattern=a["pattern"],
-                leaf=a["leaf"],
-                fused=a["fused"],
-                role=a["role"],
-            )
-            for name, a in self.atoms.items()
-        }
+            plan.add(b)
+        self.atoms, self.tasks, self.merged, self.slots = (
+            plan.atoms, plan.tasks, plan.merged, plan.slots)  # fmt: skip
+        self._shards: dict[int, dict[Any, Any]] = {}  # id(leaf value) -> device -> its shard
+        atoms = plan.atom_infos()
         self.manifest = Manifest(
             step=None if step is None else int(step),
             atoms=atoms,
@@ -137,52 +106,6 @@ class SaveJob:
             version=aggregate.AGGREGATED_VERSION if self.aggregated else PER_ARRAY_VERSION,
         )
         self.staging.check()
-
-    def _plan_leaf(self, b: LeafBinding) -> None:
-        fast = plan_on_grid(b)
-        if fast is None:
-            regions = write_regions(b)
-            cuts = atom_boundaries(b, regions)
-            tasks = my_write_tasks(b, regions)
-        else:
-            tasks, cuts = fast
-        for atom, (shape, fused) in b.atoms().items():
-            entry = self.atoms.setdefault(
-                atom,
-                {
-                    "shape": shape,
-                    "slots": {},
-                    "pattern": [],
-                    "leaf": b.name,
-                    "fused": [],
-                    "role": b.role,
-                },
-            )
-            if entry["shape"] != shape:
-                raise MismatchError(
-                    f"save: leaf {b.name!r} maps to atom {atom!r} with shape {shape}, but leaf "
-                    f"{entry['leaf']!r} gave it shape {entry['shape']}; fix the rules so each "
-                    "atom has one shape"
-                )
-            if b.slot in entry["slots"]:
-                raise MismatchError(
-                    f"save: leaves {entry['leaf']!r} and {b.name!r} both map to atom {atom!r} slot "
-                    f"{b.slot!r}; fix the rules so that every atom slot comes from one leaf"
-                )
-            if b.kind == "param" or not entry["pattern"]:
-                entry["pattern"] = chain_to_json(b.chain)
-                entry["fused"] = fused_marks_to_json(fused)
-                entry["leaf"] = b.name
-            chunks, inner = store.choose_chunks(
-                shape, b.dtype.itemsize, cuts.get(atom, [set() for _ in shape])
-            )
-            info = SlotInfo(dtype_name(b.dtype), f"{atom_dir(atom)}/{b.slot}", chunks, inner)
-            entry["slots"][b.slot] = info
-            self.slots[(atom, b.slot)] = (shape, info)
-        group = merge_plan(b, tasks, min(MERGE_BYTES, self.budget // 4))
-        if group is not None:
-            self.merged.update((id(t), group) for t in tasks)
-        self.tasks.extend(tasks)
 
     # --------------------------------------------------------------------------- device -> host
 

@@ -19,14 +19,17 @@ from typing import Any
 import tensorstore as ts
 
 from ..util.libc import exchange
-from . import aggregate, integrity, space, writers
+from . import aggregate, index, integrity, space, writers
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, commit_marker
 from .store import Location, fsync_dir, listdir
 
 
 def write_commit(loc: Location, manifest_bytes: bytes) -> None:
-    """Write the COMMIT marker (with the manifest's sha256): the last write of every protocol."""
-    loc.write(COMMIT, commit_marker(manifest_bytes))
+    """Write the COMMIT marker (with the manifest's sha256): the last write of every protocol;
+    in an object store, then the checkpoint's entry in its folder's index (index.py)."""
+    marker = commit_marker(manifest_bytes)
+    loc.write(COMMIT, marker)
+    index.add(loc, marker)
 
 
 def seal(target: Location, manifest: Manifest) -> bytes:
@@ -109,7 +112,10 @@ class Staging:
 
     def check(self) -> None:
         """Refuse to clobber an existing checkpoint unless asked (any process may call it)."""
-        if not self.overwrite and self.final.read(COMMIT) is not None:
+        marker = None if self.overwrite else self.final.read(COMMIT)
+        if marker is not None:
+            with contextlib.suppress(Exception):  # (the refusal below is what matters)
+                index.heal(self.final, marker)
             raise FileExistsError(
                 f"{self.final.url} already holds a committed checkpoint; pass overwrite=True "
                 "or save to a new path"
@@ -118,8 +124,9 @@ class Staging:
     def prepare(self) -> None:
         """Clear the staging area (process 0 only, before arrays are created).
 
-        In place (object stores): COMMIT goes first, so that a save killed while the old
-        objects are being deleted leaves no marker over a half-deleted checkpoint.
+        In place (object stores): the folder's index entry of the path, then COMMIT go first, so
+        that a save killed while the old objects are being deleted leaves no marker over a
+        half-deleted checkpoint.
         """
         # One writer at a time: the path's lock, or its claim, before anything is cleared (a
         # second save touches nothing); then, as the first may have committed meanwhile, the
@@ -134,6 +141,8 @@ class Staging:
             self.release()
             raise
         if self.target.local_path is None:
+            index.ensure_complete(self.final)  # once per folder: see index.py
+            index.drop(self.final)  # a marker never names a checkpoint without COMMIT
             self.target.delete(COMMIT)
         self.target.remove_all()
         if self.final.local_path is not None:

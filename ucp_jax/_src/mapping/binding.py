@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -12,6 +13,7 @@ import numpy as np
 
 from ..util.dtypes import dtype_name, np_dtype
 from .boxes import Box, box_size, full_box, index_to_box
+from .chain_cuts import chain_cuts
 from .keys import unwrap
 from .names import named_leaves, path_to_name
 from .patterns import LeafContext, PatternChain, Piece, atom_shapes, chain_pieces
@@ -220,33 +222,84 @@ def my_write_tasks(b: LeafBinding, regions: Sequence[tuple[Box, Any, Box]]) -> l
     return out
 
 
-def plan_on_grid(b: LeafBinding) -> tuple[list[WriteTask], dict[str, list[set[int]]]] | None:
-    """This process's write tasks and the atom's writer boundaries, from the mesh and spec alone.
+def plan_on_grid(
+    b: LeafBinding, info: Any = None
+) -> tuple[list[WriteTask], dict[str, list[set[int]]]] | None:
+    """This process's write tasks and each atom's writer boundaries, from the mesh and spec alone.
 
-    O(local devices) per leaf (see grid.py); the same answer as `my_write_tasks(b,
-    write_regions(b))` and `atom_boundaries`. None where it does not apply (a pattern chain, a
-    host value, another sharding, uneven shards): use those then.
+    O(local devices + shards per axis) per leaf (see grid.py and chain_cuts.py), patterns
+    included; the same answer as `my_write_tasks(b, write_regions(b))` and `atom_boundaries`.
+
+    Args:
+        b: the leaf.
+        info: the `grid.MeshInfo` of its mesh for this process; None: from its concrete mesh.
+
+    Returns:
+        (tasks, boundaries), or None where the grid does not apply (a host value, another
+        sharding, uneven shards): use `plan_writes`'s per-device path then.
     """
     from . import grid
 
     sh = b.sharding
-    if (
-        b.chain
-        or not isinstance(b.value, jax.Array)
-        or not isinstance(sh, jax.sharding.NamedSharding)
-    ):
+    if not isinstance(sh, jax.sharding.NamedSharding):
         return None
-    if not isinstance(sh.mesh, jax.sharding.Mesh):
-        return None
-    info = grid.mesh_info(sh.mesh, jax.process_index())
+    if info is None:
+        if not isinstance(sh.mesh, jax.sharding.Mesh):
+            return None
+        info = grid.mesh_info(sh.mesh, jax.process_index())
     plan = grid.grid_plan(info, tuple(sh.spec), tuple(b.shape))
     if plan is None:
         return None
     salt = zlib.crc32(b.name.encode())
     regions = grid.local_regions(plan, info.local, salt, b.dtype.itemsize)
     tasks = [WriteTask(b, box, dev, shard_box) for box, dev, shard_box in regions]
-    cuts = grid.cuts(plan, b.dtype.itemsize, b.shape)
-    return tasks, {atom: [set(c) for c in cuts] for atom in b.atoms()}
+    if not b.chain:
+        cuts = grid.cuts(plan, b.dtype.itemsize, b.shape)
+        return tasks, {atom: cuts for atom in b.atoms()}
+    axes = grid.axis_intervals(plan, b.dtype.itemsize, b.shape)
+    mapped = chain_cuts(b.chain, b.ctx, b.shape, axes)
+    if mapped is None:  # a registered pattern: only the per-device path knows it
+        mapped = atom_boundaries(b, write_regions(b))
+    return tasks, mapped
+
+
+def plan_writes(
+    b: LeafBinding, info: Any = None
+) -> tuple[list[WriteTask], dict[str, list[set[int]]]]:
+    """This process's write tasks of leaf `b`, and per atom, per axis, its writer boundaries.
+
+    On the grid where it applies (`plan_on_grid`); else from every region of the job
+    (`write_regions`, O(devices)), the boundaries still mapped per axis (`chain_cuts`) when the
+    regions form a product grid. The boundary sets may be shared between atoms: do not change them.
+
+    Args:
+        b: the leaf.
+        info: the `grid.MeshInfo` of its mesh for this process; None: from its concrete mesh.
+    """
+    fast = plan_on_grid(b, info)
+    if fast is not None:
+        return fast
+    regions = write_regions(b)
+    tasks = my_write_tasks(b, regions)
+    axes = product_axes(regions, len(b.shape))
+    mapped = None if axes is None else chain_cuts(b.chain, b.ctx, b.shape, axes)
+    return tasks, mapped if mapped is not None else atom_boundaries(b, regions)
+
+
+def product_axes(
+    regions: Sequence[tuple[Box, Any, Box]], ndim: int
+) -> list[list[tuple[int, int]]] | None:
+    """Per axis, the distinct intervals of `regions`, if the regions are all their combinations.
+
+    >>> product_axes([(((0, 2), (0, 3)), None, None), (((2, 4), (0, 3)), None, None)], 2)
+    [[(0, 2), (2, 4)], [(0, 3)]]
+    >>> product_axes([(((0, 2), (0, 3)), None, None), (((2, 4), (0, 1)), None, None)], 2) is None
+    True
+    """
+    boxes = {box for box, _, _ in regions}
+    axes = [sorted({box[j] for box in boxes}) for j in range(ndim)]
+    # the boxes are combinations of these intervals: as many as all the combinations are all of them
+    return axes if math.prod(len(a) for a in axes) == len(boxes) else None
 
 
 def atom_boundaries(

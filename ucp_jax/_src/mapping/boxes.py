@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per axis
+_ENDS: dict[int, tuple[tuple[tuple[int, int], ...], set[int]]] = {}  # id(intervals) -> ends
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
@@ -49,3 +50,20 @@ def index_to_box(index: tuple[slice, ...] | None, shape: Sequence[int]) -> Box:
         out.append((start, max(start, stop)))
     out.extend((0, d) for d in shape[len(index) :])
     return tuple(out)
+
+
+def interval_ends(intervals: tuple[tuple[int, int], ...]) -> set[int]:
+    """Every start and stop of `intervals`; the same set again for the same tuple (planning maps
+    the same cached per-axis intervals for many leaves): read it, do not change it.
+
+    >>> sorted(interval_ends(((0, 4), (4, 8))))
+    [0, 4, 8]
+    """
+    hit = _ENDS.get(id(intervals))
+    if hit is not None and hit[0] is intervals:
+        return hit[1]
+    if len(_ENDS) >= 1024:
+        _ENDS.clear()
+    ends = {x for iv in intervals for x in iv}
+    _ENDS[id(intervals)] = (intervals, ends)  # holds the tuple: its id stays its own
+    return ends

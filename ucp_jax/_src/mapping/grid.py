@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .boxes import Box
+from .boxes import Box, interval_ends
 
 SPLIT_MIN_BYTES = 4 << 20  # as binding.SPLIT_MIN_BYTES
 
@@ -106,7 +106,7 @@ def grid_plan(info: MeshInfo, spec: tuple[Any, ...], shape: tuple[int, ...]) -> 
     counts, size, index = [], [], []
     for dim, ax in zip(shape, axes):
         n = math.prod(sizes[a] for a in ax)
-        if n == 0 or dim % n:
+        if n == 0 or dim % n or (dim == 0 and n > 1):  # uneven, or empty shards (one box)
             return None
         i = np.zeros(coords.shape[1], dtype=np.int64)
         for a in ax:
@@ -161,13 +161,38 @@ def local_regions(plan: GridPlan, local: Sequence[tuple[int, Any]], salt: int, i
     return out
 
 
+def axis_intervals(
+    plan: GridPlan, itemsize: int, shape: Sequence[int]
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per array axis, the distinct intervals of the job's writer regions along it.
+
+    Every combination of one interval per axis is one writer region (of some process): the
+    grid's cells, or, where replicated shards are split among their replicas, their slabs (the
+    same axis and slab size in every cell). Their ends are `cuts`. Cached: leaves of one grid
+    share the same tuples (and so `interval_ends`' sets).
+    """
+    split = None
+    if plan.replicas > 1 and math.prod(plan.size) * itemsize >= SPLIT_MIN_BYTES:
+        split = split_axis(plan.box(0), plan.replicas)
+    return _intervals(plan.counts, plan.size, split, tuple(int(d) for d in shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _intervals(
+    counts: tuple[int, ...],
+    size: tuple[int, ...],
+    split: tuple[int, int] | None,
+    shape: tuple[int, ...],
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    out = [tuple((k * s, (k + 1) * s) for k in range(n)) if s else ((0, 0),)
+           for n, s in zip(counts, size)]  # fmt: skip
+    if split is not None:
+        ax, step = split
+        out[ax] = tuple((k * step, (k + 1) * step) for k in range(shape[ax] // step))
+    return tuple(out)
+
+
 def cuts(plan: GridPlan, itemsize: int, shape: Sequence[int]) -> list[set[int]]:
-    """Per axis, the offsets where one writer's region ends and the next begins."""
-    out = [set(range(0, int(d) + 1, s)) if s else {0} for d, s in zip(shape, plan.size)]
-    r = plan.replicas
-    if r > 1 and math.prod(plan.size) * itemsize >= SPLIT_MIN_BYTES:
-        split = split_axis(plan.box(0), r)
-        if split is not None:
-            ax, step = split
-            out[ax] |= set(range(0, int(shape[ax]) + 1, step))
-    return out
+    """Per axis, the offsets where one writer's region ends and the next begins (shared sets:
+    read them, do not change them)."""
+    return [interval_ends(a) for a in axis_intervals(plan, itemsize, shape)]

@@ -118,7 +118,7 @@ def _replace(t: tuple[Any, ...], i: int, v: Any) -> tuple[Any, ...]:
 
 
 def expand_template(template: str, ctx: LeafContext, env: tuple[tuple[str, int], ...]) -> str:
-    name = ctx.match.expand(template) if ctx.match is not None else template
+    name = ctx.match.expand(template) if ctx.match and "\\" in template else template  # re parses
     for key, val in env:
         name = name.replace("{" + key + "}", str(val))
     return name
