@@ -247,8 +247,9 @@ def _read_all(
     out: list[Any] = [None] * len(resolved)
     window: InflightWindow[tuple[int, list[Any]]] = InflightWindow(budget)
     placer = Placer(budget)  # accelerators: staged through pinned host memory (UCP_STAGING)
+    batcher = direct.Batcher()  # local shards: read in batches by the reading threads
     for i, r in enumerate(resolved):
-        issued = [_issue(ckpt, r, g, stats) for g in r.groups]
+        issued = [_issue(ckpt, r, g, stats, batcher) for g in r.groups]
         nbytes = sum(box_size(g.box) for g in r.groups) * r.binding.dtype.itemsize
         for j, iss in window.push((i, issued), nbytes):
             out[j] = _finish(ckpt, resolved[j], iss, placer)
@@ -260,7 +261,7 @@ def _read_all(
 
 
 def _issue(
-    ckpt: Checkpoint, r: ResolvedLeaf, g: ReadGroup, stats: ReadStats
+    ckpt: Checkpoint, r: ResolvedLeaf, g: ReadGroup, stats: ReadStats, batcher: direct.Batcher
 ) -> tuple[np.ndarray, list[tuple[Any, Any, Any]]]:
     """Start filling the region `g.box` of leaf `r.binding`: (host buffer, pending pieces).
 
@@ -292,7 +293,8 @@ def _issue(
             dst = p.leaf_to_atom(out[whole_trailing])
             if np.may_share_memory(dst, out):  # a view: no reshape copy was needed
                 if ckpt.direct_reads():
-                    pending.append((p, _read_direct(ckpt, name, slot, arr, p.atom_box, dst), None))
+                    fut = _read_direct(ckpt, name, slot, arr, p.atom_box, dst, batcher)
+                    pending.append((p, fut, None))
                     continue
                 try:
                     view = ts.array(dst, copy=False, write=True)
@@ -346,7 +348,13 @@ def _write_in_blocks(view: Any, src: Any, itemsize: int) -> Any:
 
 
 def _read_direct(
-    ckpt: Checkpoint, name: str, slot: str, arr: Any, box: Any, dst: np.ndarray
+    ckpt: Checkpoint,
+    name: str,
+    slot: str,
+    arr: Any,
+    box: Any,
+    dst: np.ndarray,
+    batcher: direct.Batcher,
 ) -> direct.Pieces:
     """Read `box` of a local atom slot into `dst` with positioned reads (format/direct.py); a
     shard that reader does not take is read by TensorStore."""
@@ -357,7 +365,7 @@ def _read_direct(
         out[...] = arr[to_slices(part)].read().result()
 
     locate = lambda index: ckpt.shard_extent(name, slot, index)  # noqa: E731
-    return direct.submit(locate, lay, box, dst, through_tensorstore, ckpt.fingerprints_seen)
+    return batcher.submit(locate, lay, box, dst, through_tensorstore, ckpt.fingerprints_seen)
 
 
 def _finish(

@@ -47,7 +47,8 @@ except ImportError:  # pragma: no cover - a dependency; without it TensorStore r
 
 Box = Sequence[tuple[int, int]]
 
-_THREADS = 8  # positioned reads in flight (the plain read limit of the roofline uses 4)
+# positioned reads in flight: two per core, 2 to 8 (the roofline's plain read limit uses 4)
+_THREADS = max(2, min(8, 2 * (os.cpu_count() or 1)))
 _SCRATCH = 4 << 20  # bytes of one thread's buffer: runs of inner chunks are read this much at once
 _NO_CHUNK = (1 << 64) - 1  # a shard index entry of an inner chunk that was never written
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*/?$")
@@ -387,16 +388,105 @@ def _read_sharded(
         i = j
 
 
+BATCH_BYTES = 8 << 20  # shard reads handed to a thread together: fewer wake-ups per byte
+
+
+@dataclasses.dataclass
+class _Job:
+    """One shard's part to read; `error` is what reading it raised."""
+
+    args: tuple[Any, ...]
+    nbytes: int
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass
+class _Batch:
+    jobs: list[_Job] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+    future: Future[None] | None = None
+
+
+def _run(batch: _Batch) -> None:
+    for job in batch.jobs:
+        try:
+            _one(*job.args)
+        except BaseException as e:  # raised where that piece is waited for
+            job.error = e
+
+
 class Pieces:
     """The shard reads of one restored piece, waited for together; a shard this reader could
     not take is read by `fallback(box)` (TensorStore) in its place."""
 
-    def __init__(self, futures: list[Future[None]]) -> None:
-        self.futures = futures
+    def __init__(self, batcher: Batcher, jobs: list[tuple[_Batch, _Job]]) -> None:
+        self.batcher, self.jobs = batcher, jobs
 
     def result(self) -> None:
-        for f in self.futures:
-            f.result()
+        """Wait for every shard of the piece; raise the first error one of them raised."""
+        if any(b.future is None for b, _ in self.jobs):
+            self.batcher.flush()
+        for b, job in self.jobs:
+            assert b.future is not None
+            b.future.result()
+            if job.error is not None:
+                raise job.error
+
+
+class Batcher:
+    """Hands shard reads to the reading threads in batches of about BATCH_BYTES.
+
+    Small shards (a model's many small arrays) each cost a thread hand-off otherwise, which took
+    more CPU than copying their bytes. Used from one thread (the restore's); `Pieces.result`
+    flushes what is still pending.
+    """
+
+    def __init__(self) -> None:
+        self._open = _Batch()
+
+    def submit(
+        self,
+        locate: Callable[[tuple[int, ...]], Extent | None],
+        lay: Layout,
+        box: Box,
+        dst: np.ndarray,
+        fallback: Callable[[Box, np.ndarray], None],
+        fingerprints: Fingerprints | None = None,
+    ) -> Pieces:
+        """Read the region `box` of a stored array into `dst` (shaped as `box`), shard by shard.
+
+        Args:
+            locate: the Extent of the shard at a grid index (None: read it by `fallback`).
+            lay: the stored array's layout.
+            box: the region, (start, stop) per axis.
+            dst: the buffer it goes into, in the array's axis order.
+            fallback: reads a sub-box into its part of `dst` another way (TensorStore); it
+                raises the error a damaged file deserves.
+            fingerprints: where each shard read directly records its fingerprint.
+
+        Returns:
+            The pending reads; `.result()` waits for them and raises what a fallback raised.
+        """
+        jobs = []
+        for index in shards_in(box, lay.chunks):
+            sbox = [(i * c, (i + 1) * c) for i, c in zip(index, lay.chunks)]
+            part = _meet(sbox, box)
+            if any(a >= b for a, b in part):
+                continue
+            nbytes = math.prod(b - a for a, b in part) * lay.dtype.itemsize
+            job = _Job((locate, lay, index, part, dst, box, fallback, fingerprints), nbytes)
+            self._open.jobs.append(job)
+            self._open.nbytes += nbytes
+            jobs.append((self._open, job))
+            if self._open.nbytes >= BATCH_BYTES:
+                self.flush()
+        return Pieces(self, jobs)
+
+    def flush(self) -> None:
+        """Start the pending reads."""
+        if self._open.jobs:
+            self._open.future = _executor().submit(_run, self._open)
+            self._open = _Batch()
 
 
 def submit(
@@ -407,31 +497,11 @@ def submit(
     fallback: Callable[[Box, np.ndarray], None],
     fingerprints: Fingerprints | None = None,
 ) -> Pieces:
-    """Read the region `box` of a stored array into `dst` (shaped as `box`), shard by shard.
-
-    Args:
-        locate: the Extent of the shard at a grid index (None: read that shard by `fallback`).
-        lay: the stored array's layout.
-        box: the region, (start, stop) per axis.
-        dst: the buffer it goes into, in the array's axis order.
-        fallback: reads a sub-box into its part of `dst` another way (TensorStore); it raises
-            the error a damaged file deserves.
-        fingerprints: where each shard read directly records its fingerprint.
-
-    Returns:
-        The pending reads; `.result()` waits for them and raises what a fallback raised.
-    """
-    pool = _executor()
-    futures = []
-    for index in shards_in(box, lay.chunks):
-        sbox = [(i * c, (i + 1) * c) for i, c in zip(index, lay.chunks)]
-        part = _meet(sbox, box)
-        if any(a >= b for a, b in part):
-            continue
-        futures.append(
-            pool.submit(_one, locate, lay, index, part, dst, box, fallback, fingerprints)
-        )
-    return Pieces(futures)
+    """`Batcher().submit(...)`, started at once (see `Batcher.submit`)."""
+    batcher = Batcher()
+    pieces = batcher.submit(locate, lay, box, dst, fallback, fingerprints)
+    batcher.flush()
+    return pieces
 
 
 def _one(
