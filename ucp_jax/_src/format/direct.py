@@ -1,7 +1,7 @@
 """Local chunk reads straight into their place: positioned reads and a hardware CRC32C.
 
 TensorStore reads a chunk of a local checkpoint into a buffer of its own, checks its crc32c with
-absl's portable CRC (the pip wheels are built without the x86 CRC instructions), decodes it into
+absl's portable CRC (what `perf` shows the PyPI wheel running on this x86 VM), decodes it into
 another buffer and copies that into the restore's: three passes over every byte where a plain read
 makes one, which kept warm restores at a third of the machine's read limit. For the arrays ucp
 writes itself (zarr3, raw little-endian bytes and a crc32c per chunk, inner chunks in a
