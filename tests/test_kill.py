@@ -148,11 +148,13 @@ def test_failed_save_is_not_a_checkpoint(root, how, monkeypatch):
             with pytest.raises(RuntimeError, match="lost the job"):
                 h.wait()
     keys = _stored_keys(root, "step_2")
-    data_files = [k for k in keys if "ocdbt.p0/d/" in k]  # the aggregated layout's, beyond the
-    # one of the metadata transaction
+    data_files = [k for k in keys if "ocdbt.p0/d/" in k]  # the aggregated layout's
     chunks = [k for k in keys if "/c/" in k or k.endswith("/c")]
     if root.startswith("memory://"):  # in place: what was written stays, with no COMMIT
-        assert chunks or len(data_files) >= 2, f"no data was written: {keys}"
+        # The regions handed over before the failure sit in a transaction that is aborted (a tiny
+        # state is one transaction), so what stays is the metadata transaction's data files: one
+        # or two, as TensorStore happens to split it (asking for two failed now and then).
+        assert chunks or data_files, f"nothing was written: {keys}"
     else:  # a local staging folder is removed when its save fails: its space is given back
         assert keys == [], keys
     assert not any(k.endswith("COMMIT") for k in keys), keys
