@@ -489,21 +489,6 @@ class Batcher:
             self._open = _Batch()
 
 
-def submit(
-    locate: Callable[[tuple[int, ...]], Extent | None],
-    lay: Layout,
-    box: Box,
-    dst: np.ndarray,
-    fallback: Callable[[Box, np.ndarray], None],
-    fingerprints: Fingerprints | None = None,
-) -> Pieces:
-    """`Batcher().submit(...)`, started at once (see `Batcher.submit`)."""
-    batcher = Batcher()
-    pieces = batcher.submit(locate, lay, box, dst, fallback, fingerprints)
-    batcher.flush()
-    return pieces
-
-
 def _one(
     locate: Callable[[tuple[int, ...]], Extent | None],
     lay: Layout,
