@@ -9,6 +9,7 @@ the fingerprints the writer took from the encoder must be those `ucp verify` rec
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -69,7 +70,8 @@ def _values(path: Path) -> dict[str, bytes]:
     """Every chunk value of a version-3 checkpoint, read through TensorStore's OCDBT kvstore."""
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
     keys = [k.decode() for k in kv.list().result()]
-    return {k: bytes(kv.read(k).result().value) for k in keys if "/c" in k and "digests/" not in k}
+    chunk = re.compile(r"^atoms/.+/c(/[0-9]+)*$")
+    return {k: bytes(kv.read(k).result().value) for k in keys if chunk.match(k)}
 
 
 def _read_with_tensorstore(path: Path, monkeypatch) -> dict[str, np.ndarray]:
@@ -105,6 +107,7 @@ def test_raw_shards_are_tensorstores_bytes(
     assert sharded, "no array with inner chunks: the case this test is for is missing"
     mine, theirs = _values(tmp_path / "raw"), _values(tmp_path / "ts")
     assert sorted(mine) == sorted(theirs)
+    assert n_raw == len(theirs), f"{n_raw} of {len(theirs)} shards encoded: expected every one"
     for k in theirs:
         assert mine[k] == theirs[k], f"{k}: {len(mine[k])} bytes written, TensorStore's differ"
     by_ts = _read_with_tensorstore(tmp_path / "raw", monkeypatch)
@@ -122,6 +125,7 @@ def test_partial_shards_fall_back_in_the_same_transaction(tmp_path: Path, monkey
     assert encode.covers_whole_shards((8, 8), info, ((4, 8), (0, 8)))
     assert not encode.covers_whole_shards((7, 8), info, ((4, 7), (0, 8)))  # a padded edge shard
     assert not encode.covers_whole_shards((8, 8), info, ((2, 6), (0, 8)))  # not on the grid
+    assert not encode.covers_whole_shards((8, 8), SlotInfo("int4", "a", (4, 8)), ((0, 8), (0, 8)))
     assert not encode.covers_whole_shards((8, 8), SlotInfo("float32", "a", (4, 8), (3, 8)),
                                           ((0, 8), (0, 8)))  # fmt: skip
     real = encode.covers_whole_shards
@@ -138,7 +142,9 @@ def test_partial_shards_fall_back_in_the_same_transaction(tmp_path: Path, monkey
     assert cli_main(["verify", str(tmp_path / "ck")]) == 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bf16", "int8", "bool"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", "bf16", "int8", "bool", "float16", "int32", "uint16", "float64", "int64"]
+)
 @pytest.mark.parametrize(
     ("shape", "chunks", "inner"),
     [((), (), None), ((6,), (6,), None), ((8, 12), (8, 12), (2, 12)), ((8, 12), (8, 12), (4, 3)),
