@@ -50,7 +50,7 @@ def _save(path: Path, state: dict, mesh_shape: tuple[int, ...], style: str, dire
     calls = []
     real = encode.encode_shard
 
-    def counting(data: np.ndarray, info: SlotInfo) -> tuple[bytes, str]:
+    def counting(data: np.ndarray, info: SlotInfo) -> tuple[bytes | bytearray, str]:
         calls.append(info.path)
         return real(data, info)
 

@@ -16,6 +16,11 @@ transaction. The layout is the one format/direct.py reads:
 The checksums come from `crc32c` (the CPU's CRC instructions, GIL released). Knowing every
 trailer, the encoder also returns the chunk's fingerprint (`integrity.fingerprint_range`'s value
 for these bytes), so a writer needs not read its chunks back for its fingerprint table.
+
+Copies: `KvStore.write` takes only `bytes` (or a `bytearray`), not a buffer view, and copies it
+into TensorStore's own buffer; so an unsharded chunk is copied once here (`b"".join` of a view of
+the region and its trailer), a shard once (each inner chunk straight into its place in one
+`bytearray`), then once by TensorStore, then by the kernel into the page cache.
 """
 
 from __future__ import annotations
@@ -116,7 +121,7 @@ def _trailer(buf: memoryview) -> bytes:
     return int(_crc32c.crc32c(buf)).to_bytes(4, "little")
 
 
-def encode_shard(data: np.ndarray, info: SlotInfo) -> tuple[bytes, str]:
+def encode_shard(data: np.ndarray, info: SlotInfo) -> tuple[bytes | bytearray, str]:
     """One stored chunk (shard) value of `data` (exactly one shard of `info`'s array), and its
     fingerprint.
 
@@ -134,25 +139,31 @@ def encode_shard(data: np.ndarray, info: SlotInfo) -> tuple[bytes, str]:
         return b"".join((body, crc)), f"{zlib.crc32(crc):08x}"
     inner = tuple(info.inner_chunks)
     grid = [c // i for c, i in zip(info.chunks, inner)]
-    parts: list[Any] = []
+    n = math.prod(grid)
+    body_bytes = math.prod(inner) * data.dtype.itemsize
+    # One buffer laid out as the value: each inner chunk copied straight into its place (one
+    # strided copy, no temporary), its crc32c after it; TensorStore's write takes a bytearray.
+    value = bytearray(n * (body_bytes + 4) + 16 * n + 4)
+    out = np.frombuffer(value, np.uint8)
+    le = data.dtype.newbyteorder("<") if data.dtype.byteorder == ">" else data.dtype
     trailers: list[bytes] = []
-    index = np.empty((math.prod(grid), 2), "<u8")
-    offset = 0
-    for n, idx in enumerate(itertools.product(*(range(g) for g in grid))):
-        sub = data[tuple(slice(k * i, (k + 1) * i) for k, i in zip(idx, inner))]
-        body = _le_bytes(sub)
-        crc = _trailer(body)
-        parts += (body, crc)
+    for k, idx in enumerate(itertools.product(*(range(g) for g in grid))):
+        start = k * (body_bytes + 4)
+        dest = out[start : start + body_bytes].view(le).reshape(inner)
+        np.copyto(dest, data[tuple(slice(a * i, (a + 1) * i) for a, i in zip(idx, inner))])
+        crc = _trailer(memoryview(out[start : start + body_bytes].data))
+        value[start + body_bytes : start + body_bytes + 4] = crc
         trailers.append(crc)
-        index[n] = (offset, body.nbytes + 4)
-        offset += body.nbytes + 4
+    index = np.empty((n, 2), "<u8")
+    index[:, 0] = np.arange(n, dtype=np.uint64) * (body_bytes + 4)
+    index[:, 1] = body_bytes + 4
     ibytes = memoryview(index.reshape(-1).view(np.uint8).data)
     tail = b"".join((ibytes, _trailer(ibytes)))
-    parts.append(tail)
+    value[n * (body_bytes + 4) :] = tail
     fp = zlib.crc32(tail)
     for crc in trailers:
         fp = zlib.crc32(crc, fp)
-    return b"".join(parts), f"{fp:08x}"
+    return value, f"{fp:08x}"
 
 
 class RawWriter:
