@@ -48,11 +48,21 @@ class _RecordingArray:
 
 
 def _instrument() -> None:
-    """Record every region the save writes, wherever the array was opened or created."""
+    """Record every region the save writes, wherever the array was opened or created, and every
+    region written as raw shard values."""
     from ucp_jax._src import save as save_mod
+    from ucp_jax._src.format import encode as encode_mod
     from ucp_jax._src.format import store as store_mod
 
     open_array, create = store_mod.open_array, save_mod._create
+    raw_write = encode_mod.RawWriter.write
+
+    def recording_raw(self: Any, info: Any, box: Any, data: Any) -> Any:
+        """Whole shards the save encodes itself and writes as raw values (format/encode.py)."""
+        WRITES.append((info.path, [[int(a), int(b)] for a, b in box]))
+        return raw_write(self, info, box, data)
+
+    encode_mod.RawWriter.write = recording_raw  # type: ignore[method-assign]
 
     def recording_open(loc: Any, shape: Any, info: Any, *, write: bool = False) -> Any:
         arr = open_array(loc, shape, info, write=write)

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .format import aggregate, commit, direct, process_tables, store
+from .format import aggregate, commit, direct, encode, process_tables, store
 from .format.integrity import keys_in_box
 from .format.manifest import PER_ARRAY_VERSION, Manifest, SlotInfo, source_header
 from .mapping.binding import LeafBinding, WriteTask, bind_state, describe_leaf
@@ -164,10 +164,13 @@ class SaveJob:
         written: dict[SlotInfo, set[str]],
         base: dict[tuple[str, str], Any] | None = None,
         txn: Any = None,
+        raw: encode.RawWriter | None = None,
     ) -> list[Any]:
         """Issue the writes of one region of a leaf (`data`) to its atoms; return the futures.
 
-        With `txn`: `arrays` caches `base`'s arrays bound to that transaction.
+        With `txn`: `arrays` caches `base`'s arrays bound to that transaction. With `raw`: the
+        pieces that cover whole shards are encoded here and written as raw values through `raw`
+        (bound to the same transaction), the others through TensorStore's array write.
         """
         futs = []
         for p in b.pieces(box):
@@ -175,12 +178,16 @@ class SaveJob:
                 continue
             chunk = p.leaf_to_atom(data[relative_slices(p.leaf_box, box)])
             key = (p.atom, b.slot)
+            shape, info = self.slots[key]
+            if raw is not None and encode.covers_whole_shards(shape, info, p.atom_box):
+                futs += raw.write(info, p.atom_box, np.asarray(chunk))
+                written.setdefault(info, set()).update(keys_in_box(p.atom_box, info.chunks))
+                continue
             arr = arrays.get(key)
             if arr is None:
                 assert base is not None
                 arr = arrays[key] = base[key].with_transaction(txn)
             futs.append(arr[to_slices(p.atom_box)].write(chunk))
-            info = self.slots[key][1]
             written.setdefault(info, set()).update(keys_in_box(p.atom_box, info.chunks))
         return futs
 
@@ -259,6 +266,9 @@ class SaveJob:
                   for k, (shape, info) in self.slots.items()}  # fmt: skip
         written: dict[SlotInfo, set[str]] = {}
         in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
+        # Whole shards are encoded here (hardware CRC32C) and written as raw values in the same
+        # transaction; others (shards past the array's edge) through TensorStore's array write.
+        raw = encode.RawWriter(db.kv()) if encode.available() else None
         txn_bytes = transaction_bytes(
             sum(t.nbytes for t in self.tasks), self.budget, local=local is not None
         )
@@ -266,10 +276,13 @@ class SaveJob:
         # are being written (copies overlap the file writes; at most a third of the budget held).
         txn, staged, committing = ts.Transaction(), 0, collections.deque[Any]()
         try:
+            if raw is not None:
+                raw.bind(txn)
             for b, box, data in self._regions(host):
-                futs = self._write_region(in_txn, b, box, data, written, arrays, txn)
+                futs = self._write_region(in_txn, b, box, data, written, arrays, txn, raw)
                 for f in futs:
-                    f.copy.result()
+                    # an array write: its data copied; a raw value's: recorded in the transaction
+                    (f.copy if hasattr(f, "copy") else f).result()
                 staged += box_size(box) * b.dtype.itemsize
                 if staged >= txn_bytes:
                     if len(committing) == MAX_COMMITTING:
@@ -278,6 +291,8 @@ class SaveJob:
                     committing.append(txn.commit_async())
                     txn, staged = ts.Transaction(), 0
                     in_txn.clear()
+                    if raw is not None:
+                        raw.bind(txn)
             self._still_ours(me)
             committing.append(txn.commit_async())
             while committing:
@@ -291,20 +306,30 @@ class SaveJob:
                 with contextlib.suppress(Exception):
                     pending.result()
             raise
-        process_tables.write_process_table(db, written, f"p{me}", self._extents(local, me, written))
+        known = raw.known if raw is not None else {}
+        process_tables.write_process_table(
+            db, written, f"p{me}", self._extents(local, me, written, known), known=known
+        )
         if local is not None:
             store.sync_tree(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
         self._commit()
 
     @staticmethod
     def _extents(
-        local: str | None, me: int, written: dict[SlotInfo, set[str]]
+        local: str | None,
+        me: int,
+        written: dict[SlotInfo, set[str]],
+        known: dict[str, dict[str, str]],
     ) -> dict[str, tuple[str, int, int] | None] | None:
-        """Where this process's chunks lie in its local data files (None: not local)."""
+        """Where this process's chunks lie in its local data files (None: not local), for those
+        whose fingerprint is not `known` already (array path -> chunk key -> fingerprint)."""
         if local is None:
             return None
+        keys = [f"{i.path}/{k}" for i, ks in written.items()
+                for k in ks if k not in known.get(i.path, ())]  # fmt: skip
+        if not keys:
+            return {}
         index = direct.OcdbtIndex(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
-        keys = [f"{i.path}/{k}" for i, ks in written.items() for k in ks]
         index.locate([k.encode() for k in keys])
         found = {k: index.found.get(k.encode()) for k in keys}
         return {k: (e.path, e.offset, e.length) for k, e in found.items()

@@ -1,0 +1,198 @@
+"""Encode stored chunks (zarr3 shards) in Python: what a save writes as raw kvstore values.
+
+TensorStore's array write copies a region into its chunk buffers, checksums every chunk with
+absl's portable CRC32C (the pip wheels are built without the x86 CRC instructions) and assembles
+the shard: 13-22% of a save's CPU went to that CRC alone. A region that covers whole shards of an
+array ucp stores itself (zarr3; `bytes` little-endian then `crc32c`, optionally inside
+`sharding_indexed` with the same codecs on the index; see `store.array_spec`) is encoded here
+instead and written as one value per shard through the database's kvstore, in the save's own
+transaction. The layout is the one format/direct.py reads:
+
+* an unsharded chunk: its elements in C order, then their crc32c (4 bytes, little-endian);
+* a shard: every inner chunk in C order of the inner grid, each its elements in C order and
+  their crc32c, then the index, an (offset, nbytes) pair of little-endian uint64 per inner
+  chunk in that same order (nbytes counting the trailer), then the index's crc32c.
+
+The checksums come from `crc32c` (the CPU's CRC instructions, GIL released). Knowing every
+trailer, the encoder also returns the chunk's fingerprint (`integrity.fingerprint_range`'s value
+for these bytes), so a writer needs not read its chunks back for its fingerprint table.
+
+Copies: `KvStore.write` takes only `bytes` (or a `bytearray`), not a buffer view, and copies it
+into TensorStore's own buffer; so an unsharded chunk is copied once here (`b"".join` of a view of
+the region and its trailer), a shard once (each inner chunk straight into its place in one
+`bytearray`), then once by TensorStore, then by the kernel into the page cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .manifest import SlotInfo
+from .store import chunk_key
+
+_crc32c: Any
+try:
+    import crc32c as _crc32c
+except ImportError:  # pragma: no cover - a dependency; without it TensorStore encodes everything
+    _crc32c = None
+
+Box = Sequence[tuple[int, int]]
+# Data types whose zarr3 `bytes` encoding is their numpy memory, little-endian, one element after
+# another: these are encoded here. Others (packed 4-bit types, float8s, complex) go through
+# TensorStore, whose encoding of them the tests do not pin down.
+RAW_DTYPES = frozenset(
+    ["bool", "bfloat16", "float16", "float32", "float64"]
+    + [f"{u}int{b}" for u in ("", "u") for b in (8, 16, 32, 64)]
+)
+
+
+def available() -> bool:
+    """This host encodes chunks itself: a hardware CRC32C and little-endian memory, and
+    `UCP_DIRECT_WRITE` is not 0 (set it to 0 to have TensorStore encode every chunk)."""
+    enabled = os.environ.get("UCP_DIRECT_WRITE", "1").lower() not in ("0", "false", "no")
+    return (
+        enabled
+        and _crc32c is not None
+        and bool(getattr(_crc32c, "hardware_based", False))
+        and sys.byteorder == "little"
+    )
+
+
+def covers_whole_shards(shape: Sequence[int], info: SlotInfo, box: Box) -> bool:
+    """`box` of a stored array of `shape` is a union of whole shards that need no padding.
+
+    False where a shard would reach past the array's edge (zarr3 stores edge chunks at full
+    size, padded), where the inner chunks do not tile a shard, or for a data type not in
+    RAW_DTYPES: TensorStore writes those.
+
+    >>> info = SlotInfo("float32", "a/fp32", (4, 4))
+    >>> covers_whole_shards((8, 8), info, ((4, 8), (0, 8))), covers_whole_shards((8, 8), info, ((2, 6), (0, 8)))
+    (True, False)
+    >>> covers_whole_shards((6, 8), info, ((4, 6), (0, 8)))
+    False
+    """
+    if info.dtype not in RAW_DTYPES or len(shape) != len(info.chunks) or len(box) != len(shape):
+        return False
+    for dim, c, (lo, hi) in zip(shape, info.chunks, box):
+        if c <= 0 or dim % c or lo % c or hi % c or not 0 <= lo < hi <= dim:
+            return False
+    if info.inner_chunks is not None:
+        if len(info.inner_chunks) != len(info.chunks):
+            return False
+        if any(i <= 0 or c % i for c, i in zip(info.chunks, info.inner_chunks)):
+            return False
+    return True
+
+
+def shards_of(info: SlotInfo, box: Box) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
+    """The shards `box` covers (see `covers_whole_shards`): (grid index, their slices of the
+    region's data), in C order.
+
+    >>> shards_of(SlotInfo("float32", "a", (2, 4)), ((2, 6), (0, 4)))[1]
+    ((2, 0), (slice(2, 4, None), slice(0, 4, None)))
+    """
+    ranges = [range(lo // c, hi // c) for (lo, hi), c in zip(box, info.chunks)]
+    out = []
+    for idx in itertools.product(*ranges):
+        rel = tuple(slice(i * c - lo, (i + 1) * c - lo)
+                    for i, c, (lo, _) in zip(idx, info.chunks, box))  # fmt: skip
+        out.append((tuple(idx), rel))
+    return out
+
+
+def _le_bytes(a: np.ndarray) -> memoryview:
+    """The elements of `a` in C order as little-endian bytes (a view where `a` allows)."""
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    a = np.ascontiguousarray(a)
+    return memoryview(a.reshape(-1).view(np.uint8).data)
+
+
+def _trailer(buf: memoryview) -> bytes:
+    assert _crc32c is not None
+    return int(_crc32c.crc32c(buf)).to_bytes(4, "little")
+
+
+def encode_shard(data: np.ndarray, info: SlotInfo) -> tuple[bytes | bytearray, str]:
+    """One stored chunk (shard) value of `data` (exactly one shard of `info`'s array), and its
+    fingerprint.
+
+    Raises:
+        ValueError: `data` is not one whole shard of `info` (expected shape `info.chunks`).
+    """
+    if tuple(data.shape) != tuple(info.chunks):
+        raise ValueError(
+            f"encode_shard: {info.path}: expected one whole shard of shape {tuple(info.chunks)}, "
+            f"found data of shape {tuple(data.shape)}; write partial shards through TensorStore"
+        )
+    if info.inner_chunks is None:
+        body = _le_bytes(data)
+        crc = _trailer(body)
+        return b"".join((body, crc)), f"{zlib.crc32(crc):08x}"
+    inner = tuple(info.inner_chunks)
+    grid = [c // i for c, i in zip(info.chunks, inner)]
+    n = math.prod(grid)
+    body_bytes = math.prod(inner) * data.dtype.itemsize
+    # One buffer laid out as the value: each inner chunk copied straight into its place (one
+    # strided copy, no temporary), its crc32c after it; TensorStore's write takes a bytearray.
+    value = bytearray(n * (body_bytes + 4) + 16 * n + 4)
+    out = np.frombuffer(value, np.uint8)
+    le = data.dtype.newbyteorder("<") if data.dtype.byteorder == ">" else data.dtype
+    trailers: list[bytes] = []
+    for k, idx in enumerate(itertools.product(*(range(g) for g in grid))):
+        start = k * (body_bytes + 4)
+        dest = out[start : start + body_bytes].view(le).reshape(inner)
+        np.copyto(dest, data[tuple(slice(a * i, (a + 1) * i) for a, i in zip(idx, inner))])
+        crc = _trailer(memoryview(out[start : start + body_bytes].data))
+        value[start + body_bytes : start + body_bytes + 4] = crc
+        trailers.append(crc)
+    index = np.empty((n, 2), "<u8")
+    index[:, 0] = np.arange(n, dtype=np.uint64) * (body_bytes + 4)
+    index[:, 1] = body_bytes + 4
+    ibytes = memoryview(index.reshape(-1).view(np.uint8).data)
+    tail = b"".join((ibytes, _trailer(ibytes)))
+    value[n * (body_bytes + 4) :] = tail
+    fp = zlib.crc32(tail)
+    for crc in trailers:
+        fp = zlib.crc32(crc, fp)
+    return value, f"{fp:08x}"
+
+
+class RawWriter:
+    """Writes whole shards as raw values through one database's kvstore, in the open transaction.
+
+    `known` collects every written chunk's fingerprint: array path -> chunk key -> fingerprint
+    (`process_tables.write_process_table`'s `known`).
+    """
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        self.bound: Any = None
+        self.known: dict[str, dict[str, str]] = {}
+
+    def bind(self, txn: Any) -> None:
+        """Write into transaction `txn` from now on."""
+        self.bound = self.kv.with_transaction(txn)
+
+    def write(self, info: SlotInfo, box: Box, data: np.ndarray) -> list[Any]:
+        """Encode and write the shards of `data`, the region `box` of `info`'s array (whole
+        shards: see `covers_whole_shards`); return the futures of their writes (ready once each
+        is recorded in the transaction)."""
+        if self.bound is None:
+            raise RuntimeError("RawWriter.write: no transaction bound; call bind(txn) first")
+        futs = []
+        table = self.known.setdefault(info.path, {})
+        for idx, rel in shards_of(info, box):
+            value, fp = encode_shard(data[rel] if rel else data, info)
+            key = chunk_key(idx)
+            futs.append(self.bound.write(f"{info.path}/{key}", value))
+            table[key] = fp
+        return futs
