@@ -66,7 +66,9 @@ def test_aggregated_import_is_a_handful_of_files(tmp_path):
             w.write(f"l{i}", "fp32", ((0, 32), (0, 32)), x)
         w.commit(step=None, source={"framework": "test"})
     files = [f for _, _, fs in os.walk(dst) for f in fs]
-    assert len(files) <= 12, files
+    # 7-8 files on a quiet machine; under load TensorStore spreads commits and their B-tree
+    # nodes over more data files (17 seen once in the full suite). One per chunk would be 128+.
+    assert len(files) <= 24, files
     assert cli_main(["verify", str(dst)]) == 0
 
 
