@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -45,7 +46,15 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="ucp-redbench-"))
     cfg = dict(vars(args), addr=f"127.0.0.1:{free_port()}", work=str(out))
     env = child_env(8 // args.procs, pythonpath=[REPO])
-    return run_job(__file__, args.procs, cfg, out, env)
+    try:
+        return run_job(__file__, args.procs, cfg, out, env)
+    finally:  # the snapshots live in shared memory beyond the job (that is their point): free them
+        from ucp_jax._src.memory.shm import namespace_root
+
+        port = cfg["addr"].split(":")[1]
+        for s in SCHEMES:
+            shutil.rmtree(namespace_root(f"redbench-{port}-{s}"), ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def worker(pid: int, cfg: dict[str, Any]) -> None:
