@@ -77,6 +77,7 @@ def available() -> bool:
         and _crc32c is not None
         and bool(getattr(_crc32c, "hardware_based", False))
         and sys.byteorder == "little"
+        and hasattr(os, "preadv")  # not on Windows
     )
 
 
