@@ -20,7 +20,7 @@ from conftest import assert_tree_bitexact
 from helpers import mesh_of, targets
 
 import ucp_jax as ucp
-from ucp_jax._src.format import direct
+from ucp_jax._src.format import direct, ocdbt_index
 
 pytestmark = pytest.mark.skipif(not direct.available(), reason="no hardware CRC32C here")
 
@@ -104,7 +104,7 @@ def test_ocdbt_walk_finds_what_tensorstore_reads(tmp_path: Path) -> None:
     txn.commit_sync()
     height = ts.ocdbt.dump(kv.base).result()["versions"][-1]["root_height"]
     assert height >= 2, height  # the walk descends through interior nodes
-    index = direct.OcdbtIndex(str(folder))
+    index = ocdbt_index.OcdbtIndex(str(folder))
     wanted = [k.encode() for k in list(values)[::7]] + [b"atoms/tiny/c", b"atoms/none/c/0"]
     index.locate(wanted)
     for key in wanted:
@@ -132,7 +132,7 @@ def test_damage_raises_what_tensorstore_raises(
     state = {"big": np.arange(512 * 1024, dtype=np.float32)}
     ucp.save(tmp_path / "ck", state)
     if layout == "aggregated":
-        index = direct.OcdbtIndex(str(tmp_path / "ck"))
+        index = ocdbt_index.OcdbtIndex(str(tmp_path / "ck"))
         index.locate([b"atoms/big/fp32/c/0"])
         ext = index.found[b"atoms/big/fp32/c/0"]
         assert ext is not None

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ChecksumError, MismatchError, NotACheckpointError, UcpError
-from .format import aggregate, direct, index, integrity, process_tables, store
+from .format import aggregate, direct, index, integrity, ocdbt_index, process_tables, store
 from .format.manifest import AtomInfo, Manifest
 from .untrusted import paths
 from .untrusted.json import read_json
@@ -52,7 +52,9 @@ class Checkpoint:
         self._tables: dict[tuple[str, str], dict[str, str]] = {}  # fingerprints (version 2)
         self._checked: dict[tuple[str, str], set[str]] = {}  # chunk files found in place
         self._sized: dict[tuple[str, str], set[str]] = {}  # chunk files of the right size
-        self._ocdbt: direct.OcdbtIndex | None = None  # where version-3 shards lie (direct reads)
+        self._ocdbt: ocdbt_index.OcdbtIndex | None = (
+            None  # where version-3 shards lie (direct reads)
+        )
         # (file, offset) -> fingerprint of the shards read directly (taken as they were read)
         self.fingerprints_seen: direct.Fingerprints = {}
 
@@ -199,7 +201,7 @@ class Checkpoint:
             return
         assert self.loc.local_path is not None
         if self._ocdbt is None:
-            self._ocdbt = direct.OcdbtIndex(self.loc.local_path)
+            self._ocdbt = ocdbt_index.OcdbtIndex(self.loc.local_path)
         keys = [
             f"{self.atoms[name].slots[slot].path}/{store.chunk_key(index)}".encode()
             for name, slot, box in regions
@@ -210,12 +212,14 @@ class Checkpoint:
         except ValueError:
             self._ocdbt = None  # TensorStore reads them all, and says what is wrong
 
-    def shard_extent(self, name: str, slot: str, index: tuple[int, ...]) -> direct.Extent | None:
+    def shard_extent(
+        self, name: str, slot: str, index: tuple[int, ...]
+    ) -> ocdbt_index.Extent | None:
         """Where the shard at grid `index` of an atom slot lies in a local folder (None: read it
         through TensorStore)."""
         return self.shard_extent_of_key(self.atoms[name].slots[slot].path, store.chunk_key(index))
 
-    def shard_extent_of_key(self, array: str, key: str) -> direct.Extent | None:
+    def shard_extent_of_key(self, array: str, key: str) -> ocdbt_index.Extent | None:
         """`shard_extent` by the array's path and the chunk key in it ('c/0/1')."""
         full = f"{array}/{key}"
         if self.manifest.version >= aggregate.AGGREGATED_VERSION:
@@ -224,7 +228,7 @@ class Checkpoint:
             return None
         path = os.path.join(self.data.local_path, full)
         try:
-            return direct.Extent(path, 0, os.stat(path).st_size)
+            return ocdbt_index.Extent(path, 0, os.stat(path).st_size)
         except OSError:
             return None
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .format import aggregate, commit, direct, encode, process_tables, store
+from .format import aggregate, commit, encode, ocdbt_index, process_tables, store
 from .format.integrity import keys_in_box
 from .format.manifest import PER_ARRAY_VERSION, Manifest, SlotInfo, source_header
 from .mapping.binding import LeafBinding, WriteTask, bind_state, describe_leaf
@@ -329,7 +329,7 @@ class SaveJob:
                 for k in ks if k not in known.get(i.path, ())]  # fmt: skip
         if not keys:
             return {}
-        index = direct.OcdbtIndex(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
+        index = ocdbt_index.OcdbtIndex(os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}"))
         index.locate([k.encode() for k in keys])
         found = {k: index.found.get(k.encode()) for k in keys}
         return {k: (e.path, e.offset, e.length) for k, e in found.items()

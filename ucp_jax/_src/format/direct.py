@@ -15,35 +15,28 @@ checksum that disagrees) sends that piece back through TensorStore, so a damaged
 raises the same errors as before and no value is ever taken from bytes that failed a check.
 
 Where the bytes are: version 2, one file per shard; version 3, an OCDBT value (a byte range of a
-data file), located through `tensorstore.ocdbt.dump` of the B-tree nodes on the way to the keys
-this process needs (not the whole tree).
+data file), located by format/ocdbt_index.py.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 import os
-import re
-import struct
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
+from ..util import config
+from . import crc
 from .integrity import fingerprint_range
 from .manifest import SlotInfo
+from .ocdbt_index import Extent, OcdbtIndex
 
-_crc32c: Any
-try:
-    import crc32c as _crc32c
-except ImportError:  # pragma: no cover - a dependency; without it TensorStore reads everything
-    _crc32c = None
+__all__ = ["Batcher", "Extent", "Layout", "OcdbtIndex", "Pieces", "available", "counts"]
 
 Box = Sequence[tuple[int, int]]
 
@@ -51,39 +44,16 @@ Box = Sequence[tuple[int, int]]
 _THREADS = max(2, min(8, 2 * (os.cpu_count() or 1)))
 _SCRATCH = 4 << 20  # bytes of one thread's buffer: runs of inner chunks are read this much at once
 _NO_CHUNK = (1 << 64) - 1  # a shard index entry of an inner chunk that was never written
-_SAFE_PATH = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*/?$")
 
 
 class Mismatch(Exception):
     """The bytes are not laid out as this reader expects; TensorStore reads the piece instead."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Extent:
-    """The bytes of one stored shard: `length` bytes at `offset` of the file at `path`, or the
-    bytes themselves (`inline`: a small value kept in an OCDBT B-tree node)."""
-
-    path: str
-    offset: int
-    length: int
-    inline: bytes | None = None
-
-
 def available() -> bool:
-    """This host can read ucp's chunks directly (a hardware CRC32C, little-endian)."""
-    enabled = os.environ.get("UCP_DIRECT_READ", "1").lower() not in ("0", "false", "no")
-    return (
-        enabled
-        and _crc32c is not None
-        and bool(getattr(_crc32c, "hardware_based", False))
-        and sys.byteorder == "little"
-        and hasattr(os, "preadv")  # not on Windows
-    )
-
-
-def _crc(buf: Any) -> int:
-    assert _crc32c is not None
-    return int(_crc32c.crc32c(buf))
+    """This host reads ucp's chunks directly: a hardware CRC32C, little-endian memory, positioned
+    reads (not on Windows), and `UCP_DIRECT_READ` is not 0."""
+    return config.direct_read() and crc.hardware() and hasattr(os, "preadv")
 
 
 _counts = {"direct": 0, "fallback": 0}  # shards read by this reader / sent to TensorStore
@@ -150,76 +120,6 @@ def _open(path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
         raise Mismatch(f"cannot open {path}: {e}") from e
-
-
-# ---------------------------------------------------------------- where the shards are
-
-
-def _ocdbt_value(ref: str, folder: str) -> Extent | None:
-    """'value:<base>:<file>:<offset>:<length>' -> the Extent (None: not a plain local range)."""
-    parts = ref.split(":")
-    if len(parts) != 5 or parts[0] != "value" or not parts[3].isdigit() or not parts[4].isdigit():
-        return None
-    rel = parts[1] + parts[2]
-    if not _SAFE_PATH.match(rel) or ".." in rel.split("/"):
-        return None
-    return Extent(os.path.join(folder, rel), int(parts[3]), int(parts[4]))
-
-
-class OcdbtIndex:
-    """Keys of a local OCDBT database (format version 3) -> where their values lie.
-
-    Only the B-tree nodes on the way to the wanted keys are read (each once).
-    """
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self._base = ts.KvStore.open({"driver": "file", "path": folder.rstrip("/") + "/"}).result()
-        self._root: tuple[str | None] | None = None
-        self.found: dict[bytes, Extent | None] = {}
-
-    def _root_location(self) -> str | None:
-        if self._root is None:
-            manifest = ts.ocdbt.dump(self._base).result()
-            versions = manifest.get("versions") or []
-            latest: dict[str, Any] = max(
-                versions, key=lambda v: v.get("generation_number", 0), default={}
-            )
-            self._root = (latest.get("root", {}).get("location"),)
-        return self._root[0]
-
-    def locate(self, keys: Sequence[bytes]) -> None:
-        """Find the extents of `keys` (None for a key that is inline or absent)."""
-        todo = sorted(k for k in set(keys) if k not in self.found)
-        if not todo:
-            return
-        for k in todo:
-            self.found[k] = None
-        root = self._root_location()
-        if root is not None:
-            self._walk(root, b"", todo)
-
-    def _walk(self, location: str, prefix: bytes, wanted: list[bytes]) -> None:
-        node = ts.ocdbt.dump(self._base, location).result()
-        entries = node.get("entries") or []
-        if node.get("height", 0) == 0:
-            for e in entries:
-                key = prefix + bytes(e["key"])
-                if key not in self.found:
-                    continue
-                ref, value = e.get("indirect_value"), e.get("inline_value")
-                if isinstance(ref, str):
-                    self.found[key] = _ocdbt_value(ref, self.folder)
-                elif isinstance(value, bytes):
-                    self.found[key] = Extent("", 0, len(value), value)
-            return
-        lows = [prefix + bytes(e["key"]) for e in entries]
-        for i, e in enumerate(entries):
-            lo = bisect.bisect_left(wanted, lows[i])
-            hi = bisect.bisect_left(wanted, lows[i + 1]) if i + 1 < len(entries) else len(wanted)
-            if lo < hi:
-                sub = prefix + bytes(e.get("subtree_common_prefix", b""))
-                self._walk(e["location"], sub, wanted[lo:hi])
 
 
 # ---------------------------------------------------------------- reading one shard
@@ -292,7 +192,7 @@ def read_shard(
         if lay.inner is not None or len(ext.inline) != n + 4:
             raise Mismatch("an inline value of another size")
         raw = np.frombuffer(ext.inline, np.uint8)
-        if _crc(raw[:n]) != struct.unpack("<I", ext.inline[n:])[0]:
+        if not crc.matches(raw[:n], ext.inline[n:]):
             raise Mismatch("crc32c")
         out[...] = raw[:n].view(lay.dtype).reshape(lay.chunks)[_rel(box, origin)]
         return
@@ -327,12 +227,12 @@ def _read_chunk(
     if whole and out.flags.c_contiguous and out.dtype == dtype:
         trailer = bytearray(4)
         _read_exact(fd, [_bytes_of(out), memoryview(trailer)], offset)
-        if _crc(out.reshape(-1).view(np.uint8)) != struct.unpack("<I", trailer)[0]:
+        if not crc.matches(out.reshape(-1).view(np.uint8), trailer):
             raise Mismatch("crc32c")
         return
     buf = _scratch(n + 4)
     _read_exact(fd, [_bytes_of(buf)], offset)
-    if _crc(buf[:n]) != struct.unpack("<I", buf[n:].tobytes())[0]:
+    if not crc.matches(buf[:n], buf[n:]):
         raise Mismatch("crc32c")
     out[...] = buf[:n].view(dtype).reshape(shape)[_rel(box, origin)]
 
@@ -351,7 +251,7 @@ def _read_sharded(
         raise Mismatch("shard smaller than its index")
     raw = bytearray(index_bytes)
     _read_exact(fd, [memoryview(raw)], ext.offset + ext.length - index_bytes)
-    if _crc(memoryview(raw)[:-4]) != struct.unpack("<I", raw[-4:])[0]:
+    if not crc.matches(memoryview(raw)[:-4], raw[-4:]):
         raise Mismatch("shard index crc32c")
     table = np.frombuffer(raw, "<u8", count * 2).reshape(count, 2)
     inner_bytes = math.prod(lay.inner) * lay.dtype.itemsize
@@ -380,7 +280,7 @@ def _read_sharded(
         _read_exact(fd, [_bytes_of(buf)], ext.offset + todo[i][0])
         for k in range(i, j):
             chunk = buf[(k - i) * step : (k - i + 1) * step]
-            if _crc(chunk[:inner_bytes]) != struct.unpack("<I", chunk[inner_bytes:].tobytes())[0]:
+            if not crc.matches(chunk[:inner_bytes], chunk[inner_bytes:]):
                 raise Mismatch("crc32c")
             ibox = todo[k][1]
             part = _meet(ibox, box)

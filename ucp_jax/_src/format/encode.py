@@ -27,22 +27,16 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import sys
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from ..util import config
+from . import crc
 from .manifest import SlotInfo
 from .store import chunk_key
-
-_crc32c: Any
-try:
-    import crc32c as _crc32c
-except ImportError:  # pragma: no cover - a dependency; without it TensorStore encodes everything
-    _crc32c = None
 
 Box = Sequence[tuple[int, int]]
 # Data types whose zarr3 `bytes` encoding is their numpy memory, little-endian, one element after
@@ -57,13 +51,7 @@ RAW_DTYPES = frozenset(
 def available() -> bool:
     """This host encodes chunks itself: a hardware CRC32C and little-endian memory, and
     `UCP_DIRECT_WRITE` is not 0 (set it to 0 to have TensorStore encode every chunk)."""
-    enabled = os.environ.get("UCP_DIRECT_WRITE", "1").lower() not in ("0", "false", "no")
-    return (
-        enabled
-        and _crc32c is not None
-        and bool(getattr(_crc32c, "hardware_based", False))
-        and sys.byteorder == "little"
-    )
+    return config.direct_write() and crc.hardware()
 
 
 def covers_whole_shards(shape: Sequence[int], info: SlotInfo, box: Box) -> bool:
@@ -116,11 +104,6 @@ def _le_bytes(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8).data)
 
 
-def _trailer(buf: memoryview) -> bytes:
-    assert _crc32c is not None
-    return int(_crc32c.crc32c(buf)).to_bytes(4, "little")
-
-
 def encode_shard(data: np.ndarray, info: SlotInfo) -> tuple[bytes | bytearray, str]:
     """One stored chunk (shard) value of `data` (exactly one shard of `info`'s array), and its
     fingerprint.
@@ -135,8 +118,8 @@ def encode_shard(data: np.ndarray, info: SlotInfo) -> tuple[bytes | bytearray, s
         )
     if info.inner_chunks is None:
         body = _le_bytes(data)
-        crc = _trailer(body)
-        return b"".join((body, crc)), f"{zlib.crc32(crc):08x}"
+        tr = crc.trailer(body)
+        return b"".join((body, tr)), f"{zlib.crc32(tr):08x}"
     inner = tuple(info.inner_chunks)
     grid = [c // i for c, i in zip(info.chunks, inner)]
     n = math.prod(grid)
@@ -151,18 +134,18 @@ def encode_shard(data: np.ndarray, info: SlotInfo) -> tuple[bytes | bytearray, s
         start = k * (body_bytes + 4)
         dest = out[start : start + body_bytes].view(le).reshape(inner)
         np.copyto(dest, data[tuple(slice(a * i, (a + 1) * i) for a, i in zip(idx, inner))])
-        crc = _trailer(memoryview(out[start : start + body_bytes].data))
-        value[start + body_bytes : start + body_bytes + 4] = crc
-        trailers.append(crc)
+        tr = crc.trailer(memoryview(out[start : start + body_bytes].data))
+        value[start + body_bytes : start + body_bytes + 4] = tr
+        trailers.append(tr)
     index = np.empty((n, 2), "<u8")
     index[:, 0] = np.arange(n, dtype=np.uint64) * (body_bytes + 4)
     index[:, 1] = body_bytes + 4
     ibytes = memoryview(index.reshape(-1).view(np.uint8).data)
-    tail = b"".join((ibytes, _trailer(ibytes)))
+    tail = b"".join((ibytes, crc.trailer(ibytes)))
     value[n * (body_bytes + 4) :] = tail
     fp = zlib.crc32(tail)
-    for crc in trailers:
-        fp = zlib.crc32(crc, fp)
+    for tr in trailers:
+        fp = zlib.crc32(tr, fp)
     return value, f"{fp:08x}"
 
 

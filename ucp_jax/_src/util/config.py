@@ -127,6 +127,31 @@ def staging() -> str:
     return raw
 
 
+def _switch(name: str) -> bool:
+    """An on-by-default switch: off when the variable is 0, false or no."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no")
+
+
+def direct_read() -> bool:
+    """Whether restores from local folders read shards themselves (`UCP_DIRECT_READ`, default
+    on; 0: TensorStore reads everything, as from object stores). See format/direct.py.
+
+    >>> isinstance(direct_read(), bool)
+    True
+    """
+    return _switch("UCP_DIRECT_READ")
+
+
+def direct_write() -> bool:
+    """Whether version-3 saves encode whole shards themselves (`UCP_DIRECT_WRITE`, default on;
+    0: TensorStore encodes every chunk). See format/encode.py.
+
+    >>> isinstance(direct_write(), bool)
+    True
+    """
+    return _switch("UCP_DIRECT_WRITE")
+
+
 def cli_caps_malloc_arenas() -> bool:
     """Whether the `ucp` command caps glibc's malloc arenas at 2 (it does unless
     `MALLOC_ARENA_MAX` is set, in which case glibc applies that value itself).
