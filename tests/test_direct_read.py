@@ -163,3 +163,41 @@ def test_disabled_by_environment(tmp_path: Path) -> None:
     ucp.save(tmp_path / "ck", state)
     _, n = _restore(tmp_path / "ck", state, (2,), "spread", False)
     assert n == {"direct": 0, "fallback": 0}
+
+
+@pytest.mark.parametrize("layout", ["aggregated", "per-array"])
+def test_tensorstore_opens_only_what_it_reads(tmp_path: Path, monkeypatch, layout: str) -> None:
+    """A restore that reads every shard directly opens no array in TensorStore (each slot is
+    still checked: listing, zarr.json, fingerprints); a shard handed over to TensorStore opens
+    its own array then, and only that one."""
+    from ucp_jax._src import checkpoint
+
+    monkeypatch.setenv("UCP_LAYOUT", layout)
+    state = {"big": np.arange(512 * 1024, dtype=np.float32), "w": np.ones((64, 64), np.float32)}
+    ucp.save(tmp_path / "ck", state)
+    opened: list[str] = []
+    real = checkpoint.store.open_array_async  # open_array calls it too
+
+    def counting(loc, shape, info, **kw):
+        opened.append(info.path)
+        return real(loc, shape, info, **kw)
+
+    monkeypatch.setattr(checkpoint.store, "open_array_async", counting)
+    out, _ = ucp.restore(tmp_path / "ck", targets(state, mesh_of((2,))))
+    assert_tree_bitexact(jax.tree.map(np.asarray, out), state)
+    assert opened == []
+    monkeypatch.setattr(direct, "read_shard", _refuse_big(direct.read_shard))
+    out, _ = ucp.restore(tmp_path / "ck", targets(state, mesh_of((2,))))
+    assert_tree_bitexact(jax.tree.map(np.asarray, out), state)
+    assert opened == ["atoms/big/fp32"]
+
+
+def _refuse_big(read_shard):
+    """direct.read_shard that hands every shard of a 1-d array to TensorStore."""
+
+    def refusing(ext, lay, *args, **kw):
+        if len(lay.shape) == 1:
+            raise direct.Mismatch("handed over by the test")
+        return read_shard(ext, lay, *args, **kw)
+
+    return refusing

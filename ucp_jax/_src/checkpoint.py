@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import math
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from .format import aggregate, direct, index, integrity, ocdbt_index, process_ta
 from .format.manifest import AtomInfo, Manifest
 from .untrusted import paths
 from .untrusted.json import read_json
+from .util.dtypes import np_dtype
 
 
 class Checkpoint:
@@ -48,7 +50,11 @@ class Checkpoint:
             if self.loc.local_path is not None:
                 paths.check_tree(self.loc.local_path, "checkpoint folder")
             self.data = aggregate.root_db(self.loc)
-        self._arrays: dict[tuple[str, str], Any] = {}
+        self._arrays: dict[tuple[str, str], Any] = {}  # opened in TensorStore
+        # checked (listing, zarr.json, table) but opened in TensorStore only when first read
+        # through it: a restore that reads every shard directly never opens them
+        self._checked_slots: dict[tuple[str, str], tuple[tuple[int, ...], Any]] = {}
+        self._opening = threading.Lock()
         self._tables: dict[tuple[str, str], dict[str, str]] = {}  # fingerprints (version 2)
         self._checked: dict[tuple[str, str], set[str]] = {}  # chunk files found in place
         self._sized: dict[tuple[str, str], set[str]] = {}  # chunk files of the right size
@@ -120,16 +126,35 @@ class Checkpoint:
         )
 
     def array(self, name: str, slot: str, *, leaf: str | None = None) -> Any:
-        """The TensorStore array of one atom slot (opened once)."""
+        """The TensorStore array of one atom slot (checked and opened once)."""
         key = (name, slot)
-        if key not in self._arrays:
-            self.open_arrays([key], leaf=leaf)
+        if key in self._arrays:
+            return self._arrays[key]
+        self.open_arrays([key], leaf=leaf)
+        with self._opening, self._diagnosed():  # reader threads open what they fall back to
+            if key not in self._arrays:
+                shape, si = self._checked_slots[key]
+                try:
+                    self._arrays[key] = store.open_array(self.data, shape, si)
+                except ValueError as e:
+                    if isinstance(e, UcpError):
+                        raise
+                    where = f"{self.path}: atom {name!r} slot {slot!r}"
+                    raise store.wrap_io_error(e, where) from e
         return self._arrays[key]
 
-    def open_arrays(self, keys: Sequence[tuple[str, str]], *, leaf: str | None = None) -> None:
-        """Open many atom slots at once: their listings and metadata reads run concurrently.
+    def stored(self, name: str, slot: str, *, leaf: str | None = None) -> tuple[Any, np.dtype]:
+        """(shape, numpy dtype) of one atom slot, checked as `open_arrays` does, without opening
+        it in TensorStore (its zarr.json agrees with the manifest, or that check raised)."""
+        self.open_arrays([(name, slot)], leaf=leaf)
+        shape, si = self._checked_slots[(name, slot)]
+        return shape, np_dtype(si.dtype)
 
-        Each slot is checked for missing chunk files (which would silently read as zeros).
+    def open_arrays(self, keys: Sequence[tuple[str, str]], *, leaf: str | None = None) -> None:
+        """Check many atom slots at once: their listings and metadata reads run concurrently.
+
+        Each slot is checked for missing chunk files (which would silently read as zeros) and
+        for a zarr.json that disagrees with the manifest; `array` then opens it in TensorStore.
 
         Raises:
             MismatchError: no such atom or slot.
@@ -141,7 +166,7 @@ class Checkpoint:
     def _open_arrays(self, keys: Sequence[tuple[str, str]], leaf: str | None) -> None:
         todo = []
         for name, slot in dict.fromkeys(keys):
-            if (name, slot) in self._arrays:
+            if (name, slot) in self._checked_slots:
                 continue
             info = self.atom(name, leaf=leaf)
             if slot not in info.slots:
@@ -155,15 +180,14 @@ class Checkpoint:
             shape, si = info.slot_shape(slot), info.slots[slot]
             todo.append((name, slot, shape, si))
         started = []
-        for _name, _slot, shape, si in todo:
+        for _name, _slot, _shape, si in todo:
             if self.data.local_path is not None:
                 folder = paths.refuse_symlinks(self.data.local_path, si.path, "array folder")
                 if os.path.isdir(folder):  # else: no chunk file, no zarr.json, said below
                     paths.check_tree(folder, "array folder")
             kv = self.data.child(si.path).kv()
-            opening = store.open_array_async(self.data, shape, si)
-            started.append((kv, kv.list(), kv.read("zarr.json"), opening))
-        for (name, slot, shape, si), (kv, listing, meta, opening) in zip(todo, started):
+            started.append((kv, kv.list(), kv.read("zarr.json")))
+        for (name, slot, shape, si), (kv, listing, meta) in zip(todo, started):
             where = f"{self.path}: atom {name!r} slot {slot!r}"
             try:
                 present = {k.decode() for k in listing.result()}
@@ -180,7 +204,7 @@ class Checkpoint:
                     self._tables[(name, slot)] = integrity.read_table(
                         kv, si, present, where, self.manifest.tables
                     )
-                self._arrays[(name, slot)] = opening.result()
+                self._checked_slots[(name, slot)] = (shape, si)
             except ValueError as e:
                 if isinstance(e, UcpError):
                     raise
@@ -278,8 +302,8 @@ class Checkpoint:
         for (name, slot), keys in self._todo(regions, self._checked).items():
             si = self.atoms[name].slots[slot]
             where = f"{self.path}: atom {name!r} slot {slot!r}"
-            self.array(name, slot)  # opened, so its table is loaded
-            kv = self.data.child(si.path).kv()
+            self.open_arrays([(name, slot)])  # checked, so its table is loaded
+            kv = lambda path=si.path: self.data.child(path).kv()  # noqa: E731 (only if needed)
             extents: dict[str, tuple[str, int, int]] = {}
             for k in keys:
                 ext = self.shard_extent_of_key(si.path, k)

@@ -280,22 +280,23 @@ def _issue(
             out[rel] = 0
             continue
         name, slot = r.atom_of[p.atom], r.slot_of[p.atom]
-        arr = ckpt.array(name, slot, leaf=b.name)
-        itemsize = arr.dtype.numpy_dtype.itemsize
+        shape, dtype = ckpt.stored(name, slot, leaf=b.name)
+        itemsize = dtype.itemsize
         stats.bytes_read += box_size(p.atom_box) * itemsize
         stats.reads += 1
         sinfo = ckpt.atoms[name].slots[slot]
         stats.bytes_chunks += chunk_bytes_touched(
-            p.atom_box, arr.shape, sinfo.inner_chunks or sinfo.chunks, itemsize
+            p.atom_box, shape, sinfo.inner_chunks or sinfo.chunks, itemsize
         )
-        if arr.dtype.numpy_dtype == b.dtype:
+        if dtype == b.dtype:
             whole_trailing: tuple[Any, ...] = (*rel, ...)
             dst = p.leaf_to_atom(out[whole_trailing])
             if np.may_share_memory(dst, out):  # a view: no reshape copy was needed
                 if ckpt.direct_reads():
-                    fut = _read_direct(ckpt, name, slot, arr, p.atom_box, dst, batcher)
+                    fut = _read_direct(ckpt, name, slot, (shape, dtype), p.atom_box, dst, batcher)
                     pending.append((p, fut, None))
                     continue
+                arr = ckpt.array(name, slot, leaf=b.name)
                 try:
                     view = ts.array(dst, copy=False, write=True)
                 except (ValueError, TypeError):
@@ -304,6 +305,7 @@ def _issue(
                     src = arr[to_slices(p.atom_box)]
                     pending.append((p, _write_in_blocks(view, src, itemsize), None))
                     continue
+        arr = ckpt.array(name, slot, leaf=b.name)
         pending.append((p, arr[to_slices(p.atom_box)].read(), rel))
     return out, pending
 
@@ -351,17 +353,19 @@ def _read_direct(
     ckpt: Checkpoint,
     name: str,
     slot: str,
-    arr: Any,
+    stored: tuple[Any, np.dtype],
     box: Any,
     dst: np.ndarray,
     batcher: direct.Batcher,
 ) -> direct.Pieces:
-    """Read `box` of a local atom slot into `dst` with positioned reads (format/direct.py); a
-    shard that reader does not take is read by TensorStore."""
+    """Read `box` of a local atom slot (of `stored` shape and dtype) into `dst` with positioned
+    reads (format/direct.py); a shard that reader does not take is read by TensorStore (the
+    array opened then)."""
     si = ckpt.atoms[name].slots[slot]
-    lay = direct.Layout(tuple(arr.shape), si.chunks, si.inner_chunks, arr.dtype.numpy_dtype, si)
+    lay = direct.Layout(tuple(stored[0]), si.chunks, si.inner_chunks, stored[1], si)
 
     def through_tensorstore(part: Any, out: np.ndarray) -> None:
+        arr = ckpt.array(name, slot)
         out[...] = arr[to_slices(part)].read().result()
 
     locate = lambda index: ckpt.shard_extent(name, slot, index)  # noqa: E731

@@ -37,7 +37,7 @@ import json
 import math
 import os
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -380,7 +380,7 @@ def read_table(
 
 
 def check(
-    kv: ts.KvStore,
+    kv: ts.KvStore | Callable[[], ts.KvStore],
     info: SlotInfo,
     keys: Sequence[str],
     table: Mapping[str, str],
@@ -390,8 +390,10 @@ def check(
 ) -> None:
     """Refuse chunk files whose fingerprint is not the one recorded for their position.
 
-    `extents`: where chunks lie in local files (key -> (path, offset, length)), read there;
-    `known`: fingerprints taken already (while the chunks were read, format/direct.py).
+    `kv`: the array's kvstore, or a function that opens it (called only if some chunk is
+    neither `known` nor in `extents`); `extents`: where chunks lie in local files (key ->
+    (path, offset, length)), read there; `known`: fingerprints taken already (while the chunks
+    were read, format/direct.py).
 
     Raises:
         ChecksumError: a file has no recorded fingerprint, or another one (naming the file).
@@ -407,7 +409,7 @@ def check(
         got.update(extent_fingerprints({k: e for k, e in extents.items() if k not in got}, info))
     rest = [k for k in keys if k not in got]
     if rest:
-        got.update(fingerprints(kv, info, rest))
+        got.update(fingerprints(kv() if callable(kv) else kv, info, rest))
     for k in keys:
         if got.get(k) != table[k]:
             raise ChecksumError(
