@@ -193,6 +193,24 @@ def test_ucp_index_drops_entries_of_checkpoints_deleted_by_other_tools(mem_root)
         ".ucp-index/.complete", ".ucp-index/a"]  # fmt: skip
 
 
+def test_recovery_skips_a_listed_checkpoint_deleted_by_other_tools(mem_root, caplog):
+    """The in-memory tier's fallback to the newest persisted checkpoint takes the next newest
+    when the newest was deleted by another tool (its index entry still lists it)."""
+    from ucp_jax._src.memory.recovery import newest_persisted
+
+    root = mem_root
+    for step in (1, 2, 3):
+        ucp.save(f"{root}/step_{step}", _tree(step), step=step)
+    store.Location.parse(f"{root}/step_3").remove_all()  # the entry of step_3 stays
+    assert ucp.list_checkpoints(root)[-1] == f"{root}/step_3"
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        assert newest_persisted(root) == (f"{root}/step_2", 2)
+    assert "step_3" in caplog.text and "ucp index" in caplog.text
+    for step in (1, 2):
+        store.Location.parse(f"{root}/step_{step}").remove_all()
+    assert newest_persisted(root) is None
+
+
 def test_index_names_are_untrusted(mem_root, caplog):
     """Entries that are not one plain path component, or hidden, are skipped with a warning."""
     root = mem_root

@@ -202,23 +202,30 @@ def candidates(root: Path) -> list[Candidate]:
 
 
 def newest_persisted(directory: Any) -> tuple[str, int] | None:
-    """(path, step) of the newest committed universal checkpoint under `directory`."""
+    """(path, step) of the newest committed universal checkpoint under `directory`.
+
+    An object store's listing comes from its index (format/index.py): a checkpoint deleted
+    there by another tool keeps its entry until `ucp index` runs. Such a checkpoint is skipped
+    with a warning, and the next newest is taken, rather than failing the recovery.
+    """
     if directory is None:
         return None
     from ..checkpoint import list_checkpoints, open_checkpoint
 
-    best = None
+    found = []
     for path in list_checkpoints(directory):
-        m = re.fullmatch(r"step_(\d+)", os.path.basename(path.rstrip("/")))
-        if m is None:
+        m = re.fullmatch(r"step_(\d+)", os.path.basename(str(path).rstrip("/")))
+        if m is not None:
+            found.append((int(m.group(1)), path))
+    for step, path in sorted(found, key=lambda f: f[0], reverse=True):
+        try:
+            saved = open_checkpoint(path).step
+        except NotACheckpointError as e:
+            log.warning("skipping %s, listed but not a committed checkpoint (deleted by another "
+                        "tool? `ucp index %s` rebuilds the listing): %s", path, directory, e)  # fmt: skip
             continue
-        step = int(m.group(1))
-        if best is None or step > best[1]:
-            best = (path, step)
-    if best is not None:
-        saved = open_checkpoint(best[0]).step
-        best = (best[0], best[1] if saved is None else int(saved))
-    return best
+        return path, step if saved is None else int(saved)
+    return None
 
 
 @gc_paused()
