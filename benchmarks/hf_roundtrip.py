@@ -193,6 +193,9 @@ def main() -> None:
                 for f in os.listdir(os.path.join(args.workdir, "hf_src")))  # fmt: skip
     env = child_env(8, platform=None)
     phases = [p for p in args.phases.split(",") if p]
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        ap.error(f"--phases: unknown {', '.join(unknown)}; pick from {', '.join(PHASES)}")
     if "in-ucp" not in phases and not os.path.isdir(os.path.join(args.workdir, "ucp")):
         phases.insert(0, "in-ucp")  # the checkpoint the other phases start from
     if args.baseline:
