@@ -287,6 +287,7 @@ class SaveJob:
                 if staged >= txn_bytes:
                     if len(committing) == MAX_COMMITTING:
                         committing.popleft().result()
+                        _start_writeback(local, me)
                     self._still_ours(me)
                     committing.append(txn.commit_async())
                     txn, staged = ts.Transaction(), 0
@@ -356,6 +357,21 @@ def transaction_bytes(share: int, budget: int, *, local: bool = True) -> int:
     if not local:
         return max(TXN_MIN, budget // REMOTE_TXN_PARTS)
     return max(TXN_MIN, min(budget, share) // TXN_PARTS)
+
+
+def _start_writeback(local: str | None, me: int) -> None:
+    """Start the disk writes of this process's data files written so far (a local save).
+
+    Data files are written without an fsync each (`store.sync_tree` makes them durable before
+    COMMIT); below the kernel's dirty-page thresholds nothing would reach the disk until then, so
+    the disk would sit idle while shards are encoded and then take the whole save at the end.
+    Asking for the writes as each transaction lands overlaps them with the rest of the save.
+    """
+    if local is None:
+        return
+    d = os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}", "d")
+    for name in store.listdir(d):
+        store.start_writeback(os.path.join(d, name))
 
 
 def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:
