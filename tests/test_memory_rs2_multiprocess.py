@@ -13,7 +13,9 @@ job dies. Then:
   falls back to the persisted step 2 and says which nodes are lost;
 - with the shared memory of nodes 1 and 2 wiped, a 4 x 2 job (the same mesh) resumes step 3
   bit-exact from P and Q, every process with its own extra, and trains on with the same bits;
-  a 2 x 4 job (a smaller mesh) does the same.
+  a 2 x 4 job (a smaller mesh) does the same. The processes share the rebuild (each solves a
+  share of the stripes' columns, all check the whole); with a peer that writes a wrong byte into
+  its share, or one that never says it is done, the others rebuild alone, still bit-exact.
 
 On a cluster (each process's shared memory on its own "machine"), two replaced machines get the
 bytes that rebuild their nodes from the other two.
@@ -67,7 +69,7 @@ def rs2(tmp_path_factory):
         _resume(root, out, "smaller_mesh", 2, 4, **base)
         # a faulty peer of the rebuild the four processes share: wrong bytes, or never done
         _resume(root, out, "share_wrong", 4, 2, **base, share_fault={"pid": 1, "kind": "wrong"})
-        _resume(root, out, "share_silent", 4, 2, **base, share_timeout=2,
+        _resume(root, out, "share_silent", 4, 2, **base, share_timeout=5,
                 share_fault={"pid": 2, "kind": "silent"})  # fmt: skip
     return out
 
@@ -136,7 +138,7 @@ def test_a_peer_that_never_says_it_is_done_makes_the_others_rebuild_alone(rs2):
         if r["pid"] == 2:  # its peers said so: it reads what they (and it) rebuilt
             assert "rebuilt with" in r["rebuild"], r
         else:
-            assert "alone: process 2 did not say its share was done within 2 s" in r["rebuild"], r
+            assert "alone: process 2 did not say its share was done within 5 s" in r["rebuild"], r
 
 
 def test_two_killed_processes_resume_on_a_smaller_mesh(rs2):
