@@ -257,6 +257,41 @@ def test_a_partial_rebuild_still_detects_a_damaged_piece_or_parity():
         _rebuild(layout, bad, [2, 3], {2: [(RS2.lane(layout, 2, 3)[0], 8)], 3: []})
 
 
+@pytest.mark.parametrize(("k", "sharers"), [(3, 2), (4, 3), (4, 4), (8, 5)])
+def test_a_rebuild_split_between_processes_is_bit_exact_and_checked(k, sharers, monkeypatch):
+    """`share`: each of n processes solves share i of the columns of every stripe into the same
+    buffers (`decode_share`, unchecked); together they give what `decode_parts` gives, and
+    `check_parts` passes; one wrong byte in any share is caught."""
+    from ucp_jax._src.memory import rs2
+
+    monkeypatch.setattr(rs2, "SOLVE_COLS", 64)  # several column blocks per share
+    layout, arrays, blobs = _sealed(k, k, rows=60)
+    g = layout.groups[0]
+    for lost in itertools.combinations(range(k), 2):
+        others = {m: _Ranges(blobs[m], [(0, len(blobs[m]))]) for m in g if m not in lost}
+        want = {n: [(0, layout.primary[n])] for n in lost}
+        units = RS2.share_units(layout, list(lost), others, want)
+        lanes = {s: [RS2.lane(layout, n, s) for n in lost if n in RS2.data_of(layout, g, s)]
+                 for s in range(k)}  # fmt: skip
+        assert units == [s for s, ls in lanes.items() if any(b > a for a, b in ls)]
+        out = {n: np.zeros(layout.primary[n], np.uint8) for n in lost}
+        for i in range(sharers):
+            RS2.decode_share(layout, list(lost), others, [(s, i, sharers) for s in units], out)
+        RS2.check_parts(layout, list(lost), others, want, out)
+        for n in lost:
+            _check_pieces(layout, arrays, n, out[n])
+            assert out[n].tobytes() == blobs[n][: layout.primary[n]].tobytes()
+        n = lost[0]
+        out[n][len(out[n]) // 2] ^= 4  # a peer's wrong byte
+        with pytest.raises(ParityMismatch, match="does not match the digest"):
+            RS2.check_parts(layout, list(lost), others, want, out)
+
+
+def test_schemes_without_digests_do_not_share_a_rebuild():
+    layout, _, _ = _job(4, "xor", 4)
+    assert layout.scheme.share_units(layout, [1], [0, 2, 3], {1: [(0, 8)]}) == []
+
+
 def test_a_rebuilt_node_serves_only_the_ranges_planned():
     d = Decoded(np.arange(100, dtype=np.uint8), [(10, 20), (30, 5), (60, 0)])
     assert d.view(10, 25).tolist() == list(range(10, 35))  # (adjacent ranges merged)

@@ -13,7 +13,9 @@ job dies. Then:
   falls back to the persisted step 2 and says which nodes are lost;
 - with the shared memory of nodes 1 and 2 wiped, a 4 x 2 job (the same mesh) resumes step 3
   bit-exact from P and Q, every process with its own extra, and trains on with the same bits;
-  a 2 x 4 job (a smaller mesh) does the same.
+  a 2 x 4 job (a smaller mesh) does the same. The processes share the rebuild (each solves a
+  share of the stripes' columns, all check the whole); with a peer that writes a wrong byte into
+  its share, or one that never says it is done, the others rebuild alone, still bit-exact.
 
 On a cluster (each process's shared memory on its own "machine"), two replaced machines get the
 bytes that rebuild their nodes from the other two.
@@ -65,6 +67,10 @@ def rs2(tmp_path_factory):
         shutil.rmtree(_shm(ns) / "2")
         _resume(root, out, "same_mesh", 4, 2, **base, **{"continue": True})
         _resume(root, out, "smaller_mesh", 2, 4, **base)
+        # a faulty peer of the rebuild the four processes share: wrong bytes, or never done
+        _resume(root, out, "share_wrong", 4, 2, **base, share_fault={"pid": 1, "kind": "wrong"})
+        _resume(root, out, "share_silent", 4, 2, **base, share_timeout=5,
+                share_fault={"pid": 2, "kind": "silent"})  # fmt: skip
     return out
 
 
@@ -101,6 +107,38 @@ def test_two_killed_processes_resume_on_the_same_mesh(rs2):
     assert all(r["lost"] == [1, 2] for r in reports)
     assert all("next_digest" in r for r in reports)
     assert "node(s) [1, 2] decoded from rs2" in rs2["same_mesh_log"]
+
+
+def test_processes_of_a_machine_share_the_rebuild_of_the_lost_nodes(rs2):
+    """The four processes all read nodes 1 and 2: each solved its share of the columns of the
+    stripes, and all read the lanes the others rebuilt (checked: bit-exact above)."""
+    reports = rs2["same_mesh"]
+    for r in reports:
+        assert r["rebuild"] == f"node(s) [1, 2] rebuilt with process(es) " \
+                               f"{[p for p in range(4) if p != r['pid']]}", r  # fmt: skip
+    # on the smaller mesh both processes read both nodes too
+    assert all("rebuilt with process(es)" in r["rebuild"] for r in rs2["smaller_mesh"])
+    assert "rebuilding node(s)" not in rs2["same_mesh_log"]
+
+
+def test_a_peer_that_shares_wrong_bytes_is_detected_and_nobody_restores_them(rs2):
+    reports = rs2["share_wrong"]
+    _check(reports, rs2["train"], 3, "redundancy")  # bit-exact: rebuilt alone after all
+    assert all(r["lost"] == [1, 2] for r in reports)
+    wrong = [r for r in reports if "shared rebuild does not match the digests" in r["rebuild"]]
+    assert reports[1] in wrong, reports  # (and every process that reads the wrong lane)
+    assert all(r in wrong or "rebuilt with" in r["rebuild"] for r in reports)
+    assert "rebuilding node(s) [1, 2] alone" in rs2["share_wrong_log"]
+
+
+def test_a_peer_that_never_says_it_is_done_makes_the_others_rebuild_alone(rs2):
+    reports = rs2["share_silent"]
+    _check(reports, rs2["train"], 3, "redundancy")
+    for r in reports:
+        if r["pid"] == 2:  # its peers said so: it reads what they (and it) rebuilt
+            assert "rebuilt with" in r["rebuild"], r
+        else:
+            assert "alone: process 2 did not say its share was done within 5 s" in r["rebuild"], r
 
 
 def test_two_killed_processes_resume_on_a_smaller_mesh(rs2):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 import zlib
@@ -112,6 +113,37 @@ def targets(mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
     return params, opt
 
 
+def inject_share_fault(kind: str) -> None:
+    """Make this process a faulty peer of a rebuild shared on its machine (`memory/share.py`):
+    'silent' never says its share is done (as a peer that died or hangs); 'wrong' writes one
+    wrong byte into its share of the rebuilt lanes."""
+    from ucp_jax._src.memory import exchange
+    from ucp_jax._src.memory.rs2 import RS2
+
+    if kind == "silent":
+        publish = exchange.publish_text
+
+        def silent(key: str, text: str) -> None:
+            if "/share/" not in key:
+                publish(key, text)
+
+        exchange.publish_text = silent
+        return
+    solve = RS2.decode_share
+
+    def wrong(self: RS2, layout: Any, lost: Any, blobs: Any, parts: Any, out: Any) -> None:
+        solve(self, layout, lost, blobs, parts, out)
+        g = list(layout.group_of[lost[0]])
+        plan = {p[0]: p for p in self._plan(layout, g, list(lost))}
+        for p, u, _ in self._tasks(layout, g, [(plan[s], i, n) for s, i, n in parts]):
+            a, b = self.lane(layout, p[1][0], p[0])
+            if a + u < b:
+                out[p[1][0]][a + u] ^= 0x5A
+                return
+
+    RS2.decode_share = wrong  # type: ignore[method-assign]
+
+
 T0 = time.perf_counter()
 
 
@@ -168,13 +200,18 @@ def main() -> None:
         print("SNAPSHOTS DONE", flush=True)
         time.sleep(3600)
         return
+    fault = cfg.get("share_fault")
+    if fault and fault["pid"] == cfg["pid"]:
+        inject_share_fault(fault["kind"])
+    if cfg.get("share_timeout"):
+        os.environ["UCP_REBUILD_SHARE_TIMEOUT_S"] = str(cfg["share_timeout"])
     t0 = time.perf_counter()
     params, opt_state = mgr.restore(pt, ot)
     report["restore_s"] = time.perf_counter() - t0
     info = mgr.restored
     report.update(step=info.step, source=info.source, lost=info.lost, path=info.path,
                   fetched_bytes=info.fetched_bytes, copied_bytes=info.copied_bytes,
-                  extra=repr(info.extra))  # fmt: skip
+                  extra=repr(info.extra), rebuild=info.rebuild)  # fmt: skip
     report["digest"] = digest((params, opt_state))
     if cfg.get("continue"):
         step_fn = make_step(mesh, params, opt_state)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,7 +22,7 @@ from ..mapping.boxes import Box, box_shape, box_size, relative_slices
 from ..mapping.keys import rewrap
 from ..mapping.rules import CompiledRules
 from ..util.buffers import aligned_empty
-from . import exchange
+from . import exchange, share
 from .blobs import BlobReader, fetch_requests, intersect, wanted
 from .candidate import Candidate
 from .layout import BlobPiece, LeafMeta, SnapshotLayout
@@ -30,11 +31,19 @@ from .stitch import can_stitch, stitch
 
 
 def read_candidate(
-    cand: Candidate, params_target: Any, opt_state_target: Any, tag: str
+    cand: Candidate,
+    params_target: Any,
+    opt_state_target: Any,
+    tag: str,
+    root: Path | None = None,
+    scratch: list[Path] | None = None,
 ) -> tuple[Any, Any, BlobReader]:
     """Build the targets from the candidate's bytes; returns (params, opt, what was read).
 
-    A collective (the fetch of bytes other machines hold): every process calls it.
+    A collective (the fetch of bytes other machines hold): every process calls it. With `root`
+    (this process's namespace folder), lost nodes that processes of one machine all read are
+    rebuilt once, shared (`share`; the files it writes are added to `scratch`, for
+    `share.cleanup` once every process is done with them).
     """
     lay = cand.layout
     pbind, obind = bind_state(params_target, opt_state_target, CompiledRules(()))
@@ -44,11 +53,20 @@ def read_candidate(
         bound = [(b, _leaf_index(b, lay, index)) for b in pbind + obind]
         regions = [(li, box) for b, li in bound for box in _regions(b, lay.leaves[li])]
         blobs.want = wanted(cand, regions, blobs)  # a lost node: only what is read is rebuilt
+        requests = fetch_requests(cand, regions, blobs)
+        # one gather: the fetch requests, and what a rebuild shared on a machine takes
+        everyone = exchange.allgather_json(
+            {"requests": requests, "share": share.offer(cand, blobs, root)}, f"{tag}/fetch/requests"
+        )
         blobs.fetched = exchange.fetch(
-            fetch_requests(cand, regions, blobs),
+            requests,
             lambda node, off, n: blobs[node].view(off, n),
             f"{tag}/fetch",
+            [e["requests"] for e in everyone],
         )
+        offers = [e["share"] for e in everyone]
+        blobs.notes = share.rebuild(cand, blobs, offers, root, f"{tag}/share",
+                                    [] if scratch is None else scratch)  # fmt: skip
         leaves = [_read_leaf(b, li, lay, blobs) for b, li in bound]
     finally:
         blobs.close()

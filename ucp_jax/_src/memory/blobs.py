@@ -3,7 +3,8 @@
 A `BlobReader` gives a candidate step's node blobs: the ones this process sees are mapped from
 shared memory, the ones only other processes see are fetched (`exchange`), and a lost node is
 rebuilt from its group (`redundancy.decode_nodes`): only the byte ranges of it this process reads
-(`wanted`), where the scheme can rebuild part of a node (rs2: the lanes that hold them).
+(`wanted`), where the scheme can rebuild part of a node (rs2: the lanes that hold them), unless
+the processes of its machine rebuilt it together (`share`).
 `fetch_requests` plans which byte ranges this process must fetch for the regions it restores.
 """
 
@@ -40,6 +41,7 @@ class BlobReader:
         # lost node -> the (offset, nbytes) of it this process reads (None: all of every node)
         self.want: dict[int, list[tuple[int, int]]] | None = None
         self._spans: dict[int, list[tuple[int, int]]] = {}
+        self.notes: list[str] = []  # how lost nodes were rebuilt with peers (`share`)
 
     def sees(self, node: int) -> bool:
         return node in self.cand.entries
@@ -63,6 +65,10 @@ class BlobReader:
                     "of its bytes were fetched (an internal planning error; please report it)"
                 )
         return self._open[node]
+
+    def rebuilt(self, node: int, data: Decoded) -> None:
+        """A lost node's bytes, rebuilt elsewhere (`share`): read instead of rebuilding them."""
+        self._open[node] = data
 
     def lost_with(self, node: int) -> list[int]:
         """The lost members of a lost node's group (it among them)."""

@@ -57,9 +57,12 @@ def publish_text(key: str, text: str) -> None:
         )
 
 
-def get_text(key: str) -> str:
-    """The text another process published under `key` with `publish_text` (waits for it)."""
-    timeout_ms = int(config.barrier_timeout_s() * 1000)
+def get_text(key: str, timeout_s: float | None = None) -> str:
+    """The text another process published under `key` with `publish_text` (waits for it, up to
+    `timeout_s`, default `UCP_BARRIER_TIMEOUT_S`; then the coordination client raises)."""
+    timeout_ms = max(
+        1, int((config.barrier_timeout_s() if timeout_s is None else timeout_s) * 1000)
+    )
     raw = coordination_client().blocking_key_value_get(key, timeout_ms)
     return zlib.decompress(base64.b64decode(raw)).decode()
 
@@ -110,7 +113,10 @@ class Fetched:
 
 
 def fetch(
-    mine: Sequence[Request], read_local: Callable[[int, int, int], np.ndarray], tag: str
+    mine: Sequence[Request],
+    read_local: Callable[[int, int, int], np.ndarray],
+    tag: str,
+    everyone: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> dict[int, Fetched]:
     """Exchange blob bytes: receive `mine`, serve what the others asked of this process.
 
@@ -120,12 +126,16 @@ def fetch(
         mine: this process's requests (node, serving process, offset, nbytes), merged.
         read_local: (node, offset, nbytes) -> those bytes of a blob this process sees.
         tag: a name for this exchange, the same on every process and unique in the job.
+        everyone: every process's requests when the caller gathered them already (with other
+            things, in one round); else they are gathered here.
 
     Returns:
         node -> the ranges received for it.
     """
     mine = [(int(a), int(b), int(c), int(d)) for a, b, c, d in mine]
-    everyone = [[tuple(r) for r in rs] for rs in allgather_json(mine, f"{tag}/requests")]
+    if everyone is None:
+        everyone = allgather_json(mine, f"{tag}/requests")
+    everyone = [[tuple(r) for r in rs] for rs in everyone]
     out: dict[int, Fetched] = {}
     if not any(everyone):
         return out

@@ -75,9 +75,16 @@ def _record(path: Path) -> dict[str, Any] | None:
     return {"extra": d.get("extra"), "kept": d.get("extra_kept")} if isinstance(d, dict) else None
 
 
-def restored(cand: Any, tag: str) -> Any:
+def seen(cand: Any) -> dict[str, Any]:
+    """The extras records (own and kept) of the candidate's snapshots this process sees, for the
+    other processes (JSON: node -> record)."""
+    return {str(n): r for n, e in cand.entries.items() if (r := _record(e.path)) is not None}
+
+
+def restored(cand: Any, tag: str, gathered: list[Any] | None = None) -> Any:
     """This process's extra of the step a restore chose (a collective when some process cannot
-    see its node's snapshot: every process sends the records it sees).
+    see its node's snapshot: every process sends the records it sees, unless the caller gathered
+    every process's `seen` already, in `gathered`).
 
     Its node's own when its snapshot is seen, else rebuilt by the layout's redundancy scheme from
     the others' records (`extra_kept` and their own extras); None when the node gave none, or
@@ -89,10 +96,13 @@ def restored(cand: Any, tag: str) -> Any:
 
     lay = cand.layout
     me, nprocs = jax.process_index(), jax.process_count()
-    records = {n: r for n, e in cand.entries.items() if (r := _record(e.path)) is not None}
+    mine = seen(cand)
+    records = {int(n): r for n, r in mine.items()}
     unseen = [p for p in range(min(nprocs, lay.nodes)) if p not in cand.present.get(p, [])]
     if nprocs > 1 and unseen:  # every process computes the same `unseen` from the inventory
-        for got in allgather_json({str(n): r for n, r in records.items()}, f"{tag}/extras"):
+        if gathered is None:
+            gathered = allgather_json(mine, f"{tag}/extras")
+        for got in gathered:
             for n, r in got.items():
                 records.setdefault(int(n), r)
     if me >= lay.nodes:

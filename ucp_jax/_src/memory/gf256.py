@@ -199,3 +199,43 @@ def mul(src: np.ndarray, c: int, out: np.ndarray | None = None) -> np.ndarray:
         for s in srcs[1:]:
             xor_into(dst, src[s * w : (s + 1) * w])
     return out
+
+
+# ------------------------------------------------- columns of a lane's 8 packets, as uint64 rows
+
+
+def rows_of(lane: np.ndarray, c_len: int, u: int, v: int) -> np.ndarray:
+    """Columns [u, v) of the 8 packets of a lane of `c_len` bytes as (8, (v - u) / 8) uint64
+    words: a view, or, for a short lane (the bytes after it read as zeros), a padded copy."""
+    w = c_len // 8
+    if len(lane) == c_len:
+        return lane.view(np.uint64).reshape(8, w // 8)[:, u // 8 : v // 8]
+    rows = np.zeros((8, (v - u) // 8), np.uint64)
+    for p in range(8):
+        lo, hi = p * w + u, min(p * w + v, len(lane))
+        if hi > lo:
+            rows[p, : (hi - lo) // 8] = lane[lo:hi].view(np.uint64)
+    return rows
+
+
+def rows_into(lane: np.ndarray, c_len: int, u: int, v: int) -> np.ndarray | None:
+    """Columns [u, v) of a lane's packets to write into (a view; None for a short lane)."""
+    return rows_of(lane, c_len, u, v) if len(lane) == c_len else None
+
+
+def or_new(rows: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
+    """`rows`, or new words of that shape when there are none."""
+    return np.empty(shape, np.uint64) if rows is None else rows
+
+
+def put_rows(lane: np.ndarray, c_len: int, u: int, v: int, rows: np.ndarray) -> None:
+    """Write (8, (v - u) / 8) words into columns [u, v) of a lane's packets (the part of them
+    inside a short lane)."""
+    w = c_len // 8
+    if len(lane) == c_len:
+        lane.view(np.uint64).reshape(8, w // 8)[:, u // 8 : v // 8] = rows
+        return
+    for p in range(8):
+        lo, hi = p * w + u, min(p * w + v, len(lane))
+        if hi > lo:
+            lane[lo:hi].view(np.uint64)[:] = rows[p, : (hi - lo) // 8]

@@ -28,7 +28,7 @@ import jax
 from ..errors import NotACheckpointError
 from ..mapping.rules import Rule
 from ..util.gcpause import gc_paused
-from . import exchange
+from . import exchange, share
 from . import extra as extra_mod
 from .assemble import read_candidate
 from .candidate import Candidate
@@ -57,6 +57,9 @@ class RestoreInfo:
             restored maps the snapshot's pages (on CPU devices: no copy at all).
         extra: this process's `extra` of the step restored (`snapshot(..., extra=...)`; rebuilt
             from its peers' when its node was lost), None when it gave none.
+        rebuild: how lost nodes were rebuilt when the processes of this machine that read them
+            shared the work (`share`): with which processes, or why this one rebuilt them alone
+            after all; empty when nothing was shared.
     """
 
     step: int | None
@@ -69,6 +72,7 @@ class RestoreInfo:
     fetched_bytes: int = 0
     copied_bytes: int = 0
     extra: Any = None
+    rebuild: str = ""
 
 
 _layouts: dict[tuple[str, str], SnapshotLayout] = {}
@@ -245,15 +249,22 @@ def recover(
     cands, why = agree(root, tag)
     for i, chosen in enumerate(cands):
         sub = tag if i == 0 else f"{tag}/try{i}"
+        scratch: list[Path] = []  # a rebuild shared with the processes of this machine (`share`)
         try:
-            params, opt, blobs = read_candidate(chosen, params_target, opt_state_target, sub)
-            failed = None
-        except ParityMismatch as e:  # a stale or damaged parity: never restore wrong values
-            failed = str(e)
-        # Every process restores the same step: one that failed a check makes all try the next
-        # (only a rebuilt node is checked, and every process knows whether one is).
-        checked = exchange.allgather_json(failed, f"{sub}/checked") if chosen.lost else [failed]
-        fails = [f for f in checked if f]
+            try:
+                params, opt, blobs = read_candidate(chosen, params_target, opt_state_target, sub,
+                                                    root, scratch)  # fmt: skip
+                failed = None
+            except ParityMismatch as e:  # a stale or damaged parity: never restore wrong values
+                failed = str(e)
+            # Every process restores the same step: one that failed a check makes all try the
+            # next (only a rebuilt node is checked, and every process knows whether one is).
+            # The same round carries the extras records a lost node's process rebuilds its from.
+            said = {"failed": failed, "extras": extra_mod.seen(chosen) if chosen.lost else {}}
+            checked = exchange.allgather_json(said, f"{sub}/checked") if chosen.lost else [said]
+        finally:
+            share.cleanup(scratch)  # (after the gather: every process has mapped what it reads)
+        fails = [c["failed"] for c in checked if c["failed"]]
         if fails:
             log.warning("ucp.memory: step %d is not restorable from shared memory: %s",
                         chosen.step, fails[0])  # fmt: skip
@@ -264,7 +275,10 @@ def recover(
         info = RestoreInfo(chosen.step, source, str(root), chosen.lost, time.perf_counter() - t0)
         info.files = [str(f) for f in blobs.files]
         info.fetched_bytes, info.copied_bytes = fetched, blobs.copied
-        info.extra = extra_mod.restored(chosen, tag)
+        info.extra = extra_mod.restored(
+            chosen, tag, [c["extras"] for c in checked] if chosen.lost else None
+        )
+        info.rebuild = "; ".join(blobs.notes)
         detail = f", node(s) {chosen.lost} decoded from {chosen.layout.redundancy}" * bool(
             chosen.lost
         )

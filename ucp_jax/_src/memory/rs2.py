@@ -32,16 +32,27 @@ Rebuild, per stripe with lost data lanes:
 
 from __future__ import annotations
 
-import base64
+import functools
 import os
 from collections.abc import Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
 from zlib_ng import zlib_ng
 
-from .gf256 import COEFFS, ginv, mul, mul_rows, mul_xor, mul_xor_rows, segments, xor_into
+from .gf256 import (
+    COEFFS,
+    ginv,
+    mul_rows,
+    mul_xor_rows,
+    or_new,
+    put_rows,
+    rows_into,
+    rows_of,
+    segments,
+)
+from .rs2_extra import RS2Extras
 from .scheme_base import (
     Need,
     ParityMismatch,
@@ -67,43 +78,18 @@ _MAGIC = int.from_bytes(b"ucp-rs2\x01", "little")
 SOLVE_COLS = 256 << 10
 
 
-def _rows(lane: np.ndarray, c_len: int, u: int, v: int) -> np.ndarray:
-    """Columns [u, v) of the 8 packets of a lane of `c_len` bytes as (8, (v - u) / 8) uint64
-    words: a view, or, for a short lane (the bytes after it read as zeros), a padded copy."""
-    w = c_len // 8
-    if len(lane) == c_len:
-        return lane.view(np.uint64).reshape(8, w // 8)[:, u // 8 : v // 8]
-    rows = np.zeros((8, (v - u) // 8), np.uint64)
-    for p in range(8):
-        lo, hi = p * w + u, min(p * w + v, len(lane))
-        if hi > lo:
-            rows[p, : (hi - lo) // 8] = lane[lo:hi].view(np.uint64)
-    return rows
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    """The threads that solve and check lanes (one per core; numpy and zlib-ng release the GIL):
+    kept, since starting threads for every rebuild costs milliseconds on a busy machine."""
+    return ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="ucp-rs2")
 
 
-def _dest(lane: np.ndarray, c_len: int, u: int, v: int) -> np.ndarray | None:
-    """Columns [u, v) of a lane's packets to write into (a view; None for a short lane)."""
-    return _rows(lane, c_len, u, v) if len(lane) == c_len else None
+if hasattr(os, "register_at_fork"):  # a forked child has none of its parent's threads
+    os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
-def _or_new(rows: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
-    return np.empty(shape, np.uint64) if rows is None else rows
-
-
-def _put_rows(lane: np.ndarray, c_len: int, u: int, v: int, rows: np.ndarray) -> None:
-    """Write (8, (v - u) / 8) words into columns [u, v) of a lane's packets (the part of them
-    inside a short lane)."""
-    w = c_len // 8
-    if len(lane) == c_len:
-        lane.view(np.uint64).reshape(8, w // 8)[:, u // 8 : v // 8] = rows
-        return
-    for p in range(8):
-        lo, hi = p * w + u, min(p * w + v, len(lane))
-        if hi > lo:
-            lane[lo:hi].view(np.uint64)[:] = rows[p, : (hi - lo) // 8]
-
-
-class RS2(RedundancyScheme):
+class RS2(RS2Extras, RedundancyScheme):
     """Two parities per group (P = XOR, Q = Reed–Solomon): any two lost members are rebuilt."""
 
     name = "rs2"
@@ -162,10 +148,6 @@ class RS2(RedundancyScheme):
         """(offset, nbytes) of `node`'s digest table."""
         _, k, m = self._group(layout, node)
         return layout.primary[node] + m * self.lane_bytes(layout, node), align(8 * (1 + m * k))
-
-    def coef(self, g: Sequence[int], n: int) -> int:
-        """The Q coefficient of member n of group g (for the extras: by position in the group)."""
-        return COEFFS[list(g).index(n)]
 
     def stripe_coef(self, layout: SnapshotLayout, g: Sequence[int], s: int, n: int) -> int:
         """The Q coefficient of data member n in stripe s: by its place among the stripe's k-2
@@ -296,16 +278,84 @@ class RS2(RedundancyScheme):
         missing = [n for n in g if n not in blobs]
         out = {n: np.zeros(layout.primary[n], np.uint8) for n in missing}
         plan = self._plan(layout, g, missing, want)
-        w = self.lane_bytes(layout, g[0]) // 8
-        cols = [(u, min(u + SOLVE_COLS, w)) for u in range(0, w, SOLVE_COLS)]
-        tasks = [(p, u, v) for p in plan for u, v in cols]
-        checks = [(p, n) for p in plan for n in p[1]]
-        with ThreadPoolExecutor(max(1, min(len(tasks), os.cpu_count() or 1))) as pool:
-            for f in [pool.submit(self._solve, layout, g, missing, t, blobs, out) for t in tasks]:
-                f.result()
-            for f in [pool.submit(self._check, layout, g, missing, c, blobs, out) for c in checks]:
-                f.result()  # (a ParityMismatch of any lane raises here)
+        self._run(layout, g, missing, blobs, out, self._tasks(layout, g, [(p, 0, 1) for p in plan]))
+        self._run(layout, g, missing, blobs, out, [], [(p, n) for p in plan for n in p[1]])
         return {n: out[n] for n in lost}
+
+    def _tasks(
+        self, layout: SnapshotLayout, g: list[int], parts: list[tuple[Any, int, int]]
+    ) -> list[Any]:
+        """Column blocks of `SOLVE_COLS` of share i of n of each planned stripe's columns
+        ((plan entry, i, n) in `parts`; shares of whole 64-byte words)."""
+        w = self.lane_bytes(layout, g[0]) // 8
+        tasks = []
+        for p, i, n in parts:
+            step = align(-(-w // n), 64)
+            a, b = min(w, i * step), min(w, (i + 1) * step)
+            tasks += [(p, u, min(u + SOLVE_COLS, b)) for u in range(a, b, SOLVE_COLS)]
+        return tasks
+
+    def _run(
+        self,
+        layout: SnapshotLayout,
+        g: list[int],
+        missing: list[int],
+        blobs: Mapping[int, Any],
+        out: dict[int, np.ndarray],
+        tasks: list[Any],
+        checks: Sequence[Any] = (),
+    ) -> None:
+        """Solve `tasks` (`_solve`), or check lanes (`_check`), in threads."""
+        jobs = [(self._solve, t) for t in tasks] + [(self._check, c) for c in checks]
+        if not jobs:
+            return
+        futures = [_pool().submit(fn, layout, g, missing, t, blobs, out) for fn, t in jobs]
+        wait(futures)  # all of them, before any error is raised (they write into `out`)
+        for f in futures:
+            f.result()  # (a ParityMismatch of any lane raises here)
+
+    # ------------------------------------------------------------- a rebuild shared (`share`)
+
+    def share_units(
+        self, layout: SnapshotLayout, lost: Sequence[int], present: Collection[int], want: Wanted
+    ) -> list[Any]:
+        """The stripes `decode_parts` solves: a shared rebuild splits each one's columns."""
+        g, _, _ = self._group(layout, lost[0])
+        return [p[0] for p in self._plan(layout, g, [n for n in g if n not in present], want)]
+
+    def decode_share(
+        self,
+        layout: SnapshotLayout,
+        lost: Sequence[int],
+        blobs: Mapping[int, Any],
+        parts: Sequence[tuple[Any, int, int]],
+        out: Mapping[int, np.ndarray],
+    ) -> None:
+        """Solve share i of n of the columns of each stripe s, (s, i, n) in `parts`, into `out`
+        (lost node -> its pieces part, writable), unchecked: `check_parts` checks them."""
+        g, _, _ = self._group(layout, lost[0])
+        missing = [n for n in g if n not in blobs]
+        plan = {p[0]: p for p in self._plan(layout, g, missing)}
+        tasks = self._tasks(layout, g, [(plan[s], i, n) for s, i, n in parts])
+        self._run(layout, g, missing, blobs, dict(out), tasks)
+
+    def check_parts(
+        self,
+        layout: SnapshotLayout,
+        lost: Sequence[int],
+        blobs: Mapping[int, Any],
+        want: Wanted,
+        out: Mapping[int, np.ndarray],
+    ) -> None:
+        """Check the lanes `decode_parts` would rebuild, as found in `out`, against their digests.
+
+        Raises:
+            ParityMismatch: a lane does not match (a stale or damaged parity, or wrong bytes).
+        """
+        g, _, _ = self._group(layout, lost[0])
+        missing = [n for n in g if n not in blobs]
+        checks = [(p, n) for p in self._plan(layout, g, missing, want) for n in p[1]]
+        self._run(layout, g, missing, blobs, dict(out), [], checks)
 
     def _solve(
         self,
@@ -322,18 +372,18 @@ class RS2(RedundancyScheme):
         c_len = self.lane_bytes(layout, g[0])
         shape = (8, (v - u) // 8)
         # Rebuilt columns go straight into the lost lanes (a short lane: through a buffer).
-        dests = [_dest(out[n][slice(*self.lane(layout, n, s))], c_len, u, v) for n in gone]
+        dests = [rows_into(out[n][slice(*self.lane(layout, n, s))], c_len, u, v) for n in gone]
         data = []  # the surviving data lanes' columns
         for i in self.data_of(layout, g, s):
             a, b = self.lane(layout, i, s)
             if i not in missing and b > a:
-                data.append((_rows(blobs[i].view(a, b - a), c_len, u, v), i))
+                data.append((rows_of(blobs[i].view(a, b - a), c_len, u, v), i))
         acc = []
         for t, w in enumerate(use):  # P' = P ^ sum D_i, Q' = Q ^ sum c_i D_i over the others
             into = dests[-1] if t == 0 and (len(gone) == 2 or use == [0]) else None
             x = np.empty(shape, np.uint64) if into is None else into
             h, off = self.parity_at(layout, g, s, w)
-            par = _rows(blobs[h].view(off, c_len), c_len, u, v)
+            par = rows_of(blobs[h].view(off, c_len), c_len, u, v)
             coefs = [1 if w == 0 else self.stripe_coef(layout, g, s, i) for _, i in data]
             first = next((j for j, c in enumerate(coefs) if c == 1), None)
             if first is None:
@@ -346,16 +396,16 @@ class RS2(RedundancyScheme):
             acc.append(x)
         if len(gone) == 1:
             cu = self.stripe_coef(layout, g, s, gone[0])
-            lanes = [acc[0] if use == [0] else mul_rows(acc[0], ginv(cu), _or_new(dests[0], shape))]
+            lanes = [acc[0] if use == [0] else mul_rows(acc[0], ginv(cu), or_new(dests[0], shape))]
         else:  # P' = D_u ^ D_v, Q' = c_u D_u ^ c_v D_v: D_u = (Q' ^ c_v P') / (c_u ^ c_v)
             cu, cv = (self.stripe_coef(layout, g, s, n) for n in gone)
             mul_xor_rows(acc[1], acc[0], cv)
-            du = mul_rows(acc[1], ginv(cu ^ cv), _or_new(dests[0], shape))
+            du = mul_rows(acc[1], ginv(cu ^ cv), or_new(dests[0], shape))
             np.bitwise_xor(acc[0], du, out=acc[0])  # D_v
             lanes = [du, acc[0]]
         for n, d, into in zip(gone, lanes, dests):
             if into is None:
-                _put_rows(out[n][slice(*self.lane(layout, n, s))], c_len, u, v, d)
+                put_rows(out[n][slice(*self.lane(layout, n, s))], c_len, u, v, d)
 
     def _check(
         self,
@@ -424,57 +474,3 @@ class RS2(RedundancyScheme):
             for i in self.data_of(layout, g, s):
                 table[1 + w * k + g.index(i)] = int(digests[i][self.stripes_of(layout, i).index(s)])
         blob[off : off + nbytes] = table.view(np.uint8)
-
-    # ------------------------------------------------------------------------------- extras
-
-    def extra_sources(self, layout: SnapshotLayout, node: int) -> list[int]:
-        return [n for n in layout.group_of[node] if n != node]
-
-    def keep_extras(self, layout: SnapshotLayout, node: int, raws: Mapping[int, bytes]) -> Any:
-        """P and Q of the other members' extras (zero-padded to a multiple of 64 bytes)."""
-        if not raws:
-            return None
-        g = layout.group_of[node]
-        n = align(max(max(map(len, raws.values())), 1))
-        p, q = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
-        for m_, r in raws.items():
-            d = np.zeros(n, np.uint8)
-            d[: len(r)] = np.frombuffer(r, np.uint8)
-            xor_into(p, d)
-            mul_xor(q, d, self.coef(g, m_))
-        return {
-            "lengths": {str(m_): len(r) for m_, r in sorted(raws.items())},
-            "p": base64.b64encode(p.tobytes()).decode(),
-            "q": base64.b64encode(q.tobytes()).decode(),
-        }
-
-    def rebuild_extra(
-        self, layout: SnapshotLayout, lost: int, kept: Mapping[int, Any], raws: Mapping[int, bytes]
-    ) -> bytes | None:
-        """From any present member's P and Q: one or two unknown extras among its sources."""
-        g = layout.group_of[lost]
-        for h in g:
-            rec = kept.get(h)
-            if h == lost or not isinstance(rec, dict) or str(lost) not in rec.get("lengths", {}):
-                continue
-            srcs = [int(x) for x in rec["lengths"]]
-            gone = [x for x in srcs if x not in raws or x == lost]
-            if len(gone) > 2:
-                continue
-            acc = [np.frombuffer(base64.b64decode(rec[f]), np.uint8).copy() for f in ("p", "q")]
-            n = len(acc[0])
-            for x in srcs:
-                if x in gone:
-                    continue
-                d = np.zeros(n, np.uint8)
-                d[: len(raws[x])] = np.frombuffer(raws[x], np.uint8)
-                xor_into(acc[0], d)
-                mul_xor(acc[1], d, self.coef(g, x))
-            if len(gone) == 1:
-                out = acc[0]
-            else:
-                other = gone[1] if gone[0] == lost else gone[0]
-                mul_xor(acc[1], acc[0], self.coef(g, other))
-                out = mul(acc[1], ginv(self.coef(g, lost) ^ self.coef(g, other)))
-            return out[: rec["lengths"][str(lost)]].tobytes()
-        return None

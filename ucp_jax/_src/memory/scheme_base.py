@@ -13,7 +13,8 @@ else in the package branches on the scheme's name:
   `tolerance`), which bytes that reads (`decode_ranges`) and the rebuild itself (`decode`, or
   `decode_all` for every lost member of a group at once); optionally, a rebuild of only the byte
   ranges of the lost members that a restoring process reads (`part_ranges`, `decode_parts`: by
-  default the whole nodes);
+  default the whole nodes); and optionally a rebuild that the processes which need the same
+  lost nodes split between them (`share_units`, `decode_share`, `check_parts`: `share`);
 - optionally, a digest of each node's own bytes that its peers keep in their redundancy areas
   (`digest_sources`, `digest`, `keep_digests`; exchanged through the coordination service before
   a snapshot commits), so that a rebuild from a stale or damaged parity is detected
@@ -162,6 +163,43 @@ class RedundancyScheme:
             ParityMismatch: the rebuilt bytes do not match what the peers kept of them.
         """
         return self.decode_all(layout, lost, blobs)
+
+    def share_units(
+        self, layout: SnapshotLayout, lost: Sequence[int], present: Collection[int], want: Wanted
+    ) -> list[Any]:
+        """The units (JSON values) of `decode_parts(layout, lost, ..., want)` that processes which
+        need the same lost nodes may split between them (`share`: each solves share i of n of
+        every unit they need, then all read and check the result); [] (the default): the scheme
+        cannot share a rebuild. Only a scheme with digests (`check_parts`) may share one: every
+        process checks what its peers rebuilt."""
+        return []
+
+    def decode_share(
+        self,
+        layout: SnapshotLayout,
+        lost: Sequence[int],
+        blobs: Mapping[int, Any],
+        parts: Sequence[tuple[Any, int, int]],
+        out: Mapping[int, np.ndarray],
+    ) -> None:
+        """Rebuild share i of n of each unit u, (u, i, n) in `parts`, into `out` (lost node ->
+        its writable pieces part), unchecked."""
+        raise NotImplementedError(f"{self.name or 'no redundancy'} does not share a rebuild")
+
+    def check_parts(
+        self,
+        layout: SnapshotLayout,
+        lost: Sequence[int],
+        blobs: Mapping[int, Any],
+        want: Wanted,
+        out: Mapping[int, np.ndarray],
+    ) -> None:
+        """Check what `decode_parts` rebuilds, as found in `out`, against the peers' digests.
+
+        Raises:
+            ParityMismatch: it does not match.
+        """
+        raise NotImplementedError(f"{self.name or 'no redundancy'} does not share a rebuild")
 
     def digest_sources(self, layout: SnapshotLayout, node: int) -> list[int]:
         """Nodes whose `digest` `node` keeps (none: no digests are exchanged)."""

@@ -72,6 +72,16 @@ def barrier_timeout_s() -> float:
     return float(_number("UCP_BARRIER_TIMEOUT_S", 1800.0, float, "seconds"))
 
 
+def rebuild_share_timeout_s() -> float:
+    """How long a process waits for the peers on its machine that share the rebuild of lost nodes
+    with it before it rebuilds them alone (`UCP_REBUILD_SHARE_TIMEOUT_S`, default 60 s).
+
+    >>> rebuild_share_timeout_s() > 0
+    True
+    """
+    return float(_number("UCP_REBUILD_SHARE_TIMEOUT_S", 60.0, float, "seconds"))
+
+
 def store_timeout_s() -> float:
     """How long a first request to an object store (s3, gcs, http) may go unanswered before
     `StoreUnreachableError` (`UCP_STORE_TIMEOUT_S`, default 60 s).
