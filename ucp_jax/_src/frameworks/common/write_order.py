@@ -33,25 +33,43 @@ class WriteOrder:
     """
 
     def __init__(self) -> None:
-        self._pending: dict[str, collections.deque[tuple[Box, Any]]] = {}
+        self._arrays: dict[str, _Pending] = {}
 
     def before(self, path: str, box: Box) -> None:
         """Wait until every earlier write into array `path` that overlaps `box` is copied (an
         error of that write is raised here)."""
-        pending = self._pending.get(path)
-        if not pending:
+        p = self._arrays.get(path)
+        if p is None:
             return
-        while pending and pending[0][1].done():
-            pending.popleft()
-        for other, copy in pending:
-            if overlaps(other, box) and not copy.done():
-                copy.result()
+        while p.writes and p.writes[0][1].done():
+            p.writes.popleft()
+        if not p.writes:
+            del self._arrays[path]
+        elif overlaps(p.hull, box):
+            for other, copy in p.writes:
+                if overlaps(other, box) and not copy.done():
+                    copy.result()
 
     def issued(self, path: str, box: Box, copy: Any) -> None:
         """Record a write into array `path` just issued, with its copy future."""
-        self._pending.setdefault(path, collections.deque()).append((box, copy))
+        p = self._arrays.get(path)
+        if p is None:
+            p = self._arrays[path] = _Pending(box)
+        else:
+            p.hull = tuple((min(a, c), max(b, d)) for (a, b), (c, d) in zip(p.hull, box))
+        p.writes.append((box, copy))
 
     def forget(self) -> None:
         """Forget every write: all copies are done (the caller waited for them), or the import
         is being dropped."""
-        self._pending.clear()
+        self._arrays.clear()
+
+
+class _Pending:
+    """The writes into one array not known to be copied (oldest first, with their copy futures)
+    and a box around all of them: a box outside it overlaps none (an importer writing an array
+    piece after piece never scans them)."""
+
+    def __init__(self, box: Box) -> None:
+        self.writes: collections.deque[tuple[Box, Any]] = collections.deque()
+        self.hull = box
