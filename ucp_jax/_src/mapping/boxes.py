@@ -29,6 +29,15 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(d)) for d in shape)
 
 
+def overlaps(a: Box, b: Box) -> bool:
+    """Whether two boxes of one array share an element (0-d boxes: always).
+
+    >>> overlaps(((0, 2), (0, 4)), ((1, 3), (3, 8))), overlaps(((0, 2),), ((2, 4),)), overlaps((), ())
+    (True, False, True)
+    """
+    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b))
+
+
 def to_slices(box: Box) -> tuple[slice, ...]:
     """A box as a tuple of slices, for numpy / TensorStore indexing."""
     return tuple(slice(a, b) for a, b in box)

@@ -33,6 +33,7 @@ import tensorstore as ts
 from ...format import aggregate, integrity, process_tables, store
 from ...format.manifest import SlotInfo
 from ...mapping.boxes import Box, to_slices
+from .write_order import WriteOrder
 
 TXN_SHARE = 4  # a transaction is committed once it holds budget / TXN_SHARE bytes and every
 # shard it touched is whole, or once it holds the whole budget (a shard left open is rewritten)
@@ -64,6 +65,7 @@ class AggregatedSink:
         # are done (TensorStore waits for them), so committing does not wait here
         self._copies: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._copying = 0  # bytes of sources not copied yet
+        self._order = WriteOrder()  # a write overlapping one still copying waits for it
         self._touched: set[Shard] = set()  # shards the open transaction writes into
         self._left: dict[Shard, int] = {}  # elements of a shard not written yet (when > 0)
         # (commit future, shards it wrote, bytes it holds) of the transactions landing
@@ -111,7 +113,9 @@ class AggregatedSink:
         arr = self._bound.get(info.path)
         if arr is None:
             arr = self._bound[info.path] = self._base[info.path].with_transaction(self._txn)
+        self._order.before(info.path, box)
         fut = arr[to_slices(box)].write(data)
+        self._order.issued(info.path, box, fut.copy)
         self._copies.append((fut, (data, keep), data.nbytes))
         self._copying += data.nbytes
         while self._copies and (self._copies[0][0].copy.done() or self._copying > self.budget):
@@ -150,6 +154,7 @@ class AggregatedSink:
         the writes land when their transaction commits (see `flush`)."""
         while self._copies:
             self._copied()
+        self._order.forget()  # every copy is done
 
     def _copied(self) -> None:
         """Wait until the oldest write's source is copied; drop it."""
@@ -252,6 +257,7 @@ class AggregatedSink:
     def abort(self) -> None:
         """Drop the open transaction and let the committing ones end, quietly."""
         self._creating.clear()
+        self._order.forget()
         with contextlib.suppress(Exception):
             self._txn.abort()
         while self._committing:

@@ -22,6 +22,7 @@ from ...format import commit, integrity, store
 from ...format.manifest import PER_ARRAY_VERSION, SlotInfo
 from ...mapping.boxes import Box, to_slices
 from ...util.inflight import InflightWindow
+from .write_order import WriteOrder
 
 SETTLE_LAG = 8  # files written whose pages stay cached before they are settled (see _settle)
 
@@ -46,6 +47,7 @@ class PerArraySink:
         self._settling: list[Future[None]] = []
         # (write future, what must stay alive until it lands, (slot, box))
         self._inflight: InflightWindow[tuple[Any, Any, Any]] = InflightWindow(budget)
+        self._order = WriteOrder()  # a write overlapping one still copying waits for it
 
     def create(self, items: Sequence[tuple[tuple[int, ...], SlotInfo]]) -> None:
         """Create arrays (shape, slot info), concurrently."""
@@ -61,7 +63,9 @@ class PerArraySink:
         return self._arrays[info.path]
 
     def write(self, info: SlotInfo, box: Box, data: Any, keep: Any) -> None:
+        self._order.before(info.path, box)
         fut = self._arrays[info.path][to_slices(box)].write(data)
+        self._order.issued(info.path, box, fut.copy)
         for item in self._inflight.push((fut, (data, keep), (info, box)), data.nbytes):
             self._retire(item)
 
@@ -69,6 +73,7 @@ class PerArraySink:
         """Every write issued so far has landed (and its source may be released)."""
         for item in self._inflight.drain():
             self._retire(item)
+        self._order.forget()  # every write has landed
 
     def release_sources(self) -> None:
         """Every write issued so far no longer reads its source: here, `flush`."""
@@ -137,6 +142,7 @@ class PerArraySink:
 
     def abort(self) -> None:
         """Let every write in flight land (so none reaches a retry's staging area), quietly."""
+        self._order.forget()
         for fut, _, _ in self._inflight.drain():
             with contextlib.suppress(Exception):
                 fut.commit.result()

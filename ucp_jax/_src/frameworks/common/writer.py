@@ -280,7 +280,8 @@ class AtomWriter:
         A box larger than a shard is handed over shard by shard (TensorStore copies what it
         writes, so memory holds the source and the writes within the budget, not a second copy
         of the whole box). `data` (and `keep`) must stay unchanged until `release_sources` or
-        `flush` returns (or the writer commits).
+        `flush` returns (or the writer commits). Where boxes overlap, the last write wins (a
+        write waits for the copy of an earlier write it overlaps: see `write_order`).
         """
         data = np.asarray(data)
         info = self._slot(atom, slot, data.dtype)
