@@ -53,14 +53,13 @@ class Checkpoint:
         self._arrays: dict[tuple[str, str], Any] = {}  # opened in TensorStore
         # checked (listing, zarr.json, table) but opened in TensorStore only when first read
         # through it: a restore that reads every shard directly never opens them
-        self._checked_slots: dict[tuple[str, str], tuple[tuple[int, ...], Any]] = {}
+        self._checked_slots: set[tuple[str, str]] = set()
         self._opening = threading.Lock()
         self._tables: dict[tuple[str, str], dict[str, str]] = {}  # fingerprints (version 2)
         self._checked: dict[tuple[str, str], set[str]] = {}  # chunk files found in place
         self._sized: dict[tuple[str, str], set[str]] = {}  # chunk files of the right size
-        self._ocdbt: ocdbt_index.OcdbtIndex | None = (
-            None  # where version-3 shards lie (direct reads)
-        )
+        # where version-3 shards lie (direct reads)
+        self._ocdbt: ocdbt_index.OcdbtIndex | None = None
         # (file, offset) -> fingerprint of the shards read directly (taken as they were read)
         self.fingerprints_seen: direct.Fingerprints = {}
 
@@ -133,9 +132,11 @@ class Checkpoint:
         self.open_arrays([key], leaf=leaf)
         with self._opening, self._diagnosed():  # reader threads open what they fall back to
             if key not in self._arrays:
-                shape, si = self._checked_slots[key]
+                info = self.atoms[name]
                 try:
-                    self._arrays[key] = store.open_array(self.data, shape, si)
+                    self._arrays[key] = store.open_array(
+                        self.data, info.slot_shape(slot), info.slots[slot]
+                    )
                 except ValueError as e:
                     if isinstance(e, UcpError):
                         raise
@@ -147,8 +148,8 @@ class Checkpoint:
         """(shape, numpy dtype) of one atom slot, checked as `open_arrays` does, without opening
         it in TensorStore (its zarr.json agrees with the manifest, or that check raised)."""
         self.open_arrays([(name, slot)], leaf=leaf)
-        shape, si = self._checked_slots[(name, slot)]
-        return shape, np_dtype(si.dtype)
+        info = self.atoms[name]
+        return info.slot_shape(slot), np_dtype(info.slots[slot].dtype)
 
     def open_arrays(self, keys: Sequence[tuple[str, str]], *, leaf: str | None = None) -> None:
         """Check many atom slots at once: their listings and metadata reads run concurrently.
@@ -204,7 +205,7 @@ class Checkpoint:
                     self._tables[(name, slot)] = integrity.read_table(
                         kv, si, present, where, self.manifest.tables
                     )
-                self._checked_slots[(name, slot)] = (shape, si)
+                self._checked_slots.add((name, slot))
             except ValueError as e:
                 if isinstance(e, UcpError):
                     raise
