@@ -178,51 +178,55 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
             ("orbax", osave, lambda p: ck.restore(p, {"params": tp, "opt_state": to}), None)
         )
 
-    for r, order in harness.interleaved(tools, args.repeats):
-        # limits
-        d = os.path.join(root, f"raw{r}")
-        t, paths = lim.write_fsync(shards, d, threads)
-        rec("limit_write", {"seconds": t})
-        rec("limit_read_warm", {"seconds": lim.read_back(paths, shards, threads)})
-        if cold_ok and lim.drop_caches():
-            rec("limit_read_cold", {"seconds": lim.read_back(paths, shards, threads)})
-        shutil.rmtree(d)
-        rec("limit_place", {"seconds": lim.placement_seconds(same_shards, (tp, to))})
-        if pinned:
-            rec(
-                "limit_place_pinned",
-                {"seconds": lim.placement_seconds(same_shards, (tp, to), "pinned_host")},
-            )
-        rec("limit_place_reshard", {"seconds": lim.placement_seconds(re_shards, (rp, ro))})
+    try:
+        for r, order in harness.interleaved(tools, args.repeats):
+            # limits
+            d = os.path.join(root, f"raw{r}")
+            t, paths = lim.write_fsync(shards, d, threads)
+            rec("limit_write", {"seconds": t})
+            rec("limit_read_warm", {"seconds": lim.read_back(paths, shards, threads)})
+            if cold_ok and lim.drop_caches():
+                rec("limit_read_cold", {"seconds": lim.read_back(paths, shards, threads)})
+            shutil.rmtree(d)
+            rec("limit_place", {"seconds": lim.placement_seconds(same_shards, (tp, to))})
+            if pinned:
+                rec(
+                    "limit_place_pinned",
+                    {"seconds": lim.placement_seconds(same_shards, (tp, to), "pinned_host")},
+                )
+            rec("limit_place_reshard", {"seconds": lim.placement_seconds(re_shards, (rp, ro))})
 
-        for tool, save, restore_same, restore_re in order:
-            p = os.path.join(root, f"{tool}{r}")
-            with lim.accounting() as m:
-                save(p)
-            rec(f"{tool}_save", m)
-            for kind, fn, need in (
-                ("same", restore_same, need_same),
-                ("reshard", restore_re, need_re),
-            ):
-                if fn is None:
-                    continue
-                for cache in ("warm", "cold") if cold_ok else ("warm",):
-                    if cache == "cold":
-                        lim.drop_caches()
-                    with lim.accounting() as m:
-                        got = fn(p)
-                        jax.block_until_ready(got)
-                    m["amplification"] = m["read_bytes"] / need
-                    if r == 0 and cache == "warm":
-                        pair = got if tool == "ucp" else (got["params"], got["opt_state"])
-                        ok = identical(full, pair)
-                        m["bit_exact"] = float(ok)
-                        if not ok:
-                            raise SystemExit(f"{tool} {kind} restore is not bit-exact on {name}")
-                    rec(f"{tool}_restore_{kind}_{cache}", m)
-                    del got
-            shutil.rmtree(p, ignore_errors=True)
-    shutil.rmtree(root, ignore_errors=True)
+            for tool, save, restore_same, restore_re in order:
+                p = os.path.join(root, f"{tool}{r}")
+                with lim.accounting() as m:
+                    save(p)
+                rec(f"{tool}_save", m)
+                for kind, fn, need in (
+                    ("same", restore_same, need_same),
+                    ("reshard", restore_re, need_re),
+                ):
+                    if fn is None:
+                        continue
+                    for cache in ("warm", "cold") if cold_ok else ("warm",):
+                        if cache == "cold":
+                            lim.drop_caches()
+                        with lim.accounting() as m:
+                            got = fn(p)
+                            jax.block_until_ready(got)
+                        m["amplification"] = m["read_bytes"] / need
+                        if r == 0 and cache == "warm":
+                            pair = got if tool == "ucp" else (got["params"], got["opt_state"])
+                            ok = identical(full, pair)
+                            m["bit_exact"] = float(ok)
+                            if not ok:
+                                raise SystemExit(
+                                    f"{tool} {kind} restore is not bit-exact on {name}"
+                                )
+                        rec(f"{tool}_restore_{kind}_{cache}", m)
+                        del got
+                shutil.rmtree(p, ignore_errors=True)
+    finally:  # an interrupted run leaves no GBs behind in the temp folder
+        shutil.rmtree(root, ignore_errors=True)
     return summarize(name, dtype_name, nbytes, len(jax.tree.leaves(full)), res, threads)
 
 

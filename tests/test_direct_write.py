@@ -182,3 +182,33 @@ def test_encode_shard_matches_tensorstore_and_fingerprint(
 def test_encode_shard_refuses_a_partial_shard() -> None:
     with pytest.raises(ValueError, match="expected one whole shard of shape"):
         encode.encode_shard(np.zeros((3, 4), np.float32), SlotInfo("float32", "a", (4, 4)))
+
+
+def test_writeback_is_asked_once_per_data_file_and_again_when_it_grew(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A save asks the kernel to start writing each data file as transactions land: a file once,
+    then again only if a commit still writing it made it grow, not every file at every commit."""
+    from ucp_jax._src import save as save_mod
+    from ucp_jax._src.format import store
+
+    asked: list[str] = []
+    monkeypatch.setattr(store, "start_writeback", lambda p: asked.append(os.path.basename(p)))
+    d = tmp_path / "ocdbt.p0" / "d"
+    d.mkdir(parents=True)
+    (d / "a").write_bytes(b"x" * 10)
+    requested: dict[str, int] = {}
+    save_mod._start_writeback(str(tmp_path), 0, requested)
+    assert asked == ["a"]
+    (d / "b").write_bytes(b"y")
+    save_mod._start_writeback(str(tmp_path), 0, requested)
+    assert asked == ["a", "b"]
+    with open(d / "b", "ab") as f:
+        f.write(b"more")
+    save_mod._start_writeback(str(tmp_path), 0, requested)
+    assert asked == ["a", "b", "b"]
+    save_mod._start_writeback(str(tmp_path), 0, requested)
+    assert asked == ["a", "b", "b"]
+    save_mod._start_writeback(None, 0, requested)  # not a local save: nothing to ask
+    save_mod._start_writeback(str(tmp_path / "gone"), 0, requested)  # no data files yet
+    assert asked == ["a", "b", "b"]

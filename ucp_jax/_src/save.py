@@ -275,6 +275,7 @@ class SaveJob:
         # Transactions of txn_bytes; while one fills, up to MAX_COMMITTING earlier ones
         # are being written (copies overlap the file writes; at most a third of the budget held).
         txn, staged, committing = ts.Transaction(), 0, collections.deque[Any]()
+        requested: dict[str, int] = {}  # data file -> its size when its writeback was asked for
         try:
             if raw is not None:
                 raw.bind(txn)
@@ -287,7 +288,7 @@ class SaveJob:
                 if staged >= txn_bytes:
                     if len(committing) == MAX_COMMITTING:
                         committing.popleft().result()
-                        _start_writeback(local, me)
+                        _start_writeback(local, me, requested)
                     self._still_ours(me)
                     committing.append(txn.commit_async())
                     txn, staged = ts.Transaction(), 0
@@ -359,8 +360,9 @@ def transaction_bytes(share: int, budget: int, *, local: bool = True) -> int:
     return max(TXN_MIN, min(budget, share) // TXN_PARTS)
 
 
-def _start_writeback(local: str | None, me: int) -> None:
-    """Start the disk writes of this process's data files written so far (a local save).
+def _start_writeback(local: str | None, me: int, requested: dict[str, int]) -> None:
+    """Start the disk writes of this process's data files written so far (a local save): those
+    not in `requested` (name -> size when asked) or grown since (a commit still writing it).
 
     Data files are written without an fsync each (`store.sync_tree` makes them durable before
     COMMIT); below the kernel's dirty-page thresholds nothing would reach the disk until then, so
@@ -370,8 +372,18 @@ def _start_writeback(local: str | None, me: int) -> None:
     if local is None:
         return
     d = os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}", "d")
-    for name in store.listdir(d):
-        store.start_writeback(os.path.join(d, name))
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return
+    for e in entries:
+        try:
+            size = e.stat().st_size
+        except OSError:
+            continue
+        if requested.get(e.name) != size:
+            store.start_writeback(e.path)
+            requested[e.name] = size
 
 
 def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:
