@@ -286,6 +286,34 @@ def test_s3_overwrite_drops_commit_before_the_old_objects(s3, monkeypatch):
     _assert_restores(path, seed=2)
 
 
+def test_s3_delete_checkpoint(s3, monkeypatch):
+    """`ucp.delete_checkpoint` on a real S3 server: the checkpoint's objects and index entry go;
+    killed while its objects are deleted, it is no longer listed nor opens; the next save to the
+    path needs no overwrite."""
+    from ucp_jax._src.format import store
+
+    root = f"s3://{BUCKET}/gc"
+    for n in (1, 2, 3):
+        ucp.save(f"{root}/step_{n}", _state(n), step=n)
+    ucp.delete_checkpoint(f"{root}/step_1")
+    assert ucp.list_checkpoints(root) == [f"{root}/step_2", f"{root}/step_3"]
+    assert not store.Location.parse(f"{root}/step_1").has_any()
+
+    def killed(self: store.Location) -> None:
+        raise RuntimeError("killed while deleting")
+
+    with monkeypatch.context() as m:
+        m.setattr(store.Location, "remove_all", killed)
+        with pytest.raises(RuntimeError, match="killed while deleting"):
+            ucp.delete_checkpoint(f"{root}/step_2")
+    assert ucp.list_checkpoints(root) == [f"{root}/step_3"]
+    with pytest.raises(ucp.NotACheckpointError):
+        ucp.open(f"{root}/step_2")
+    ucp.save(f"{root}/step_2", _state(4), step=4)
+    _assert_restores(f"{root}/step_2", seed=4)
+    _assert_restores(f"{root}/step_3", seed=3)
+
+
 def test_s3_orbax_checkpoint_manager(s3):
     """The Orbax handler under a CheckpointManager whose directory is s3://.
 

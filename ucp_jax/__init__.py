@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from ._src.checkpoint import Checkpoint as Checkpoint
     from ._src.checkpoint import list_checkpoints as list_checkpoints
     from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
+    from ._src.format.removal import delete_checkpoint as delete_checkpoint
     from ._src.format.store import Location as Location
     from ._src.frameworks.common.orbax_source import OrbaxImportError as OrbaxImportError
     from ._src.frameworks.maxtext.export import export_maxtext as export_maxtext
@@ -67,6 +68,7 @@ _LAZY = {
     "list_checkpoints": ("._src.checkpoint", "list_checkpoints"),
     "open": ("._src.checkpoint", "open_checkpoint"),
     "Location": ("._src.format.store", "Location"),
+    "delete_checkpoint": ("._src.format.removal", "delete_checkpoint"),
     "import_orbax": ("._src.frameworks.orbax.read", "import_orbax"),
     "export_orbax": ("._src.frameworks.orbax.export", "export_orbax"),
     "import_maxtext": ("._src.frameworks.maxtext.read", "import_maxtext"),

@@ -1,14 +1,13 @@
 """A trainer that snapshots and async-saves every step until it is killed.
 
 Usage: longrun_worker.py ROOT SHM_DIR NAMESPACE. Each step: a snapshot (keep=2) and an async
-save of ROOT/step_<n> (older ones than the newest 3 removed); prints "saved <n>" once the save of
+save of ROOT/step_<n> (older ones than the newest 3 deleted with `ucp.delete_checkpoint`); prints "saved <n>" once the save of
 step n-1 is committed (the next save waits for it). The test SIGKILLs it mid-save.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -28,7 +27,7 @@ def main() -> None:
         mgr.snapshot(n, tree)
         ucp.async_save(os.path.join(root, f"step_{n}"), tree, step=n)
         for old in ucp.list_checkpoints(root)[:-3]:
-            shutil.rmtree(old, ignore_errors=True)
+            ucp.delete_checkpoint(old)
         print(f"saved {n - 1}", flush=True)
 
 

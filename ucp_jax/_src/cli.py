@@ -395,6 +395,17 @@ def plan_command(path: str, target: str, rules: str | None = None, out: Any = No
     return 0 if report.ok else 1
 
 
+def delete_command(paths: Sequence[str]) -> int:
+    """`ucp rm`: delete each checkpoint (`ucp.delete_checkpoint`), in order; stop at the first
+    that fails (what was deleted before it is said)."""
+    from .format.removal import delete_checkpoint
+
+    for path in paths:
+        delete_checkpoint(path)
+        print(f"deleted {path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ucp` command."""
     ap = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for JAX.")
@@ -408,6 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ls", help="the committed checkpoints in a folder (object stores: its index)"
     )
     p.add_argument("path")
+    p = sub.add_parser(
+        "rm", help="delete checkpoints, each whole or not at all (even if killed midway)"
+    )
+    p.add_argument("paths", nargs="+", metavar="path")
     p = sub.add_parser(
         "index",
         help="index the checkpoints of an object-store folder (for ones older versions saved)",
@@ -432,6 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return inspect_checkpoint(args.path, args.json)
         if args.cmd == "plan":
             return plan_command(args.path, args.target, args.rules)
+        if args.cmd == "rm":
+            return delete_command(args.paths)
         if args.cmd in ("ls", "index"):
             return list_command(args.path, build=args.cmd == "index")
         return verify_checkpoint(args.path)
