@@ -65,8 +65,10 @@ def test_delete_refuses_what_is_not_a_committed_checkpoint(tmp_path: Path) -> No
     assert ucp.open(tmp_path / "real").step == 1
 
 
-def test_delete_waits_for_no_save_it_races(tmp_path: Path) -> None:
-    """A save of the same path in progress (its lock held): the delete refuses, changing nothing."""
+def test_delete_refuses_while_a_save_of_the_path_runs(tmp_path: Path, monkeypatch) -> None:
+    """A save of the same path in progress (its lock held throughout): the delete refuses once
+    its short wait is over, changing nothing."""
+    monkeypatch.setattr(removal, "LOCK_WAIT_S", 0.2)
     ucp.save(tmp_path / "step_1", _state(1), step=1)
     lock = writers.PathLock(str(tmp_path / "step_1"))
     lock.acquire()
@@ -76,6 +78,20 @@ def test_delete_waits_for_no_save_it_races(tmp_path: Path) -> None:
     finally:
         lock.release()
     assert ucp.open(tmp_path / "step_1").step == 1
+    ucp.delete_checkpoint(tmp_path / "step_1")
+    assert os.listdir(tmp_path) == []
+
+
+def test_delete_waits_out_a_sweep_holding_the_lock(tmp_path: Path) -> None:
+    """A save into the same folder holds other paths' locks for a moment while it sweeps their
+    leftovers (an async save does so while the trainer deletes old steps): the delete waits.
+    It failed with WriterConflictError in test_long_runs' 200 async saves."""
+    import threading
+
+    ucp.save(tmp_path / "step_1", _state(1), step=1)
+    lock = writers.PathLock(str(tmp_path / "step_1"))
+    lock.acquire()
+    threading.Timer(0.2, lock.release).start()
     ucp.delete_checkpoint(tmp_path / "step_1")
     assert os.listdir(tmp_path) == []
 

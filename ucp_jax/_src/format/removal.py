@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from typing import Any
 
-from ..errors import NotACheckpointError, UnsafePathError
+from ..errors import NotACheckpointError, UnsafePathError, WriterConflictError
 from . import index, writers
 from .manifest import COMMIT
 from .store import Location, fsync_dir
@@ -61,7 +62,7 @@ def _delete_local(loc: Location, final: str) -> None:
             "itself, or pass the checkpoint's real path"
         )
     lock = writers.PathLock(final)
-    lock.acquire()
+    _acquire(lock)
     try:
         if not os.path.isfile(os.path.join(final, COMMIT)):
             raise NotACheckpointError(
@@ -75,6 +76,24 @@ def _delete_local(loc: Location, final: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     finally:
         lock.release()
+
+
+LOCK_WAIT_S = 5.0
+
+
+def _acquire(lock: writers.PathLock) -> None:
+    """Take the path's lock, waiting a little: a save into the same folder holds the locks of
+    other paths for a moment while it sweeps their leftovers (`writers.sweep`); a save of this
+    very path holds it until it commits, and that is a WriterConflictError."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            lock.acquire()
+            return
+        except WriterConflictError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _delete_in_store(loc: Location) -> None:
