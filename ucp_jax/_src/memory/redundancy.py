@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from ..mapping.boxes import Box
 from .gf256 import xor_into
 from .layout import SnapshotLayout
+from .placement import GridPlacement
 from .scheme_base import Wanted, align
 
 
@@ -65,18 +66,46 @@ class Fetch:
 
 
 class Sources:
-    """Per leaf: which device holds which shard box, and which device wrote each piece."""
+    """Per leaf: which device holds which shard box, and which device wrote each piece.
+
+    Args:
+        shard_maps: per leaf, {device: shard box} (None for host values and grid leaves).
+        writers: (leaf, box, node) -> (device or None, shard box) of the listed pieces.
+        grids: leaf -> its GridPlacement, for the leaves whose writers and holders follow
+            from their grid (not listed in `shard_maps` and `writers`).
+        devices: every device of the job (to name the grid leaves' devices by id).
+    """
 
     def __init__(
         self,
         shard_maps: Sequence[dict[Any, Box] | None],
         writers: dict[tuple[int, Box, int], tuple[Any, Box]],
+        grids: Mapping[int, GridPlacement] | None = None,
+        devices: Sequence[Any] = (),
     ) -> None:
-        self.shard_maps = shard_maps  # leaf -> {device: shard box} (None for host values)
-        self.writers = writers  # (leaf, box, node) -> (device or None, shard box)
+        self.shard_maps = shard_maps
+        self.writers = writers
+        self.grids = dict(grids or {})
+        self._by_id = {d.id: d for d in devices} if self.grids else {}
+
+    def _device(self, g: GridPlacement, pos: int) -> Any:
+        return self._by_id[int(g.table.ids.reshape(-1)[pos])]
+
+    def writer(self, leaf: int, box: Box, node: int) -> tuple[Any, Box]:
+        """The device (None for a host value) that writes piece `box` of node `node`, and the
+        box of the shard it is cut from."""
+        g = self.grids.get(leaf)
+        if g is None:
+            return self.writers[(leaf, box, node)]
+        pos, sbox = g.writer(box)
+        return self._device(g, pos), sbox
 
     def local(self, leaf: int, box: Box, node: int) -> tuple[Any, Box] | None:
-        """A device of `node` holding `box` of the leaf, and its shard box."""
+        """A device of `node` holding `box` of the leaf (the lowest id), and its shard box."""
+        g = self.grids.get(leaf)
+        if g is not None:
+            held, sbox = g.holders(box, node)
+            return (self._device(g, held[0]), sbox) if held else None
         m = self.shard_maps[leaf]
         if m is None:
             return None
@@ -100,14 +129,14 @@ def plan_fetches(
         fetches.setdefault(f.key, f).dests.append(dest)
 
     for p in layout.by_node[me]:
-        dev, sbox = sources.writers[(p.leaf, p.box, me)]
+        dev, sbox = sources.writer(p.leaf, p.box, me)
         kind = "host" if dev is None else "orig"
         add(Fetch(p.leaf, kind, 0, dev, p.box, sbox), (p.offset, 0, p.nbytes, False))
     rolls: set[tuple[int, int]] = set()
     for k in range(layout.nodes):
         needs = layout.scheme.needs(layout, k) if layout.scheme is not None else []
         for p, lo, hi, dest, xor in needs:
-            dev, sbox = sources.writers[(p.leaf, p.box, p.node)]
+            dev, sbox = sources.writer(p.leaf, p.box, p.node)
             if dev is None:
                 f = Fetch(p.leaf, "host", 0, None, p.box, sbox)
             elif (hit := sources.local(p.leaf, p.box, k)) is not None:
