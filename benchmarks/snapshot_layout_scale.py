@@ -14,7 +14,9 @@ two ways, for one process (a node in the middle of the job):
 - grid (format 3): each leaf described by its sharding grid (`placement.GridPlacement`: the mesh's
   device ids and processes once, the spec, a salt), then what one node's snapshot needs: the
   layout and its digest (its JSON), this node's pieces and offsets, gaps, size, and what it
-  fetches for its redundancy (`scheme.needs`: its group's nodes are placed, no other).
+  fetches (`redundancy.plan_fetches` for this node alone, as the engine plans it: its pieces,
+  what its redundancy needs, from which device or roll; its group's nodes are placed, no other.
+  The engine then gathers the rolls each process needs, a small message each: not simulated).
 
 `--listed-max` skips the listed layout above that many devices (98 s at 16k devices).
 
@@ -27,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 import zlib
 from typing import Any
@@ -36,9 +39,19 @@ from harness import markdown_table, write_json
 
 from ucp_jax._src.memory.layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
 from ucp_jax._src.memory.placement import GridPlacement, MeshTable
+from ucp_jax._src.memory.redundancy import Sources, plan_fetches
 
 DEVICES_PER_NODE = 8
 ROWS, COLS = 16384, 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class SimDevice:
+    """A device of the simulated job: what the planner reads of one."""
+
+    id: int
+    process_index: int
+    platform: str = "sim"
 
 
 def _metas(leaves: int) -> list[LeafMeta]:
@@ -69,6 +82,7 @@ def measure_grid(devices: int, leaves: int) -> dict[str, Any]:
     nodes = max(devices // DEVICES_PER_NODE, 1)
     me = nodes // 2 + 1
     metas = _metas(leaves)
+    devs = [SimDevice(i, i // DEVICES_PER_NODE) for i in range(devices)]  # as jax.devices()
     t0 = time.perf_counter()
     ids = np.arange(devices, dtype=np.int64)
     table = MeshTable((("fsdp", devices),), ids, ids // DEVICES_PER_NODE)
@@ -76,14 +90,14 @@ def measure_grid(devices: int, leaves: int) -> dict[str, Any]:
                                 zlib.crc32(m.name.encode())) for m in metas]  # fmt: skip
     layout = SnapshotLayout(metas, nodes, make_groups(nodes, 4), "xor", placements=placements)
     t1 = time.perf_counter()
-    mine = layout.by_node[me]
+    sources = Sources([None] * leaves, {}, dict(enumerate(placements)), devs)
+    fetches, rolls = plan_fetches(layout, sources, devs, me, roll_nodes=[me])
     gaps, size = layout.gaps(me), layout.size(me)
-    needs = layout.scheme.needs(layout, me) if layout.scheme is not None else []
     t2 = time.perf_counter()
     text = layout.to_json()
     assert size > 0 and gaps is not None
-    return {"node": me, "node_pieces": len(mine), "needs": len(needs),
-            "layout_s": t1 - t0, "node_s": t2 - t1, "plan_s": t2 - t0,
+    return {"node": me, "node_pieces": len(layout.by_node[me]), "fetches": len(fetches),
+            "rolls": len(rolls), "layout_s": t1 - t0, "node_s": t2 - t1, "plan_s": t2 - t0,
             "nodes_placed": len(layout._placed), "json_bytes": len(text)}  # fmt: skip
 
 

@@ -32,7 +32,15 @@ from ucp_jax._src.mapping.boxes import box_shape, index_to_box, to_slices
 from ucp_jax._src.mapping.rules import CompiledRules
 from ucp_jax._src.memory.layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
 from ucp_jax._src.memory.placement import GridPlacement, MeshTable, explicit, meets, spec_axes
-from ucp_jax._src.memory.redundancy import Sources, decode_node, decode_nodes, fill, plan_fetches
+from ucp_jax._src.memory.redundancy import (
+    Sources,
+    decode_node,
+    decode_nodes,
+    encode_rolls,
+    fill,
+    plan_fetches,
+    union_rolls,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +221,17 @@ def _fill(lay, bs, fakes, grids):
             writers[(li, box, node)] = (None if dev is None else fake[dev.id], sbox)
     sources = Sources(shard_maps, writers, grids, fakes)
     blobs = {}
+    each = []
     for k in range(lay.nodes):
-        fetches, _ = plan_fetches(lay, sources, fakes, k)
+        fetches, rolls = plan_fetches(lay, sources, fakes, k, roll_nodes=[k])
+        each.append(encode_rolls(rolls))
+        assert plan_fetches(lay, sources, fakes, k)[0] == fetches
         datas = [np.ascontiguousarray(arrays[f.leaf][to_slices(f.box)]) for f in fetches]
         blob = np.full(lay.size(k), 0xAB, np.uint8)
         fill(blob, lay, k, fetches, lay.gaps(k), datas)
         blobs[k] = blob
+    # the union of what each node's process needs is what every process computes for all
+    assert union_rolls(each) == plan_fetches(lay, sources, fakes, 0)[1]
     return arrays, blobs
 
 

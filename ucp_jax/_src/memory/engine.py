@@ -22,24 +22,14 @@ from ..util import config
 from . import copies, persist, recovery
 from . import extra as extras
 from .layout import LeafMeta, Placement, SnapshotLayout, build_pieces, make_groups
-from .placement import GridPlacement, explicit, grid_placement
+from .placement import GridPlacement, explicit, of_binding
 from .prepared import Prepared, SnapshotStats
-from .redundancy import Sources, copy_out, plan_fetches, roll, xor_fill
+from .redundancy import Sources, agree_rolls, copy_out, plan_fetches, roll, xor_fill
 from .runid import agree_run_id, default_namespace
 from .schemes import RedundancyScheme, scheme_for
 from .shm import NodeStore, huge_pages, namespace_root
 
 log = logging.getLogger("ucp_jax")
-
-
-def _grid_placement(b: Any) -> GridPlacement | None:
-    """The GridPlacement of a leaf bound by `bind_state`, or None where its grid does not apply."""
-    if not isinstance(b.value, jax.Array):
-        return None
-    sh = b.value.sharding
-    if not isinstance(sh, jax.sharding.NamedSharding) or not isinstance(sh.mesh, jax.sharding.Mesh):
-        return None
-    return grid_placement(sh.mesh, sh.spec, tuple(b.shape), b.dtype.itemsize, b.name)
 
 
 class SnapshotManager:
@@ -151,6 +141,7 @@ class SnapshotManager:
         self._error: BaseException | None = None
         self._closed = False
         self._restores = 0
+        self._plans = 0
         self._extra: Any = None
         self._peers = extras.PeerExchange(f"ucp-memory/{self.namespace}/{self.run}/extra")
         self._extra_seq: int | None = None
@@ -262,7 +253,7 @@ class SnapshotManager:
         for li, b in enumerate(pbind + obind):
             meta = LeafMeta(b.name, tuple(b.shape), b.dtype, b.kind)
             metas.append(meta)
-            on_grid = _grid_placement(b)
+            on_grid = of_binding(b)
             if on_grid is not None:
                 placements.append(on_grid)
                 grids[li] = on_grid
@@ -282,9 +273,12 @@ class SnapshotManager:
                 shard_maps.append(None)
         layout = SnapshotLayout(metas, nodes, self.groups, self.redundancy, placements=placements)
         devices = jax.devices()
-        fetches, rolls = plan_fetches(
-            layout, Sources(shard_maps, writers, grids, devices), devices, self.node
-        )
+        fetches, mine = plan_fetches(layout, Sources(shard_maps, writers, grids, devices),
+                                     devices, self.node, roll_nodes=[self.node])  # fmt: skip
+        # every process dispatches the rolls any node needs: the union of what each needs
+        self._plans += 1
+        tag = f"ucp-memory/{self.namespace}/{self.run}/plan-{self._plans}/rolls"
+        rolls = agree_rolls(mine, tag)
         by_shift: dict[int, list[int]] = {}
         for li, shift in rolls:
             by_shift.setdefault(shift, []).append(li)

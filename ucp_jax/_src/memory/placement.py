@@ -21,6 +21,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from ..mapping import grid
@@ -289,6 +290,17 @@ def grid_placement(mesh: Any, spec: Any, shape: tuple[int, ...], itemsize: int, 
     if grid.grid_plan(table.info, axes, tuple(shape)) is None:
         return None
     return GridPlacement(table, axes, tuple(shape), itemsize, zlib.crc32(name.encode()))
+
+
+def of_binding(b: Any) -> GridPlacement | None:
+    """The GridPlacement of a leaf bound by `binding.bind_state`, or None where no grid applies
+    (a host value, another sharding, an abstract mesh, uneven shards)."""
+    if not isinstance(b.value, jax.Array):
+        return None
+    sh = b.value.sharding
+    if not isinstance(sh, jax.sharding.NamedSharding) or not isinstance(sh.mesh, jax.sharding.Mesh):
+        return None
+    return grid_placement(sh.mesh, sh.spec, tuple(b.shape), b.dtype.itemsize, b.name)
 
 
 def explicit(leaf_pieces: Sequence[tuple[Box, int, int]]) -> ExplicitPlacement:
