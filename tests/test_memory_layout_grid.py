@@ -6,7 +6,8 @@ and split among replicas, and host values. The grid layout has the same pieces, 
 gaps and inline copies as the layout built from `binding.write_regions`, covers the same pieces
 of any box, round-trips through its JSON, and every lost node (replica, xor) or pair of lost
 nodes (rs2) of a group is rebuilt bit-exact from blobs filled as the engine fills them. Layouts
-of format 2 are still read. A 4k-device layout of 300 leaves is planned for one node quickly, and
+of format 2 are still read. The engine lists the regions of the leaves off the grid only. A
+4k-device layout of 300 leaves is planned for one node quickly, and
 its JSON grows with the devices once, not with devices x leaves.
 """
 
@@ -277,3 +278,40 @@ def test_planning_a_4k_device_layout_for_one_node_stays_small():
     per_leaf = (len(lay.to_json()) - len(few.to_json())) / 270
     assert per_leaf < 100, per_leaf  # O(1) bytes a leaf, not O(devices)
     assert len(lay.to_json()) < 200_000 + 100 * 300
+
+
+def test_the_engine_plans_grid_leaves_from_their_grid(tmp_path, monkeypatch):
+    """A snapshot lists the regions of the leaves off the grid only, and restores bit-exact."""
+    need_devices(8)
+    from ucp_jax._src.memory import engine
+    from ucp_jax.memory import SnapshotManager
+
+    listed = []
+    real = engine.write_regions
+    monkeypatch.setattr(engine, "write_regions", lambda b: listed.append(b.name) or real(b))
+    mesh = _mesh("2x4")
+    params = {
+        "grid": jax.device_put(
+            np.arange(512, dtype=np.float32).reshape(64, 8), NamedSharding(mesh, P("a", "b"))
+        ),
+        "one": jax.device_put(np.arange(3, dtype=np.float32), jax.devices()[2]),
+        "host": np.arange(4.0),
+    }
+    mgr = SnapshotManager(None, redundancy=None, shm_dir=tmp_path, namespace="grid-plan")
+    try:
+        mgr.snapshot(1, params)
+        mgr.wait()
+        (prep,) = mgr._cache.values()
+        d = json.loads(prep.text)
+        assert d["format"] == "ucp-mem-layout/3" and len(d["meshes"]) == 1
+        assert sorted("pieces" in p for p in d["placements"]) == [False, True, True]
+        assert len(listed) == 2 and not any(n.endswith("grid") for n in listed), listed
+        want = {k: v for k, v in params.items() if k != "host"}
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                  for k, v in want.items()}  # fmt: skip
+        target["host"] = params["host"]
+        got, _ = mgr.restore(target)
+        for k, v in params.items():
+            assert np.asarray(got[k]).tobytes() == np.asarray(v).tobytes(), k
+    finally:
+        mgr.free(all_nodes=True)
