@@ -1,14 +1,14 @@
 """The snapshot layout described by sharding grids (format 3) equals the one that lists every piece.
 
 On the 8 host devices, with each device's node (process) simulated (`MeshTable` of fake process
-indices): leaves of several specs over several meshes, evenly and unevenly sharded, replicated
-and split among replicas, and host values. The grid layout has the same pieces, offsets, sizes,
-gaps and inline copies as the layout built from `binding.write_regions`, covers the same pieces
-of any box, round-trips through its JSON, and every lost node (replica, xor) or pair of lost
-nodes (rs2) of a group is rebuilt bit-exact from blobs filled as the engine fills them. Layouts
-of format 2 are still read. The engine lists the regions of the leaves off the grid only. A
-4k-device layout of 300 leaves is planned for one node quickly, and
-its JSON grows with the devices once, not with devices x leaves.
+indices): leaves of several specs over several meshes (devices in order and reversed), sharded,
+replicated, split among replicas, on one device (no grid: listed) and host values. The grid
+layout has the same pieces, offsets, sizes, gaps and inline copies as the layout built from
+`binding.write_regions`, covers the same pieces of any box, round-trips through its JSON, and
+every lost node (replica, xor) or pair of lost nodes (rs2) of a group is rebuilt bit-exact from
+blobs filled as the engine fills them. Layouts of format 2 are still read. The engine lists the
+regions of the leaves off the grid only. A 4k-device layout of 300 leaves is planned for one
+node quickly, and its JSON grows with the devices once, not with devices x leaves.
 """
 
 from __future__ import annotations
