@@ -278,7 +278,7 @@ class SnapshotManager:
         # every process dispatches the rolls any node needs: the union of what each needs
         self._plans += 1
         tag = f"ucp-memory/{self.namespace}/{self.run}/plan-{self._plans}/rolls"
-        rolls = agree_rolls(mine, tag)
+        rolls = agree_rolls(mine, tag) if layout.scheme is not None else []
         by_shift: dict[int, list[int]] = {}
         for li, shift in rolls:
             by_shift.setdefault(shift, []).append(li)

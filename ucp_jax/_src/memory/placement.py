@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from ..mapping import grid
-from ..mapping.boxes import Box, box_size
+from ..mapping.boxes import Box
 
 Raw = tuple[int, Box, int, int]  # (rank in the leaf, box, node, nbytes)
 Spec = tuple[tuple[str, ...], ...]  # per array axis, the mesh axes it is split over
@@ -306,8 +306,3 @@ def of_binding(b: Any) -> GridPlacement | None:
 def explicit(leaf_pieces: Sequence[tuple[Box, int, int]]) -> ExplicitPlacement:
     """An ExplicitPlacement of (box, node, nbytes) pieces, ranked in the order given."""
     return ExplicitPlacement([(i, box, node, nb) for i, (box, node, nb) in enumerate(leaf_pieces)])
-
-
-def piece_bytes(box: Box, itemsize: int) -> int:
-    """Bytes of a C-contiguous region `box` of elements of `itemsize` bytes."""
-    return box_size(box) * itemsize
