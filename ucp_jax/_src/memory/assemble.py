@@ -207,7 +207,7 @@ def _assemble(box: Box, li: int, lay: SnapshotLayout, blobs: BlobReader) -> np.n
     (or in consecutive slabs back to back), else assembled from its pieces."""
     meta = lay.leaves[li]
     shape = box_shape(box)
-    covering = [p for p in lay.by_leaf[li] if intersect(p.box, box) is not None]
+    covering = lay.covering(li, box)
     exact = [p for p in covering if p.box == box]
     if exact:
         return blobs.read(exact[0]).view(meta.dtype).reshape(shape)

@@ -119,9 +119,7 @@ def wanted(
     group), the (offset, nbytes) of its pieces that reading `regions` takes (maybe none)."""
     out: dict[int, list[tuple[int, int]]] = {}
     for li, box in regions:
-        for p in cand.layout.by_leaf[li]:
-            if intersect(p.box, box) is None:
-                continue
+        for p in cand.layout.covering(li, box):
             node, off = blobs.homes(p)[0]
             if node in cand.lost:
                 for m in blobs.lost_with(node):
@@ -146,9 +144,7 @@ def fetch_requests(cand: Candidate, regions: list[tuple[int, Box]], blobs: BlobR
             requests.append((node, min(cand.present[node]), off, n))
 
     for li, box in regions:
-        for p in lay.by_leaf[li]:
-            if intersect(p.box, box) is None:
-                continue
+        for p in lay.covering(li, box):
             node, off = blobs.homes(p)[0]
             if node in cand.lost:
                 decode.update(blobs.lost_with(node))

@@ -21,9 +21,10 @@ from ..mapping.rules import CompiledRules, Rule
 from ..util import config
 from . import copies, persist, recovery
 from . import extra as extras
-from .layout import LeafMeta, SnapshotLayout, build_pieces, make_groups
+from .layout import LeafMeta, Placement, SnapshotLayout, build_pieces, make_groups
+from .placement import GridPlacement, explicit, of_binding
 from .prepared import Prepared, SnapshotStats
-from .redundancy import Sources, copy_out, plan_fetches, roll, xor_fill
+from .redundancy import Sources, agree_rolls, copy_out, plan_fetches, roll, xor_fill
 from .runid import agree_run_id, default_namespace
 from .schemes import RedundancyScheme, scheme_for
 from .shm import NodeStore, huge_pages, namespace_root
@@ -140,6 +141,7 @@ class SnapshotManager:
         self._error: BaseException | None = None
         self._closed = False
         self._restores = 0
+        self._plans = 0
         self._extra: Any = None
         self._peers = extras.PeerExchange(f"ucp-memory/{self.namespace}/{self.run}/extra")
         self._extra_seq: int | None = None
@@ -236,30 +238,47 @@ class SnapshotManager:
         return prep
 
     def _plan(self, params: Any, opt_state: Any) -> Prepared:
+        """Plan the snapshots of one state structure: the layout and this node's fetches.
+
+        A leaf whose NamedSharding forms an even grid is described by its grid (`placement`):
+        no per-device work for it here. Other leaves list every region (`write_regions`).
+        """
         pbind, obind = bind_state(params, opt_state, CompiledRules(()))
-        bindings = pbind + obind
-        metas, regions = [], []
+        nodes = jax.process_count()
+        metas: list[LeafMeta] = []
+        placements: list[Placement] = []
         shard_maps: list[dict[Any, Box] | None] = []
         writers: dict[tuple[int, Box, int], tuple[Any, Box]] = {}
-        for li, b in enumerate(bindings):
-            metas.append(LeafMeta(b.name, tuple(b.shape), b.dtype, b.kind))
+        grids: dict[int, GridPlacement] = {}
+        for li, b in enumerate(pbind + obind):
+            meta = LeafMeta(b.name, tuple(b.shape), b.dtype, b.kind)
+            metas.append(meta)
+            on_grid = of_binding(b)
+            if on_grid is not None:
+                placements.append(on_grid)
+                grids[li] = on_grid
+                shard_maps.append(None)
+                continue
             regs = []
             for box, dev, sbox in write_regions(b):
                 node = 0 if dev is None else dev.process_index
                 writers[(li, box, node)] = (dev, sbox)
                 regs.append((box, node))
-            regions.append(regs)
+            placements.append(explicit([(p.box, p.node, p.nbytes)
+                                        for p in build_pieces([meta], [regs], nodes)]))  # fmt: skip
             if isinstance(b.value, jax.Array):
                 idx = b.value.sharding.devices_indices_map(b.shape)
                 shard_maps.append({d: index_to_box(i, b.shape) for d, i in idx.items()})
             else:
                 shard_maps.append(None)
-        nodes = jax.process_count()
-        pieces = build_pieces(metas, regions, nodes)
-        layout = SnapshotLayout(metas, nodes, self.groups, self.redundancy, pieces)
-        fetches, rolls = plan_fetches(
-            layout, Sources(shard_maps, writers), jax.devices(), self.node
-        )
+        layout = SnapshotLayout(metas, nodes, self.groups, self.redundancy, placements=placements)
+        devices = jax.devices()
+        fetches, mine = plan_fetches(layout, Sources(shard_maps, writers, grids, devices),
+                                     devices, self.node, roll_nodes=[self.node])  # fmt: skip
+        # every process dispatches the rolls any node needs: the union of what each needs
+        self._plans += 1
+        tag = f"ucp-memory/{self.namespace}/{self.run}/plan-{self._plans}/rolls"
+        rolls = agree_rolls(mine, tag) if layout.scheme is not None else []
         by_shift: dict[int, list[int]] = {}
         for li, shift in rolls:
             by_shift.setdefault(shift, []).append(li)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,8 +27,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..mapping.boxes import Box
+from .exchange import allgather_json
 from .gf256 import xor_into
 from .layout import SnapshotLayout
+from .placement import GridPlacement
 from .scheme_base import Wanted, align
 
 
@@ -65,18 +67,46 @@ class Fetch:
 
 
 class Sources:
-    """Per leaf: which device holds which shard box, and which device wrote each piece."""
+    """Per leaf: which device holds which shard box, and which device wrote each piece.
+
+    Args:
+        shard_maps: per leaf, {device: shard box} (None for host values and grid leaves).
+        writers: (leaf, box, node) -> (device or None, shard box) of the listed pieces.
+        grids: leaf -> its GridPlacement, for the leaves whose writers and holders follow
+            from their grid (not listed in `shard_maps` and `writers`).
+        devices: every device of the job (to name the grid leaves' devices by id).
+    """
 
     def __init__(
         self,
         shard_maps: Sequence[dict[Any, Box] | None],
         writers: dict[tuple[int, Box, int], tuple[Any, Box]],
+        grids: Mapping[int, GridPlacement] | None = None,
+        devices: Sequence[Any] = (),
     ) -> None:
-        self.shard_maps = shard_maps  # leaf -> {device: shard box} (None for host values)
-        self.writers = writers  # (leaf, box, node) -> (device or None, shard box)
+        self.shard_maps = shard_maps
+        self.writers = writers
+        self.grids = dict(grids or {})
+        self._by_id = {d.id: d for d in devices} if self.grids else {}
+
+    def _device(self, g: GridPlacement, pos: int) -> Any:
+        return self._by_id[int(g.table.ids.reshape(-1)[pos])]
+
+    def writer(self, leaf: int, box: Box, node: int) -> tuple[Any, Box]:
+        """The device (None for a host value) that writes piece `box` of node `node`, and the
+        box of the shard it is cut from."""
+        g = self.grids.get(leaf)
+        if g is None:
+            return self.writers[(leaf, box, node)]
+        pos, sbox = g.writer(box)
+        return self._device(g, pos), sbox
 
     def local(self, leaf: int, box: Box, node: int) -> tuple[Any, Box] | None:
-        """A device of `node` holding `box` of the leaf, and its shard box."""
+        """A device of `node` holding `box` of the leaf (the lowest id), and its shard box."""
+        g = self.grids.get(leaf)
+        if g is not None:
+            held, sbox = g.holders(box, node)
+            return (self._device(g, held[0]), sbox) if held else None
         m = self.shard_maps[leaf]
         if m is None:
             return None
@@ -87,27 +117,34 @@ class Sources:
 
 
 def plan_fetches(
-    layout: SnapshotLayout, sources: Sources, devices: Any, me: int
+    layout: SnapshotLayout,
+    sources: Sources,
+    devices: Any,
+    me: int,
+    roll_nodes: Collection[int] | None = None,
 ) -> tuple[list[Fetch], list[tuple[int, int]]]:
-    """This node's fetches, and the rolls (leaf, shift) the whole job must dispatch.
+    """This node's fetches, and the rolls (leaf, shift) that the nodes `roll_nodes` need.
 
-    Every process computes the rolls of every node, so all of them dispatch the same
-    collectives in the same order.
+    Every process must dispatch the same collectives in the same order: the rolls of every
+    node. With `roll_nodes` None this computes them all here (O(the whole job)); the engine
+    passes `[me]` and takes the union over the processes instead (`union_rolls`).
     """
     fetches: dict[tuple[Any, ...], Fetch] = {}
+    by_proc = devices_by_process(devices)
 
     def add(f: Fetch, dest: tuple[int, int, int, bool]) -> None:
         fetches.setdefault(f.key, f).dests.append(dest)
 
     for p in layout.by_node[me]:
-        dev, sbox = sources.writers[(p.leaf, p.box, me)]
+        dev, sbox = sources.writer(p.leaf, p.box, me)
         kind = "host" if dev is None else "orig"
         add(Fetch(p.leaf, kind, 0, dev, p.box, sbox), (p.offset, 0, p.nbytes, False))
     rolls: set[tuple[int, int]] = set()
-    for k in range(layout.nodes):
+    nodes = sorted({*(range(layout.nodes) if roll_nodes is None else roll_nodes), me})
+    for k in nodes:
         needs = layout.scheme.needs(layout, k) if layout.scheme is not None else []
         for p, lo, hi, dest, xor in needs:
-            dev, sbox = sources.writers[(p.leaf, p.box, p.node)]
+            dev, sbox = sources.writer(p.leaf, p.box, p.node)
             if dev is None:
                 f = Fetch(p.leaf, "host", 0, None, p.box, sbox)
             elif (hit := sources.local(p.leaf, p.box, k)) is not None:
@@ -115,10 +152,34 @@ def plan_fetches(
             else:
                 s = layout.shift(p.node, k)
                 rolls.add((p.leaf, s))
-                f = Fetch(p.leaf, "roll", s, partner(dev, s, layout, devices), p.box, sbox)
+                if k != me:
+                    continue
+                f = Fetch(p.leaf, "roll", s, partner(dev, s, layout, by_proc), p.box, sbox)
             if k == me:
                 add(f, (dest, lo, hi, xor))
     return _merge_rows(list(fetches.values()), layout), sorted(rolls)
+
+
+def encode_rolls(rolls: Collection[tuple[int, int]]) -> list[list[int]]:
+    """Rolls (leaf, shift) as [shift, first leaf, end leaf] runs (compact: leaves in a row)."""
+    out: list[list[int]] = []
+    for s, li in sorted((s, li) for li, s in rolls):
+        if out and out[-1][0] == s and out[-1][2] == li:
+            out[-1][2] = li + 1
+        else:
+            out.append([s, li, li + 1])
+    return out
+
+
+def union_rolls(encoded: Sequence[Sequence[Sequence[int]]]) -> list[tuple[int, int]]:
+    """The union of several `encode_rolls` lists, as sorted (leaf, shift) pairs."""
+    return sorted({(li, s) for runs in encoded for s, a, e in runs for li in range(a, e)})
+
+
+def agree_rolls(mine: Collection[tuple[int, int]], tag: str) -> list[tuple[int, int]]:
+    """The rolls of the whole job: the union of those each process's node needs (`mine` here),
+    gathered through the coordination service under `tag` (a collective)."""
+    return union_rolls(allgather_json(encode_rolls(mine), tag))
 
 
 def _merge_rows(fetches: list[Fetch], layout: SnapshotLayout) -> list[Fetch]:
@@ -166,9 +227,14 @@ def devices_by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
     return out
 
 
-def partner(dev: Any, shift: int, layout: SnapshotLayout, devices: Sequence[Any]) -> Any:
-    """The device with `dev`'s local index on the node `shift` places further in its group."""
-    by_proc = devices_by_process(devices)
+def partner(
+    dev: Any, shift: int, layout: SnapshotLayout, by_proc: Mapping[int, Sequence[Any]]
+) -> Any:
+    """The device with `dev`'s local index on the node `shift` places further in its group.
+
+    Args:
+        by_proc: the job's devices per process (`devices_by_process`).
+    """
     g = layout.group_of[dev.process_index]
     to = g[(g.index(dev.process_index) + shift) % len(g)]
     mine, theirs = by_proc[dev.process_index], by_proc[to]
@@ -201,7 +267,8 @@ def roll(xs: Sequence[jax.Array], shift: int, layout: SnapshotLayout) -> list[ja
     """
     devices = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
     index = {d: i for i, d in enumerate(devices)}
-    perm = tuple((index[d], index[partner(d, shift, layout, devices)]) for d in devices)
+    by_proc = devices_by_process(devices)
+    perm = tuple((index[d], index[partner(d, shift, layout, by_proc)]) for d in devices)
     fn, sharding = _roll_fn(devices, perm, len(xs))
     flats = []
     for x in xs:

@@ -58,15 +58,14 @@ class SnapshotLayout(Protocol):
     def by_node(self) -> Sequence[Sequence[Any]]: ...
 
     @property
-    def copies(self) -> Mapping[Any, Sequence[tuple[int, int]]]: ...
-
-    @property
     def group_of(self) -> Mapping[int, Sequence[int]]: ...
 
     @property
     def primary(self) -> Sequence[int]: ...
 
     def copy_offset(self, p: Any, holder: int) -> int: ...
+
+    def copies_at(self, holder: int) -> Sequence[tuple[Any, int]]: ...
 
 
 # (piece of another node, first byte, end byte, offset in this node's blob, XOR it in?)
@@ -111,12 +110,7 @@ class RedundancyScheme:
 
     def needs(self, layout: SnapshotLayout, node: int) -> list[Need]:
         """What `node` fetches from other nodes' pieces to fill its redundancy bytes."""
-        return [
-            (p, 0, p.nbytes, off, False)
-            for p, locs in layout.copies.items()
-            for holder, off in locs
-            if holder == node
-        ]
+        return [(p, 0, p.nbytes, off, False) for p, off in layout.copies_at(node)]
 
     def decodable(self, layout: SnapshotLayout, lost: int, present: Collection[int]) -> bool:
         """Whether `lost` can be rebuilt from the nodes in `present`."""
