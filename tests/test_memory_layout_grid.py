@@ -315,3 +315,43 @@ def test_the_engine_plans_grid_leaves_from_their_grid(tmp_path, monkeypatch):
             assert np.asarray(got[k]).tobytes() == np.asarray(v).tobytes(), k
     finally:
         mgr.free(all_nodes=True)
+
+
+@pytest.mark.parametrize("processes", [2, 64, 2048])
+def test_allgather_costs_each_process_the_same_round_trips_at_any_size(monkeypatch, processes):
+    """A gather through the coordination service: one write, one barrier and one directory read
+    per process, however many processes (it was one blocking read per process: 2k round trips
+    each at 2k processes), and every process's value in process order."""
+    from ucp_jax._src.memory import exchange
+
+    calls: list[str] = []
+    store: dict[str, str] = {}
+
+    class Client:
+        def key_value_set(self, key: str, value: str) -> None:
+            calls.append("set")
+            store[key] = value
+
+        def wait_at_barrier(self, name: str, timeout_in_ms: int) -> None:
+            calls.append("barrier")
+            for i in range(processes):  # the others have published by now
+                if i != 1:
+                    store[f"g/{i}"] = exchange.base64.b64encode(
+                        zlib.compress(json.dumps({"p": i}).encode())
+                    ).decode()
+
+        def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+            calls.append("dir_get")
+            return [(k, v) for k, v in store.items() if k.startswith(prefix)]
+
+        def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+            calls.append("get")
+            return store[key]
+
+    monkeypatch.setattr(exchange, "coordination_client", lambda: Client())
+    monkeypatch.setattr("ucp_jax._src.util.sync.coordination_client", lambda: Client())
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    got = exchange.allgather_json({"p": 1}, "g")
+    assert got == [{"p": i} for i in range(processes)]
+    assert calls == ["set", "barrier", "dir_get"]
