@@ -402,3 +402,31 @@ def test_cpu_devices_copy_straight_from_their_buffers(tmp_path, shm_dir, copy_pa
             if n.startswith(".step_"):
                 os.rename(node / n, node / n[1:])
     mgr.close()
+
+
+def test_a_persist_in_flight_at_exit_is_written(tmp_path):
+    """A training script whose last snapshot persists, exiting without `close()`: the persist is
+    written before the interpreter exits (it was dropped: the background thread could not start
+    its save once thread pools refused new work, and nothing said so)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from mp.runner import worker_env
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import jax
+        from ucp_jax.memory import SnapshotManager
+        mgr = SnapshotManager(sys.argv[1], persist_every=5, shm_dir=sys.argv[2], namespace="atexit")
+        for step in range(1, 6):
+            mgr.snapshot(step, {"w": jax.numpy.full((512, 512), float(step))})
+    """))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "ck"), str(tmp_path / "shm")],
+                         env=worker_env(8), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "ucp_jax:" not in out.stderr, out.stderr
+    assert [os.path.basename(p) for p in ucp.list_checkpoints(tmp_path / "ck")] == ["step_5"]
+    ck = ucp.open(tmp_path / "ck" / "step_5")
+    np.testing.assert_array_equal(ck.read("w"), np.full((512, 512), 5.0, np.float32))

@@ -4,21 +4,18 @@ A `SaveHandle` runs a save job's `write` on its own thread; its error is raised 
 the next save (`finish_pending`), and once at interpreter exit if nobody waited.
 
 A script that ends with an `async_save` it never waited for gets its checkpoint committed before
-the interpreter exits. The wait runs among threading's exit hooks, before the standard library's
-thread pools refuse new work: as an `atexit` hook it came too late, and the save failed with
-"cannot schedule new futures after interpreter shutdown" (or "can't register atexit after
-shutdown"), the checkpoint lost.
+the interpreter exits (`util.at_exit`; as an `atexit` hook the wait came too late, and the save
+failed with "cannot schedule new futures after interpreter shutdown", the checkpoint lost).
 """
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
-import sys
 import threading
 from typing import Any
 
 from .errors import in_background
 from .format import remote
+from .util.at_exit import finish_before_exit
 
 
 class SaveHandle:
@@ -77,16 +74,7 @@ def finish_pending() -> None:
         prev.wait()
 
 
-def _drain_at_exit() -> None:
-    try:
-        finish_pending()
-    except Exception as e:
-        print(f"ucp_jax: {e}", file=sys.stderr)
-
-
-# threading runs these hooks last-registered first, before it joins threads and before `atexit`:
-# ours then runs before concurrent.futures shuts its pools down (the import above registered it).
-threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
+finish_before_exit(finish_pending, "a background save still running at exit")
 
 
 def start(job: Any, host: list[Any]) -> SaveHandle:

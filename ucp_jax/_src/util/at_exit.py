@@ -1,0 +1,33 @@
+"""Background work that must finish before the interpreter exits: saves and persists.
+
+A script whose last line starts an `async_save` (or a snapshot that persists) and never waits for
+it must still get its checkpoint. An `atexit` hook comes too late for that: by then threading's
+exit hooks have run, and `concurrent.futures` refuses new work ("cannot schedule new futures after
+interpreter shutdown"), which the save's own thread pools and TensorStore's callbacks need. So
+these hooks run among threading's, which run last-registered first: after `concurrent.futures`
+registered its own (imported below), ours run before it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
+import sys
+import threading
+from collections.abc import Callable
+
+
+def finish_before_exit(fn: Callable[[], None], what: str) -> None:
+    """Run `fn` when the interpreter exits, while thread pools still take work.
+
+    An error is printed to stderr, prefixed with `what`, and does not stop the other hooks.
+
+    >>> finish_before_exit(lambda: None, "nothing to finish")
+    """
+
+    def hook() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            print(f"ucp_jax: {what}: {e}", file=sys.stderr)
+
+    threading._register_atexit(hook)  # type: ignore[attr-defined]
