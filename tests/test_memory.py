@@ -415,14 +415,16 @@ def test_a_persist_in_flight_at_exit_is_written(tmp_path):
     from mp.runner import worker_env
 
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         import jax
         from ucp_jax.memory import SnapshotManager
         mgr = SnapshotManager(sys.argv[1], persist_every=5, shm_dir=sys.argv[2], namespace="atexit")
         for step in range(1, 6):
             mgr.snapshot(step, {"w": jax.numpy.full((512, 512), float(step))})
-    """))
+    """)
+    )
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "ck"), str(tmp_path / "shm")],
                          env=worker_env(8), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr
