@@ -47,7 +47,12 @@ class GridPlan:
         return tuple((int(i) * s, (int(i) + 1) * s) for i, s in zip(idx, self.size))
 
 
-def _spec_axes(spec: Any, ndim: int) -> list[tuple[str, ...]] | None:
+def spec_axes(spec: Any, ndim: int) -> tuple[tuple[str, ...], ...] | None:
+    """A PartitionSpec as per-axis tuples of mesh axis names, or None (unconstrained axes).
+
+    >>> spec_axes(("a", None, ("b", "c")), 4)
+    (('a',), (), ('b', 'c'), ())
+    """
     out: list[tuple[str, ...]] = []
     entries = list(spec) + [None] * (ndim - len(spec))
     if len(entries) != ndim:
@@ -58,10 +63,10 @@ def _spec_axes(spec: Any, ndim: int) -> list[tuple[str, ...]] | None:
         elif isinstance(e, str):
             out.append((e,))
         elif isinstance(e, tuple) and all(isinstance(a, str) for a in e):
-            out.append(e)
+            out.append(tuple(e))
         else:  # UNCONSTRAINED and the like
             return None
-    return out
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,7 +99,7 @@ def grid_plan(info: MeshInfo, spec: tuple[Any, ...], shape: tuple[int, ...]) -> 
     """The grid of a named sharding (mesh `info`, `spec`, array `shape`), or None where it is
     not a plain even grid (uneven shards, unconstrained axes): the caller falls back then."""
     mesh_shape, ids, ids_shape = info.axes, info.ids, info.ids.shape
-    axes = _spec_axes(spec, len(shape))
+    axes = spec_axes(spec, len(shape))
     names = [n for n, _ in mesh_shape]
     sizes = dict(mesh_shape)
     if axes is None or any(a not in sizes for ax in axes for a in ax):

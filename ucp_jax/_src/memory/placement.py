@@ -26,6 +26,7 @@ import numpy as np
 
 from ..mapping import grid
 from ..mapping.boxes import Box
+from ..mapping.grid import spec_axes
 
 Raw = tuple[int, Box, int, int]  # (rank in the leaf, box, node, nbytes)
 Spec = tuple[tuple[str, ...], ...]  # per array axis, the mesh axes it is split over
@@ -116,24 +117,6 @@ def mesh_table(mesh: Any) -> MeshTable:
     procs = np.fromiter((d.process_index for d in flat), dtype=np.int64, count=flat.size)
     axes = tuple((str(k), int(v)) for k, v in mesh.shape.items())
     return MeshTable(axes, ids.reshape(np.asarray(mesh.devices).shape), procs)
-
-
-def spec_axes(spec: Any, ndim: int) -> Spec | None:
-    """A PartitionSpec as per-axis tuples of mesh axis names, or None (unconstrained axes)."""
-    entries = list(spec) + [None] * (ndim - len(spec))
-    if len(entries) != ndim:
-        return None
-    out: list[tuple[str, ...]] = []
-    for e in entries:
-        if e is None:
-            out.append(())
-        elif isinstance(e, str):
-            out.append((e,))
-        elif isinstance(e, tuple) and all(isinstance(a, str) for a in e):
-            out.append(tuple(e))
-        else:
-            return None
-    return tuple(out)
 
 
 @functools.lru_cache(maxsize=256)
