@@ -197,3 +197,20 @@ def test_cli_rm(tmp_path: Path, capsys) -> None:
     assert out.strip() == f"deleted {tmp_path / 'step_2'}"
     assert err.startswith("ucp rm: ") and "nothing deleted" in err
     assert sorted(os.listdir(tmp_path)) == ["other"]
+
+
+def test_a_half_removed_checkpoint_is_not_listed_and_ucp_rm_removes_it(tmp_path: Path, caplog):
+    """What a plain `rm -r` interrupted midway leaves (COMMIT, no manifest) is not listed, with a
+    warning that names it and the fix, so `list_checkpoints(root)[-1]` is always restorable."""
+    import logging
+
+    from ucp_jax._src.cli import main as cli_main
+
+    for n in (1, 2):
+        ucp.save(tmp_path / f"step_{n}", _state(n), step=n)
+    (tmp_path / "step_2" / "manifest.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        assert [Path(p).name for p in _listed_all_open(tmp_path)] == ["step_1"]
+    assert "step_2 holds COMMIT but no manifest.json" in caplog.text and "ucp rm" in caplog.text
+    assert cli_main(["rm", str(tmp_path / "step_2")]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["step_1"]

@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import UnsafePathError
 from ..untrusted.paths import check_component
 from . import remote
-from .manifest import COMMIT
+from .manifest import COMMIT, MANIFEST
 from .store import Location, listdir
 
 log = logging.getLogger("ucp_jax")
@@ -52,15 +52,13 @@ def list_checkpoints(root: Any) -> list[Any]:
 def committed_names(loc: Location) -> list[str]:
     """Names of the committed checkpoints directly under `loc`, sorted.
 
-    A local folder: its entries holding a COMMIT. Another store: its index (one key per
-    checkpoint), or, where the folder has no complete index, every key under it.
+    A local folder: its entries holding a COMMIT and a manifest (one with COMMIT but no manifest
+    is what a plain `rm -r` interrupted midway leaves: skipped, with a warning). Another store: its
+    index (one key per checkpoint), or, where the folder has no complete index, every key under it.
     """
     if loc.local_path is not None:
-        return [
-            n
-            for n in sorted(listdir(loc.local_path))
-            if not n.startswith(".") and os.path.exists(os.path.join(loc.local_path, n, COMMIT))
-        ]
+        return [n for n in sorted(listdir(loc.local_path))
+                if not n.startswith(".") and _whole(loc.local_path, n)]  # fmt: skip
     names = indexed(loc)
     if names is not None:
         return names
@@ -70,6 +68,21 @@ def committed_names(loc: Location) -> list[str]:
         loc.url, INDEX, COMPLETE, loc.url,
     )  # fmt: skip
     return scanned(loc)
+
+
+def _whole(folder: str, name: str) -> bool:
+    """Whether local entry `name` holds a COMMIT and the manifest it seals."""
+    path = os.path.join(folder, name)
+    if not os.path.exists(os.path.join(path, COMMIT)):
+        return False
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        return True
+    log.warning(
+        "%s holds COMMIT but no %s (a deletion interrupted midway?): not listed as a checkpoint; "
+        "remove it with `ucp rm %s`",
+        path, MANIFEST, path,
+    )  # fmt: skip
+    return False
 
 
 def indexed(loc: Location) -> list[str] | None:
