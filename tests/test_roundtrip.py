@@ -112,6 +112,26 @@ def test_async_save_never_waited_for_commits_before_exit(tmp_path, how):
     )
 
 
+def test_a_job_ending_without_waiting_commits_its_save_and_persist(tmp_path):
+    """Two jax.distributed processes return right after an `async_save` and a snapshot that
+    persists: both checkpoints are committed before the processes exit (the exit hooks run while
+    the coordination service is still up), and no process reports an error."""
+    from pathlib import Path
+
+    import numpy as np
+    from mp.runner import run_job
+
+    worker = Path(__file__).parent / "mp" / "exit_worker.py"
+    outs = run_job(lambda i, addr: [str(worker), str(i), "2", addr, str(tmp_path)], 2, 300, 2)
+    for out, err in outs:
+        assert "returning" in out and "ucp_jax:" not in err, err
+    full = np.arange(1024 * 256, dtype=np.float32).reshape(1024, 256)
+    for path in (tmp_path / "final", tmp_path / "persist" / "step_2"):
+        ck = ucp.open(path)
+        assert ck.step == 2
+        np.testing.assert_array_equal(ck.read("x"), full)
+
+
 @pytest.mark.parametrize(
     ("dst", "spec"),
     [
