@@ -72,6 +72,9 @@ def async_save(
     Training may go on (and donate its buffers) as soon as this returns; the write and commit run
     in the background. One save is in flight at a time: a new save first waits for the previous
     one, and an error of a background save is raised by its `wait()` or by the next save call.
+    A save still running when the script ends is finished before the interpreter exits (an
+    uncaught exception included; not a SIGKILL or an unhandled SIGTERM, which end the process at
+    once: the checkpoint is then absent, never partial).
 
     Args:
         path: local directory or TensorStore kvstore URL, as for `save`.
