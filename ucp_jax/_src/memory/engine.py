@@ -56,7 +56,8 @@ class SnapshotManager:
     The newest `keep` committed snapshots are kept; every `persist_every`-th one is also written,
     in the background, as a universal checkpoint `directory_for_persist/step_<n>` from the host
     copy. `restore()` takes the newest step complete (or decodable) on every node, onto any mesh,
-    else the newest persisted checkpoint.
+    else the newest persisted checkpoint. A manager left open when the script ends is closed
+    before the interpreter exits: the snapshot and persist in flight are finished.
 
     Args:
         directory_for_persist: folder (or kvstore URL) for persisted universal checkpoints, and the
