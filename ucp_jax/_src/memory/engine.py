@@ -7,7 +7,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from ..mapping.boxes import Box, index_to_box
 from ..mapping.keys import data_leaves
 from ..mapping.rules import CompiledRules, Rule
 from ..util import config
-from ..util.at_exit import finish_before_exit
+from ..util.at_exit import close_at_exit
 from . import copies, persist, recovery
 from . import extra as extras
 from .layout import LeafMeta, Placement, SnapshotLayout, build_pieces, make_groups
@@ -32,18 +31,6 @@ from .schemes import RedundancyScheme, scheme_for
 from .shm import NodeStore, huge_pages, namespace_root
 
 log = logging.getLogger("ucp_jax")
-_OPEN: weakref.WeakSet[SnapshotManager] = weakref.WeakSet()
-
-
-def _close_open_managers() -> None:
-    for mgr in list(_OPEN):
-        try:
-            mgr.close()
-        except BaseException as e:
-            log.error("ucp.memory: closing %r at exit: %s", mgr, e)
-
-
-finish_before_exit(_close_open_managers, "closing the snapshot managers at exit")
 
 
 class SnapshotManager:
@@ -153,7 +140,7 @@ class SnapshotManager:
         self._inflight: concurrent.futures.Future[Any] | None = None
         self._persisting: concurrent.futures.Future[Any] | None = None
         self._pinned: set[Path] = set()
-        _OPEN.add(self)  # closed at exit: a persist in flight is written (`util.at_exit`)
+        close_at_exit(self)  # a snapshot and persist in flight are finished (`util.at_exit`)
         self._error: BaseException | None = None
         self._closed = False
         self._restores = 0

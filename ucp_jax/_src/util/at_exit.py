@@ -11,9 +11,14 @@ registered its own (imported below), ours run before it.
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
+import logging
 import sys
 import threading
+import weakref
 from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("ucp_jax")
 
 
 def finish_before_exit(fn: Callable[[], None], what: str) -> None:
@@ -31,3 +36,23 @@ def finish_before_exit(fn: Callable[[], None], what: str) -> None:
             print(f"ucp_jax: {what}: {e}", file=sys.stderr)
 
     threading._register_atexit(hook)  # type: ignore[attr-defined]
+
+
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def close_at_exit(obj: Any) -> None:
+    """Call `obj.close()` when the interpreter exits, if `obj` is still alive then (held weakly;
+    `close` must be idempotent). An error is logged and does not stop the others."""
+    _OPEN.add(obj)
+
+
+def _close_open() -> None:
+    for obj in list(_OPEN):
+        try:
+            obj.close()
+        except BaseException as e:
+            log.error("closing %r at exit: %s", obj, e)
+
+
+finish_before_exit(_close_open, "closing at exit")
