@@ -41,7 +41,7 @@ def allgather_json(obj: Any, tag: str) -> list[Any]:
     """Every process's `obj`, through the coordination service's key-value store (no compile).
 
     Each process publishes its own, waits at a barrier, then reads all of them in one request
-    (a directory read of `tag/`): two round trips per process whatever the job's size, not one
+    (a directory read of `tag/`): three round trips per process whatever the job's size, not one
     per process (at 2k processes, 2k round trips each).
     """
     n = jax.process_count()
