@@ -113,6 +113,13 @@ def test_interrupted_delete_leaves_no_listed_half_checkpoint(tmp_path: Path, mon
     assert any(n.startswith(".step_1.ucp-old-") for n in os.listdir(tmp_path))
     ucp.save(tmp_path / "step_3", _state(3), step=3)  # sweeps the trash
     assert sorted(os.listdir(tmp_path)) == ["step_2", "step_3"]
+    with monkeypatch.context() as m:  # again; then the next deletion sweeps it
+        m.setattr(removal.shutil, "rmtree", killed)
+        with pytest.raises(KeyboardInterrupt):
+            ucp.delete_checkpoint(tmp_path / "step_2")
+    assert len(os.listdir(tmp_path)) == 2
+    ucp.delete_checkpoint(tmp_path / "step_3")
+    assert os.listdir(tmp_path) == []
 
 
 DELETER = textwrap.dedent(

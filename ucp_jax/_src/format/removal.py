@@ -8,8 +8,8 @@ its bytes:
 
 * Local files: under the path's writer lock (no save of that path runs meanwhile), the folder is
   renamed to `.<name>.ucp-old-<id>` (one rename: readers and listings see it or nothing), then
-  removed. A kill during the removal leaves only that hidden trash, which the next save into the
-  folder sweeps (`writers.sweep`), as it does for killed saves.
+  removed. A kill during the removal leaves only that hidden trash, which the next save or
+  deletion in the folder sweeps (`writers.sweep`), as it does for killed saves.
 * Object stores: under the path's writer claim, the folder's index entry, then COMMIT go first
   (as an overwrite does: `Staging.prepare`), then every other object. A kill leaves objects
   without COMMIT: not listed, not restorable, cleared by the next save to the path.
@@ -76,6 +76,7 @@ def _delete_local(loc: Location, final: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     finally:
         lock.release()
+    writers.sweep(os.path.dirname(final), keep="")  # what killed deletions and saves left here
 
 
 LOCK_WAIT_S = 5.0
