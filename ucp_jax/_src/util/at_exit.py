@@ -10,6 +10,7 @@ registered its own (imported below), ours run before it.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import logging
 import sys
@@ -35,7 +36,11 @@ def finish_before_exit(fn: Callable[[], None], what: str) -> None:
         except BaseException as e:
             print(f"ucp_jax: {what}: {e}", file=sys.stderr)
 
-    threading._register_atexit(hook)  # type: ignore[attr-defined]
+    register = getattr(threading, "_register_atexit", None)  # CPython 3.9+; private
+    if register is None:  # another interpreter: the plain hook, late as it may be
+        atexit.register(hook)
+    else:
+        register(hook)
 
 
 _OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
