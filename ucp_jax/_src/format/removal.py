@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import uuid
 from typing import Any
 
-from ..errors import NotACheckpointError, UnsafePathError, WriterConflictError
+from ..errors import NotACheckpointError, UnsafePathError
 from . import index, writers
 from .manifest import COMMIT
 from .store import Location, fsync_dir
+
+LOCK_WAIT_S = 5.0  # a save's sweep of the folder holds other paths' locks for a moment
 
 
 def delete_checkpoint(path: Any) -> None:
@@ -62,13 +63,10 @@ def _delete_local(loc: Location, final: str) -> None:
             "itself, or pass the checkpoint's real path"
         )
     lock = writers.PathLock(final)
-    _acquire(lock)
+    lock.acquire(wait_s=LOCK_WAIT_S)
     try:
         if not os.path.isfile(os.path.join(final, COMMIT)):
-            raise NotACheckpointError(
-                f"{loc.url}: no committed checkpoint there (no {COMMIT}); nothing deleted. "
-                "Pass the path of a checkpoint (`ucp.list_checkpoints` names them)"
-            )
+            raise _not_a_checkpoint(loc)
         parent = os.path.dirname(final)
         trash = os.path.join(parent, f".{os.path.basename(final)}.ucp-old-{uuid.uuid4().hex}")
         os.rename(final, trash)
@@ -79,35 +77,21 @@ def _delete_local(loc: Location, final: str) -> None:
     writers.sweep(os.path.dirname(final), keep="")  # what killed deletions and saves left here
 
 
-LOCK_WAIT_S = 5.0
-
-
-def _acquire(lock: writers.PathLock) -> None:
-    """Take the path's lock, waiting a little: a save into the same folder holds the locks of
-    other paths for a moment while it sweeps their leftovers (`writers.sweep`); a save of this
-    very path holds it until it commits, and that is a WriterConflictError."""
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while True:
-        try:
-            lock.acquire()
-            return
-        except WriterConflictError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
-
-
 def _delete_in_store(loc: Location) -> None:
     token = writers.Token(loc)
     token.claim()
     try:
         if loc.read(COMMIT) is None:
-            raise NotACheckpointError(
-                f"{loc.url}: no committed checkpoint there (no {COMMIT}); nothing deleted. "
-                "Pass the path of a checkpoint (`ucp.list_checkpoints` names them)"
-            )
+            raise _not_a_checkpoint(loc)
         index.drop(loc)  # a listing never names it again, then it stops being a checkpoint
         loc.delete(COMMIT)
         loc.remove_all()
     finally:
         token.drop()
+
+
+def _not_a_checkpoint(loc: Location) -> NotACheckpointError:
+    return NotACheckpointError(
+        f"{loc.url}: no committed checkpoint there (no {COMMIT}); nothing deleted. "
+        "Pass the path of a checkpoint (`ucp.list_checkpoints` names them)"
+    )

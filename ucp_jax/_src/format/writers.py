@@ -46,8 +46,23 @@ class PathLock:
         self.final = final
         self._f: IO[bytes] | None = None
 
-    def acquire(self) -> None:
-        """Take the lock, or raise WriterConflictError naming who holds it."""
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Take the lock, or raise WriterConflictError naming who holds it.
+
+        Args:
+            wait_s: how long to keep trying while it is held (a folder's `sweep` holds other
+                paths' locks for a moment; a save holds its own until it commits).
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._try_acquire()
+            except WriterConflictError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+
+    def _try_acquire(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         for _ in range(8):  # a holder that unlinks the file as we open it: try the new one
             f = open(self.path, "a+b")  # noqa: SIM115 - held until release()
