@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 # torch is pinned and installed first: torch==2.13.0 is the CPU build; any other spec pulls CUDA.
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml ucp_jax/_src/format/_scatter_read.c | $(BIN)/python
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# megatron-core 0.19.2 (tests/mcore) declares Python>=3.12 but runs on 3.11; its deps come with deepspeed

@@ -48,6 +48,7 @@ def _restore(path: Path, state: dict, mesh_shape: tuple[int, ...], style: str, d
     return out, {k: after[k] - before[k] for k in after}
 
 
+@pytest.mark.parametrize("scatter", ["1", "0"])  # chunks into scattered rows (C), or buffered
 @pytest.mark.parametrize("layout", ["aggregated", "per-array"])
 @pytest.mark.parametrize("dtype", ["float32", "bf16", "int8", "bool"])  # 1-byte: a regression
 @pytest.mark.parametrize(
@@ -56,11 +57,12 @@ def _restore(path: Path, state: dict, mesh_shape: tuple[int, ...], style: str, d
      ((1,), (8,), "fsdp"), ((2, 2), (1,), "replicated")],
 )  # fmt: skip
 def test_direct_reads_equal_tensorstore(
-    tmp_path: Path, monkeypatch, layout: str, dtype: str, saved, restored, style: str
+    tmp_path: Path, monkeypatch, scatter: str, layout: str, dtype: str, saved, restored, style: str
 ) -> None:
-    """Same mesh and resharded, every dtype, both layouts: the direct read takes every shard
-    and gives TensorStore's bytes."""
+    """Same mesh and resharded, every dtype, both layouts, with and without the scattered-row
+    reads: the direct read takes every shard and gives TensorStore's bytes."""
     monkeypatch.setenv("UCP_LAYOUT", layout)
+    monkeypatch.setenv("UCP_SCATTER_READ", scatter)
     state = _state(dtype)
     placed = jax.tree.map(
         lambda x, t: jax.device_put(x, t.sharding), state, targets(state, mesh_of(saved))
@@ -121,14 +123,16 @@ def test_ocdbt_walk_finds_what_tensorstore_reads(tmp_path: Path) -> None:
             assert f.read(ext.length) == kv[key.decode()], key
 
 
+@pytest.mark.parametrize("scatter", ["1", "0"])
 @pytest.mark.parametrize("layout", ["aggregated", "per-array"])
 @pytest.mark.parametrize("where", ["data", "index", "truncate"])
 def test_damage_raises_what_tensorstore_raises(
-    tmp_path: Path, monkeypatch, layout: str, where: str
+    tmp_path: Path, monkeypatch, scatter: str, layout: str, where: str
 ) -> None:
     """A flipped data byte, a flipped shard-index byte, a truncated file: the direct read hands
     the shard to TensorStore, which raises ChecksumError naming the atom; nothing is returned."""
     monkeypatch.setenv("UCP_LAYOUT", layout)
+    monkeypatch.setenv("UCP_SCATTER_READ", scatter)
     state = {"big": np.arange(512 * 1024, dtype=np.float32)}
     ucp.save(tmp_path / "ck", state)
     if layout == "aggregated":

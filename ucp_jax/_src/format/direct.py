@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..util import config
-from . import crc
+from . import crc, scatter_read
 from .integrity import fingerprint_range
 from .manifest import SlotInfo
 from .ocdbt_index import Extent, OcdbtIndex
@@ -230,6 +230,10 @@ def _read_chunk(
         if not crc.matches(out.reshape(-1).view(np.uint8), trailer):
             raise Mismatch("crc32c")
         return
+    if whole and scatter_read.usable(out, dtype):
+        if not scatter_read.read_whole(fd, [offset], [[0] * len(shape)], shape, out):
+            raise Mismatch("a chunk's read or crc32c")
+        return
     buf = _scratch(n + 4)
     _read_exact(fd, [_bytes_of(buf)], offset)
     if not crc.matches(buf[:n], buf[n:]):
@@ -269,6 +273,18 @@ def _read_sharded(
         ibox = [(o + k * i, o + (k + 1) * i) for o, k, i in zip(origin, idx, lay.inner)]
         todo.append((off, ibox))
     todo.sort(key=lambda t: t[0])
+    if scatter_read.usable(out, lay.dtype):  # whole inner chunks: straight into their rows
+        inside: list[tuple[int, list[tuple[int, int]]]] = []
+        partial: list[tuple[int, list[tuple[int, int]]]] = []
+        for t in todo:
+            whole = all(b0 <= a and b <= b1 for (a, b), (b0, b1) in zip(t[1], box))
+            (inside if whole else partial).append(t)
+        if inside:
+            starts = [[a - o for (a, _), o in zip(t[1], box_origin)] for t in inside]
+            offsets = [ext.offset + t[0] for t in inside]
+            if not scatter_read.read_whole(fd, offsets, starts, lay.inner, out):
+                raise Mismatch("an inner chunk's read or crc32c")
+        todo = partial
     step = inner_bytes + 4
     per_run = max(_SCRATCH // step, 1)
     i = 0

@@ -152,6 +152,17 @@ def direct_read() -> bool:
     return _switch("UCP_DIRECT_READ")
 
 
+def scatter_read() -> bool:
+    """Whether direct reads put whole chunks straight into scattered rows of their target
+    (`UCP_SCATTER_READ`, default on, where the C extension is built; 0: through a per-thread
+    buffer). See format/scatter_read.py.
+
+    >>> isinstance(scatter_read(), bool)
+    True
+    """
+    return _switch("UCP_SCATTER_READ")
+
+
 def direct_write() -> bool:
     """Whether version-3 saves encode whole shards themselves (`UCP_DIRECT_WRITE`, default on;
     0: TensorStore encodes every chunk). See format/encode.py.

@@ -1,0 +1,152 @@
+"""Chunks read straight into scattered rows (format/scatter_read.py, its C extension).
+
+The referees: numpy places every chunk (the expected buffer), and the `crc32c` package computes
+every checksum the extension compares against; a damaged or short file must be refused, and
+bounds that do not fit the buffer must be an error before anything is read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+
+from ucp_jax._src.format import scatter_read
+
+pytestmark = pytest.mark.skipif(
+    not scatter_read.built(), reason="the C extension is not built, or no CRC instruction here"
+)
+
+
+def _file(tmp_path: Path, chunks: list[np.ndarray], gap: int = 0) -> tuple[str, list[int]]:
+    """Chunks as zarr3 stores them (C-order bytes, then a little-endian crc32c), `gap` bytes of
+    junk between some of them; returns the path and each chunk's offset."""
+    path, offsets, pos = str(tmp_path / "chunks"), [], 0
+    with open(path, "wb") as f:
+        for i, c in enumerate(chunks):
+            if gap and i % 3 == 2:
+                f.write(b"\x5a" * gap)
+                pos += gap
+            raw = np.ascontiguousarray(c).tobytes()
+            f.write(raw + crc32c.crc32c(raw).to_bytes(4, "little"))
+            offsets.append(pos)
+            pos += len(raw) + 4
+    return path, offsets
+
+
+def _grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> list[tuple[int, ...]]:
+    return [tuple(int(i) * c for i, c in zip(idx, chunk)) for idx in np.ndindex(*(s // c for s, c in zip(shape, chunk)))]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint16", "int8", "float64"])
+@pytest.mark.parametrize(
+    ("region", "chunk", "outer"),
+    [
+        ((64, 96), (16, 24), None),  # rows scattered in a C-contiguous target
+        ((64, 96), (64, 96), None),  # one chunk: one run of bytes
+        ((64, 96), (16, 96), None),  # whole rows: the rows merge into one iovec per chunk
+        ((40, 60), (8, 12), (50, 70)),  # a view inside a larger array
+        ((6, 20, 30), (3, 5, 10), None),  # 3-d
+        ((3000, 4), (1500, 2), None),  # more rows than one preadv takes (IOV_MAX)
+        ((512,), (64,), None),  # 1-d
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("gap", [0, 7])
+def test_chunks_land_where_numpy_puts_them(
+    tmp_path: Path, dtype: str, region, chunk, outer, gap: int
+) -> None:
+    """Every chunk's bytes land in its box, in file order or not, contiguous in the file or not;
+    nothing outside the boxes is touched."""
+    rng = np.random.default_rng(7)
+    want = (rng.standard_normal(region) * 100).astype(dtype)
+    starts = _grid(region, chunk)
+    order = rng.permutation(len(starts))  # file order differs from the grid's
+    boxes = [tuple(slice(s, s + c) for s, c in zip(starts[k], chunk)) for k in order]
+    path, offsets = _file(tmp_path, [want[b] for b in boxes], gap)
+    base = np.full(outer or region, 3, dtype)
+    out = base[tuple(slice(1, 1 + r) for r in region)] if outer else base
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert scatter_read.usable(out, np.dtype(dtype))
+        assert scatter_read.read_whole(fd, offsets, [starts[k] for k in order], chunk, out)
+    finally:
+        os.close(fd)
+    np.testing.assert_array_equal(out, want)
+    if outer:
+        mask = np.ones(outer, bool)
+        mask[tuple(slice(1, 1 + r) for r in region)] = False
+        assert (base[mask] == 3).all()
+
+
+@pytest.mark.parametrize("damage", ["data", "trailer", "short"])
+def test_damaged_or_short_files_are_refused(tmp_path: Path, damage: str) -> None:
+    """A flipped data byte, a flipped checksum byte, a file that ends early: read_whole says no
+    (the caller then reads through TensorStore, which raises the checksum error)."""
+    want = np.arange(32 * 48, dtype=np.float32).reshape(32, 48)
+    starts = _grid(want.shape, (8, 16))
+    path, offsets = _file(tmp_path, [want[s0 : s0 + 8, s1 : s1 + 16] for s0, s1 in starts])
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        if damage == "short":
+            f.truncate(size - 100)
+        else:
+            at = offsets[5] + (100 if damage == "data" else 8 * 16 * 4 + 1)
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 1]))
+    out = np.zeros_like(want)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert not scatter_read.read_whole(fd, offsets, starts, (8, 16), out)
+    finally:
+        os.close(fd)
+
+
+def test_bounds_outside_the_buffer_are_an_error(tmp_path: Path) -> None:
+    """Offsets or strides that would write outside the buffer raise before any read."""
+    from ucp_jax._src.format import _scatter_read as native
+
+    path, _ = _file(tmp_path, [np.zeros((4, 4), np.float32)])
+    dst = np.zeros(64, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    i64 = lambda *v: np.asarray(v, np.int64)  # noqa: E731
+    try:
+        assert native.read_chunks(fd, dst, i64(0), i64(0), i64(4), i64(16), 16) == (-1, 0)
+        for doff, stride in [(1, 16), (-1, 16), (0, 17), (0, -16)]:
+            with pytest.raises(ValueError, match="outside the buffer"):
+                native.read_chunks(fd, dst, i64(0), i64(doff), i64(4), i64(stride), 16)
+        with pytest.raises(ValueError, match="outside the buffer"):
+            native.read_chunks(fd, dst, i64(-5), i64(0), i64(4), i64(16), 16)
+        with pytest.raises(ValueError, match="contiguous"):
+            native.read_chunks(fd, np.zeros(64, np.uint8)[::2], i64(0), i64(0), i64(4), i64(16), 16)
+        with pytest.raises((TypeError, BufferError)):  # read-only memory
+            native.read_chunks(fd, bytes(64), i64(0), i64(0), i64(4), i64(16), 16)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 767, 768, 769, 1536, 4099, 1 << 20])
+def test_crc32c_equals_the_crc32c_package(n: int) -> None:
+    """The extension's CRC32C (three interleaved streams joined) equals the `crc32c` package's."""
+    from ucp_jax._src.format import _scatter_read as native
+
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    assert native.crc32c(data) == crc32c.crc32c(data)
+
+
+def test_not_usable_where_rows_are_not_contiguous() -> None:
+    """A transposed target (last axis strided), another dtype, or the switch off: not usable."""
+    a = np.zeros((8, 8), np.float32)
+    assert scatter_read.usable(a, np.dtype(np.float32))
+    assert not scatter_read.usable(a.T, np.dtype(np.float32))
+    assert not scatter_read.usable(a, np.dtype(np.int32))
+    assert not scatter_read.usable(np.zeros((), np.float32), np.dtype(np.float32))
+    os.environ["UCP_SCATTER_READ"] = "0"
+    try:
+        assert not scatter_read.usable(a, np.dtype(np.float32))
+    finally:
+        del os.environ["UCP_SCATTER_READ"]

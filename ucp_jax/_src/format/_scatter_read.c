@@ -1,0 +1,401 @@
+/* Chunks read straight into scattered rows of a buffer, each checked by its CRC32C trailer.
+ *
+ * A restore's target shard rarely holds a stored inner chunk as one contiguous run of bytes: a
+ * (248, 496) chunk of a (992, 992) shard lands in 248 rows of 1984 bytes each, 3968 bytes apart.
+ * Python can read such a chunk into a contiguous buffer, check its crc32c and copy it into place
+ * (three passes over the bytes), or read it into place with one `preadv` iovec per row, but then
+ * the checksum must be taken over the scattered rows, one call per row. No library offers a
+ * CRC32C over an iovec list, so this does both here, the GIL released: one `preadv` per run of
+ * chunks adjacent in the file (rows merged where they touch in the buffer), then the CRC32C of
+ * each chunk's rows with the CPU's CRC instruction, compared with its 4-byte trailer.
+ *
+ * read_chunks(fd, dst, file_offsets, dst_offsets, counts, strides, row_bytes) -> (bad, errno)
+ *   fd            an open file
+ *   dst           a writable buffer (the restore's array)
+ *   file_offsets  int64 per chunk: where its bytes start in the file (rows, then the trailer)
+ *   dst_offsets   int64 per chunk: where its first row goes in dst
+ *   counts        int64 per leading axis: the chunk's extent along it (rows = their product)
+ *   strides       int64 per leading axis: dst's byte stride along it
+ *   row_bytes     bytes of one row (the chunk's last axis, contiguous in dst)
+ * Returns (-1, 0) when every chunk was read and matched its trailer; else (k, e): chunk k (and
+ * possibly later ones) failed, by a read error e (errno), an early end of file (e = 0, k's
+ * trailer short) or a checksum that disagrees (e = 0). Bytes of a failed chunk are in dst and
+ * must be overwritten by the caller's other way of reading it.
+ * hardware() -> bool: the CRC32C runs on the CPU's CRC instruction here.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
+#define MAX_AXES 32
+#define MAX_IOV (IOV_MAX < 1024 ? IOV_MAX : 1024)
+
+/* ------------------------------------------------------------------------------ CRC32C */
+
+static uint32_t table[8][256];
+
+static void init_table(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+        table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++) table[t][i] = (table[t - 1][i] >> 8) ^ table[0][table[t - 1][i] & 0xFF];
+}
+
+static uint32_t crc_soft(uint32_t c, const unsigned char *p, size_t n) {
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        v ^= c;
+        c = table[7][v & 0xFF] ^ table[6][(v >> 8) & 0xFF] ^ table[5][(v >> 16) & 0xFF] ^
+            table[4][(v >> 24) & 0xFF] ^ table[3][(v >> 32) & 0xFF] ^ table[2][(v >> 40) & 0xFF] ^
+            table[1][(v >> 48) & 0xFF] ^ table[0][v >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = (c >> 8) ^ table[0][(c ^ *p++) & 0xFF];
+    return c;
+}
+
+/* Shifting a CRC register past n zero bytes (linear over GF(2)): how three CRCs of adjacent
+ * blocks, computed at once to hide the CRC instruction's latency, are joined into one. */
+#define LANE 256 /* bytes of each of the three interleaved streams */
+static uint32_t shift_lane[4][256];
+
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    for (; vec; vec >>= 1, mat++)
+        if (vec & 1) sum ^= *mat;
+    return sum;
+}
+
+static void gf2_square(uint32_t *sq, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) sq[n] = gf2_times(mat, mat[n]);
+}
+
+/* The table of the operator that appends `len` (a power of two) zero bytes to a register. */
+static void init_shift(uint32_t out[4][256], size_t len) {
+    uint32_t odd[32], even[32];
+    odd[0] = 0x82F63B78u; /* one zero bit */
+    for (int n = 1; n < 32; n++) odd[n] = 1u << (n - 1);
+    gf2_square(even, odd); /* two bits */
+    gf2_square(odd, even); /* four bits */
+    const uint32_t *op;
+    for (;;) {
+        gf2_square(even, odd); /* 8, 32, ... bits: 1, 4, ... bytes */
+        op = even;
+        len >>= 1;
+        if (!len) break;
+        gf2_square(odd, even); /* 2, 8, ... bytes */
+        op = odd;
+        len >>= 1;
+        if (!len) break;
+    }
+    for (uint32_t n = 0; n < 256; n++)
+        for (int b = 0; b < 4; b++) out[b][n] = gf2_times(op, n << (8 * b));
+}
+
+static uint32_t shift(uint32_t t[4][256], uint32_t c) {
+    return t[0][c & 0xFF] ^ t[1][(c >> 8) & 0xFF] ^ t[2][(c >> 16) & 0xFF] ^ t[3][c >> 24];
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <nmmintrin.h>
+#define HAVE_HW 1
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const unsigned char *p, size_t n) {
+    while (n >= 3 * LANE) {
+        uint64_t a = c, b = 0, d = 0, v;
+        for (int i = 0; i < LANE; i += 8) {
+            memcpy(&v, p + i, 8);
+            a = _mm_crc32_u64(a, v);
+            memcpy(&v, p + LANE + i, 8);
+            b = _mm_crc32_u64(b, v);
+            memcpy(&v, p + 2 * LANE + i, 8);
+            d = _mm_crc32_u64(d, v);
+        }
+        c = shift(shift_lane, (uint32_t)a) ^ (uint32_t)b;
+        c = shift(shift_lane, c) ^ (uint32_t)d;
+        p += 3 * LANE;
+        n -= 3 * LANE;
+    }
+    uint64_t c64 = c;
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c64 = _mm_crc32_u64(c64, v);
+        p += 8;
+        n -= 8;
+    }
+    c = (uint32_t)c64;
+    while (n--) c = _mm_crc32_u8(c, *p++);
+    return c;
+}
+static int hw_present(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("sse4.2");
+}
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
+#include <arm_acle.h>
+#define HAVE_HW 1
+static uint32_t crc_hw(uint32_t c, const unsigned char *p, size_t n) {
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = __crc32cd(c, v);
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = __crc32cb(c, *p++);
+    return c;
+}
+static int hw_present(void) { return 1; }
+#else
+#define HAVE_HW 0
+static uint32_t crc_hw(uint32_t c, const unsigned char *p, size_t n) { return crc_soft(c, p, n); }
+static int hw_present(void) { return 0; }
+#endif
+
+static int use_hw = 0;
+
+static uint32_t crc_extend(uint32_t c, const unsigned char *p, size_t n) {
+    return use_hw ? crc_hw(c, p, n) : crc_soft(c, p, n);
+}
+
+/* ------------------------------------------------------------------------------ reading */
+
+typedef struct {
+    int64_t rows;                /* rows of one chunk */
+    int nlead;                   /* leading axes */
+    const int64_t *counts, *strides;
+    int64_t row_bytes;
+} Shape;
+
+/* The byte offset in dst of row `r` (C order over the leading axes) of a chunk. */
+static int64_t row_offset(const Shape *s, int64_t r) {
+    int64_t off = 0;
+    for (int a = s->nlead - 1; a >= 0; a--) {
+        int64_t n = s->counts[a];
+        off += (r % n) * s->strides[a];
+        r /= n;
+    }
+    return off;
+}
+
+/* Fill iov with the rows [r0, r1) of a chunk at dst + base, merging rows that touch; returns
+ * the number of iovecs used (at most room), and sets *stop to the first row not placed. */
+static int chunk_iov(const Shape *s, unsigned char *dst, int64_t base, int64_t r0, int64_t r1,
+                     struct iovec *iov, int room, int64_t *stop) {
+    int n = 0;
+    int64_t r = r0;
+    for (; r < r1; r++) {
+        unsigned char *p = dst + base + row_offset(s, r);
+        if (n && (unsigned char *)iov[n - 1].iov_base + iov[n - 1].iov_len == p &&
+            iov[n - 1].iov_len <= (size_t)(INT_MAX / 2)) {
+            iov[n - 1].iov_len += (size_t)s->row_bytes;
+            continue;
+        }
+        if (n == room) break;
+        iov[n].iov_base = p;
+        iov[n].iov_len = (size_t)s->row_bytes;
+        n++;
+    }
+    *stop = r;
+    return n;
+}
+
+/* preadv until every iovec is full; 0, or errno (-1 at the end of the file). */
+static int read_full(int fd, struct iovec *iov, int n, int64_t off) {
+    while (n > 0) {
+        ssize_t got = preadv(fd, iov, n, (off_t)off);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (got == 0) return -1;
+        off += got;
+        while (n > 0 && (size_t)got >= iov->iov_len) {
+            got -= (ssize_t)iov->iov_len;
+            iov++;
+            n--;
+        }
+        if (n > 0 && got > 0) {
+            iov->iov_base = (unsigned char *)iov->iov_base + got;
+            iov->iov_len -= (size_t)got;
+        }
+    }
+    return 0;
+}
+
+/* The CRC32C of one chunk's rows as they now lie in dst. */
+static uint32_t chunk_crc(const Shape *s, unsigned char *dst, int64_t base) {
+    uint32_t c = 0xFFFFFFFFu;
+    unsigned char *run = NULL;
+    int64_t len = 0;
+    for (int64_t r = 0; r < s->rows; r++) {
+        unsigned char *p = dst + base + row_offset(s, r);
+        if (run && run + len == p) {
+            len += s->row_bytes;
+            continue;
+        }
+        if (run) c = crc_extend(c, run, (size_t)len);
+        run = p;
+        len = s->row_bytes;
+    }
+    if (run) c = crc_extend(c, run, (size_t)len);
+    return ~c;
+}
+
+/* Read and check chunks [k0, k1), adjacent in the file. Returns -1, or the failed chunk. */
+static int64_t read_run(int fd, const Shape *s, unsigned char *dst, const int64_t *foff,
+                        const int64_t *doff, int64_t k0, int64_t k1, uint32_t *trailers, int *err) {
+    struct iovec iov[MAX_IOV];
+    int64_t k = k0, r = 0;
+    int64_t pos = foff[k0];
+    while (k < k1) {
+        int n = 0;
+        int64_t first = k;
+        while (k < k1 && n < MAX_IOV) {
+            int64_t stop;
+            n += chunk_iov(s, dst, doff[k], r, s->rows, iov + n, MAX_IOV - n, &stop);
+            r = stop;
+            if (r < s->rows) break; /* out of iovecs inside this chunk */
+            if (n == MAX_IOV) break;
+            iov[n].iov_base = &trailers[k - k0];
+            iov[n].iov_len = 4;
+            n++;
+            k++;
+            r = 0;
+        }
+        int64_t bytes = 0;
+        for (int i = 0; i < n; i++) bytes += (int64_t)iov[i].iov_len;
+        int e = read_full(fd, iov, n, pos);
+        if (e) {
+            *err = e > 0 ? e : 0;
+            return first;
+        }
+        pos += bytes;
+    }
+    for (k = k0; k < k1; k++) {
+        unsigned char *t = (unsigned char *)&trailers[k - k0];
+        uint32_t want = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
+        if (chunk_crc(s, dst, doff[k]) != want) return k;
+    }
+    return -1;
+}
+
+static int int64_view(PyObject *obj, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (view->itemsize != 8 || (view->format && strcmp(view->format, "q") && strcmp(view->format, "l") &&
+                                strcmp(view->format, "<q") && strcmp(view->format, "=q"))) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s: int64 values expected", what);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *read_chunks(PyObject *self, PyObject *args) {
+    int fd;
+    PyObject *dst_o, *foff_o, *doff_o, *counts_o, *strides_o;
+    long long row_bytes;
+    if (!PyArg_ParseTuple(args, "iOOOOOL", &fd, &dst_o, &foff_o, &doff_o, &counts_o, &strides_o, &row_bytes))
+        return NULL;
+    Py_buffer dst = {0}, foff = {0}, doff = {0}, counts = {0}, strides = {0};
+    PyObject *result = NULL;
+    uint32_t *trailers = NULL;
+    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (int64_view(foff_o, &foff, "file_offsets") < 0 || int64_view(doff_o, &doff, "dst_offsets") < 0 ||
+        int64_view(counts_o, &counts, "counts") < 0 || int64_view(strides_o, &strides, "strides") < 0)
+        goto done;
+    int64_t nchunks = foff.len / 8, nlead = counts.len / 8;
+    if (doff.len != foff.len || strides.len != counts.len || nlead > MAX_AXES || row_bytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "read_chunks: mismatched arguments");
+        goto done;
+    }
+    Shape s = {1, (int)nlead, (const int64_t *)counts.buf, (const int64_t *)strides.buf, row_bytes};
+    /* Every row of every chunk must lie inside dst: the span of a chunk, from its lowest to its
+     * highest byte, is checked once per chunk (strides may be negative). */
+    int64_t lo = 0, hi = row_bytes;
+    for (int a = 0; a < nlead; a++) {
+        int64_t n = s.counts[a], st = s.strides[a];
+        if (n <= 0 || n > (INT64_MAX / 2) / (s.rows > 0 ? s.rows : 1)) {
+            PyErr_SetString(PyExc_ValueError, "read_chunks: bad counts");
+            goto done;
+        }
+        s.rows *= n;
+        if (st >= 0) hi += (n - 1) * st;
+        else lo += (n - 1) * st;
+    }
+    const int64_t *fo = (const int64_t *)foff.buf, *d = (const int64_t *)doff.buf;
+    for (int64_t k = 0; k < nchunks; k++) {
+        if (d[k] + lo < 0 || d[k] + hi > (int64_t)dst.len || fo[k] < 0) {
+            PyErr_SetString(PyExc_ValueError, "read_chunks: a chunk outside the buffer");
+            goto done;
+        }
+    }
+    trailers = PyMem_RawMalloc((size_t)(nchunks ? nchunks : 1) * 4);
+    if (!trailers) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t chunk_len = s.rows * row_bytes + 4, bad = -1;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t k0 = 0;
+    while (k0 < nchunks && bad < 0) {
+        int64_t k1 = k0 + 1;
+        while (k1 < nchunks && fo[k1] == fo[k1 - 1] + chunk_len) k1++;
+        bad = read_run(fd, &s, (unsigned char *)dst.buf, fo, d, k0, k1, trailers + k0, &err);
+        k0 = k1;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(Li)", (long long)bad, err);
+done:
+    PyMem_RawFree(trailers);
+    if (dst.obj) PyBuffer_Release(&dst);
+    if (foff.obj) PyBuffer_Release(&foff);
+    if (doff.obj) PyBuffer_Release(&doff);
+    if (counts.obj) PyBuffer_Release(&counts);
+    if (strides.obj) PyBuffer_Release(&strides);
+    return result;
+}
+
+static PyObject *crc32c_of(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    uint32_t c;
+    Py_BEGIN_ALLOW_THREADS
+    c = ~crc_extend(0xFFFFFFFFu, (const unsigned char *)b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(c);
+}
+
+static PyObject *hardware(PyObject *self, PyObject *unused) { return PyBool_FromLong(use_hw); }
+
+static PyMethodDef methods[] = {
+    {"read_chunks", read_chunks, METH_VARARGS, "Read chunks into scattered rows, each checked by its CRC32C."},
+    {"crc32c", crc32c_of, METH_O, "The CRC32C of a contiguous buffer (the same function read_chunks checks with)."},
+    {"hardware", hardware, METH_NOARGS, "The CRC32C runs on the CPU's CRC instruction."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scatter_read", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__scatter_read(void) {
+    init_table();
+    init_shift(shift_lane, LANE);
+    use_hw = HAVE_HW && hw_present();
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,14 @@
+from typing import Any
+
+def read_chunks(
+    fd: int,
+    dst: Any,
+    file_offsets: Any,
+    dst_offsets: Any,
+    counts: Any,
+    strides: Any,
+    row_bytes: int,
+    /,
+) -> tuple[int, int]: ...
+def crc32c(data: Any, /) -> int: ...
+def hardware() -> bool: ...
