@@ -37,6 +37,11 @@
 #define IOV_MAX 1024
 #endif
 #define MAX_AXES 32
+/* Chunks read by one preadv: their checksums are taken right after, while the bytes the kernel
+ * just copied are still in this core's cache (a larger run makes the CRC read them from memory). */
+#ifndef RUN_BYTES
+#define RUN_BYTES (256 << 10)
+#endif
 #define MAX_IOV (IOV_MAX < 1024 ? IOV_MAX : 1024)
 
 /* ------------------------------------------------------------------------------ CRC32C */
@@ -355,7 +360,8 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
     int64_t k0 = 0;
     while (k0 < nchunks && bad < 0) {
         int64_t k1 = k0 + 1;
-        while (k1 < nchunks && fo[k1] == fo[k1 - 1] + chunk_len) k1++;
+        while (k1 < nchunks && fo[k1] == fo[k1 - 1] + chunk_len && (k1 - k0 + 1) * chunk_len <= RUN_BYTES)
+            k1++;
         bad = read_run(fd, &s, (unsigned char *)dst.buf, fo, d, k0, k1, trailers + k0, &err);
         k0 = k1;
     }
