@@ -56,14 +56,16 @@ def available() -> bool:
     return config.direct_read() and crc.hardware() and hasattr(os, "preadv")
 
 
-_counts = {"direct": 0, "fallback": 0}  # shards read by this reader / sent to TensorStore
+# shards read by this reader / sent to TensorStore; calls that read chunks into scattered rows
+_counts = {"direct": 0, "fallback": 0, "scatter": 0}
 
 
 def counts() -> dict[str, int]:
-    """Shards this process read directly and through TensorStore (since it started).
+    """Shards this process read directly and through TensorStore, and the calls that read whole
+    chunks straight into their rows (format/scatter_read.py), since it started.
 
     >>> sorted(counts())
-    ['direct', 'fallback']
+    ['direct', 'fallback', 'scatter']
     """
     with _pool_lock:
         return dict(_counts)
@@ -233,6 +235,7 @@ def _read_chunk(
     if whole and scatter_read.usable(out, dtype):
         if not scatter_read.read_whole(fd, [offset], [[0] * len(shape)], shape, out):
             raise Mismatch("a chunk's read or crc32c")
+        _count("scatter")
         return
     buf = _scratch(n + 4)
     _read_exact(fd, [_bytes_of(buf)], offset)
@@ -284,6 +287,7 @@ def _read_sharded(
             offsets = [ext.offset + t[0] for t in inside]
             if not scatter_read.read_whole(fd, offsets, starts, lay.inner, out):
                 raise Mismatch("an inner chunk's read or crc32c")
+            _count("scatter")
         todo = partial
     step = inner_bytes + 4
     per_run = max(_SCRATCH // step, 1)
