@@ -186,9 +186,15 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
             d = os.path.join(root, f"raw{r}")
             t, paths = lim.write_fsync(shards, d, threads)
             rec("limit_write", {"seconds": t})
-            rec("limit_read_warm", {"seconds": lim.read_back(paths, shards, threads)})
+            # the reads go into fresh buffers: the heap is trimmed first (lim.accounting), as it
+            # is before every tool's operation, or they would reuse pages the last one freed
+            with lim.accounting() as m:
+                lim.read_back(paths, shards, threads)
+            rec("limit_read_warm", {"seconds": m["seconds"]})
             if cold_ok and lim.drop_caches():
-                rec("limit_read_cold", {"seconds": lim.read_back(paths, shards, threads)})
+                with lim.accounting() as m:
+                    lim.read_back(paths, shards, threads)
+                rec("limit_read_cold", {"seconds": m["seconds"]})
             rec("limit_place", {"seconds": lim.placement_seconds(same_shards, (tp, to))})
             if pinned:
                 rec(
