@@ -219,6 +219,8 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
                         # a VM whose speed drifts within a run is compared at the same moment
                         if cache == "cold":
                             lim.drop_caches()
+                        else:  # a cold restore before this one dropped these files' pages too
+                            lim.read_back(paths, shards, threads)
                         with lim.accounting() as pm:  # heap trimmed first, as for the tools
                             lim.read_back(paths, shards, threads)
                         paired = pm["seconds"]
