@@ -158,8 +158,6 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
         res.setdefault(op, []).append(dict(m))
 
     shards = lim.unique_shards(full)
-    same_shards = lim.host_shards(full, (tp, to))
-    re_shards = lim.host_shards(full, (rp, ro))
     need_same, need_re = lim.needed_bytes((tp, to)), lim.needed_bytes((rp, ro))
     cold_ok = lim.drop_caches()
     pinned = lim.pinned_host_supported()
@@ -195,13 +193,19 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
                 with lim.accounting() as m:
                     lim.read_back(paths, shards, threads)
                 rec("limit_read_cold", {"seconds": m["seconds"]})
+            # host copies of the target shards, made for the placement limits and freed after:
+            # held through the whole run they doubled the benchmark's memory (4 GB ran out)
+            same_shards = lim.host_shards(full, (tp, to))
             rec("limit_place", {"seconds": lim.placement_seconds(same_shards, (tp, to))})
             if pinned:
                 rec(
                     "limit_place_pinned",
                     {"seconds": lim.placement_seconds(same_shards, (tp, to), "pinned_host")},
                 )
+            del same_shards
+            re_shards = lim.host_shards(full, (rp, ro))
             rec("limit_place_reshard", {"seconds": lim.placement_seconds(re_shards, (rp, ro))})
+            del re_shards
 
             for tool, save, restore_same, restore_re in order:
                 p = os.path.join(root, f"{tool}{r}")
