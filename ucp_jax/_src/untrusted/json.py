@@ -78,7 +78,10 @@ def read_json(
     raw = data.encode() if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
         raise error(f"{what} is {len(raw)} bytes, more than the {max_bytes} accepted")
-    depth = json_depth(raw)
+    # nesting is at most the count of opening brackets: most texts (a zarr.json) have fewer than
+    # the limit, and need no scan that skips strings
+    opening = raw.count(b"[") + raw.count(b"{")
+    depth = json_depth(raw) if opening > max_depth else 0
     if depth > max_depth:
         raise error(
             f"{what} nests {depth} levels deep, more than the {max_depth} accepted; the file is "

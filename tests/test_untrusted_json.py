@@ -1,0 +1,40 @@
+"""Untrusted JSON (untrusted/json.py): the nesting limit holds at its boundary, whichever way the
+depth is found (the bracket count that lets most texts skip the scan, or the scan itself)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ucp_jax._src.errors import NotACheckpointError
+from ucp_jax._src.untrusted.json import MAX_JSON_DEPTH, json_depth, read_json
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("depth", [1, MAX_JSON_DEPTH - 1, MAX_JSON_DEPTH])
+def test_depth_up_to_the_limit_is_read(depth: int) -> None:
+    assert json_depth(_nested(depth)) == depth
+    assert read_json(_nested(depth), "x") == json.loads(_nested(depth))
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 1000])
+def test_deeper_is_refused(depth: int) -> None:
+    with pytest.raises(NotACheckpointError, match=f"nests {depth} levels"):
+        read_json(_nested(depth), "x")
+
+
+def test_brackets_inside_strings_do_not_count() -> None:
+    """Many brackets, all in strings or side by side: the scan runs and finds the true depth."""
+    text = json.dumps({"s": "[" * 500, "a": [[1], [2]] * 100}).encode()
+    assert json_depth(text) == 3
+    assert read_json(text, "x", expect=dict)["s"] == "[" * 500
+
+
+def test_a_deep_value_among_many_brackets_is_refused() -> None:
+    text = b'{"a": [' + b"[1]," * 200 + _nested(MAX_JSON_DEPTH) + b"]}"
+    with pytest.raises(NotACheckpointError, match=f"nests {MAX_JSON_DEPTH + 2} levels"):
+        read_json(text, "x")
