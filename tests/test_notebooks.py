@@ -72,7 +72,12 @@ def test_committed_notebook_is_clean_and_small(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_executes(path: Path, this_python_kernel: str) -> None:
+def test_notebook_executes(
+    path: Path, this_python_kernel: str, tmp_path: Path, monkeypatch
+) -> None:
+    # the kernel inherits this: what a notebook writes with `tempfile` lands in the test's own
+    # folder, removed when it passes (the notebooks leave their checkpoints for a reader to see)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     nb = nbformat.read(path, as_version=4)
     if any("torch" in c.source for c in nb.cells if c.cell_type == "code"):
         pytest.importorskip("torch")  # a PyTorch notebook (CI has torch: conftest insists)
