@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 
 from mp.runner import free_port
@@ -36,7 +37,12 @@ def torchrun(
     for _ in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}", script, *args]  # fmt: skip
-        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        # torchrun leaves a torchelastic_* folder in the temp folder at every run: give it one
+        # of its own, removed after
+        with tempfile.TemporaryDirectory(prefix="ucp-torchrun-") as tmp:
+            env["TMPDIR"] = tmp
+            p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                               timeout=timeout)  # fmt: skip
         if p.returncode == 0:
             return
         first = first or p.stderr[-4000:]
