@@ -184,15 +184,9 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
             d = os.path.join(root, f"raw{r}")
             t, paths = lim.write_fsync(shards, d, threads)
             rec("limit_write", {"seconds": t})
-            # the reads go into fresh buffers: the heap is trimmed first (lim.accounting), as it
-            # is before every tool's operation, or they would reuse pages the last one freed
-            with lim.accounting() as m:
-                lim.read_back(paths, shards, threads)
-            rec("limit_read_warm", {"seconds": m["seconds"]})
+            rec("limit_read_warm", {"seconds": lim.read_back(paths, shards, threads)})
             if cold_ok and lim.drop_caches():
-                with lim.accounting() as m:
-                    lim.read_back(paths, shards, threads)
-                rec("limit_read_cold", {"seconds": m["seconds"]})
+                rec("limit_read_cold", {"seconds": lim.read_back(paths, shards, threads)})
             # host copies of the target shards, made for the placement limits and freed after:
             # held through the whole run they doubled the benchmark's memory (4 GB ran out)
             same_shards = lim.host_shards(full, (tp, to))
@@ -221,13 +215,11 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
                     for cache in ("warm", "cold") if cold_ok else ("warm",):
                         # the plain read again, just before: this restore's own limit, so that
                         # a VM whose speed drifts within a run is compared at the same moment
-                        if cache == "cold":
+                        if cache == "warm":  # a cold restore before this one dropped its files
+                            lim.read_back(paths, shards, threads)
+                        else:
                             lim.drop_caches()
-                        else:  # a cold restore before this one dropped these files' pages too
-                            lim.read_back(paths, shards, threads)
-                        with lim.accounting() as pm:  # heap trimmed first, as for the tools
-                            lim.read_back(paths, shards, threads)
-                        paired = pm["seconds"]
+                        paired = lim.read_back(paths, shards, threads)
                         if cache == "cold":
                             lim.drop_caches()
                         with lim.accounting() as m:

@@ -100,7 +100,11 @@ def write_fsync(shards: Sequence[np.ndarray], folder: str, threads: int) -> tupl
 
 
 def read_back(paths: Sequence[str], shards: Sequence[np.ndarray], threads: int) -> float:
-    """Seconds to read every file into a fresh host buffer of its shard's shape, in parallel."""
+    """Seconds to read every file into a fresh host buffer of its shard's shape, in parallel.
+
+    Fresh pages: the heap is trimmed first (as `accounting` does before each tool's operation),
+    or the buffers would reuse the pages the last operation freed.
+    """
 
     def one(i: int) -> np.ndarray:
         out = np.empty(shards[i].shape, shards[i].dtype)
@@ -114,6 +118,8 @@ def read_back(paths: Sequence[str], shards: Sequence[np.ndarray], threads: int) 
                 got += n
         return out
 
+    gc.collect()
+    trim_heap()
     t = time.perf_counter()
     with cf.ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(len(paths))))
