@@ -83,6 +83,44 @@ def test_direct_reads_equal_tensorstore(
     assert m == {"direct": 0, "fallback": 0, "scatter": 0}, m
 
 
+@pytest.mark.parametrize(
+    ("saved", "restored", "style", "cuts"),
+    [((2, 4), (4, 2), "spread", True), ((1,), (8,), "fsdp", True),
+     ((8,), (2,), "fsdp", False), ((2, 4), (2, 4), "spread", False)],
+)  # fmt: skip
+def test_fingerprints_from_the_read_equal_a_fresh_read(
+    tmp_path: Path, monkeypatch, saved, restored, style: str, cuts: bool
+) -> None:
+    """A shard's fingerprint is taken from the index and trailers its read just checked, and
+    the trailers of inner chunks it did not read are read for it: equal, shard by shard, to
+    `integrity.fingerprint_range` reading the file afresh, whether the shard was read whole or
+    in part (a reshard cuts shards)."""
+    from ucp_jax._src.format import integrity
+
+    monkeypatch.setenv("UCP_LAYOUT", "aggregated")
+    seen: list[tuple[bool, bool]] = []  # (equal to the fresh read, shard read only in part)
+    real = direct._shard_fingerprint
+
+    def spy(fd, ext, info, tail, table, trailers):
+        got = real(fd, ext, info, tail, table, dict(trailers))
+        fresh = integrity.fingerprint_range(fd, ext.offset, ext.length, info)
+        seen.append((got == fresh, len(trailers) < len(table) // 2))
+        return got
+
+    monkeypatch.setattr(direct, "_shard_fingerprint", spy)
+    state = _state("float32")
+    placed = jax.tree.map(
+        lambda x, t: jax.device_put(x, t.sharding), state, targets(state, mesh_of(saved))
+    )
+    ucp.save(tmp_path / "ck", placed)
+    mine, n = _restore(tmp_path / "ck", state, restored, style, True)
+    assert_tree_bitexact(jax.tree.map(np.asarray, mine), state)
+    assert n["fallback"] == 0 and seen, (n, seen)
+    assert all(equal for equal, _ in seen), seen
+    # where the targets cut stored shards, the trailers outside a part were read for it
+    assert any(part for _, part in seen) == cuts, seen
+
+
 def test_transposed_and_fused_atoms(tmp_path: Path) -> None:
     """Atoms stored in another axis order or cut from a fused leaf are read through views."""
     rng = np.random.default_rng(0)

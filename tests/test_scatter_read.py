@@ -69,12 +69,19 @@ def test_chunks_land_where_numpy_puts_them(
     base = np.full(outer or region, 3, dtype)
     out = base[tuple(slice(1, 1 + r) for r in region)] if outer else base
     fd = os.open(path, os.O_RDONLY)
+    trailers = bytearray(4 * len(order))
     try:
         assert scatter_read.usable(out, np.dtype(dtype))
-        assert scatter_read.read_whole(fd, offsets, [starts[k] for k in order], chunk, out)
+        assert scatter_read.read_whole(
+            fd, offsets, [starts[k] for k in order], chunk, out, trailers
+        )
     finally:
         os.close(fd)
     np.testing.assert_array_equal(out, want)
+    # each chunk's trailer as read, in the order of the offsets: what a shard's fingerprint takes
+    assert bytes(trailers) == b"".join(
+        crc32c.crc32c(np.ascontiguousarray(want[b]).tobytes()).to_bytes(4, "little") for b in boxes
+    )
     if outer:
         mask = np.ones(outer, bool)
         mask[tuple(slice(1, 1 + r) for r in region)] = False
@@ -181,3 +188,27 @@ def test_random_geometries(tmp_path: Path, seed: int) -> None:
     for b in boxes:
         inner[b] = want[b]
     np.testing.assert_array_equal(base, expect)
+
+
+def test_read_at_reads_each_offset_or_says_no(tmp_path: Path) -> None:
+    """`read_at` gives the bytes at every offset, joined in the order asked, as Python's own
+    `os.pread` does; a read past the end is None; bad arguments are refused before any read."""
+    data = np.random.default_rng(1).integers(0, 256, 5000, np.uint8).tobytes()
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    offsets = [4996, 0, 1234, 4096, 7]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert scatter_read.read_at(fd, offsets, 4) == b"".join(os.pread(fd, 4, o) for o in offsets)
+        assert scatter_read.read_at(fd, [], 4) == b""
+        assert scatter_read.read_at(fd, [0, 4997], 4) is None  # the file ends first
+        with pytest.raises(ValueError):
+            scatter_read.read_at(fd, [-1], 4)
+        from ucp_jax._src.format import _scatter_read as native
+
+        with pytest.raises(ValueError):
+            native.read_at(fd, np.zeros(3, np.int64), 4, bytearray(11))  # room for 2 reads
+        with pytest.raises(TypeError):
+            native.read_at(fd, np.zeros(3, np.int32), 4, bytearray(12))  # not int64 offsets
+    finally:
+        os.close(fd)

@@ -13,7 +13,7 @@ import tensorstore as ts
 
 from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
 from .errors import ChecksumError, HostMemoryError, NotACheckpointError
-from .format import direct
+from .format import direct, read_batches
 from .format.manifest import COMMIT, STEP_SLOT
 from .format.store import wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, unbind_state
@@ -247,7 +247,7 @@ def _read_all(
     out: list[Any] = [None] * len(resolved)
     window: InflightWindow[tuple[int, list[Any]]] = InflightWindow(budget)
     placer = Placer(budget)  # accelerators: staged through pinned host memory (UCP_STAGING)
-    batcher = direct.Batcher()  # local shards: read in batches by the reading threads
+    batcher = read_batches.Batcher()  # local shards: read in batches by the reading threads
     for i, r in enumerate(resolved):
         issued = [_issue(ckpt, r, g, stats, batcher) for g in r.groups]
         nbytes = sum(box_size(g.box) for g in r.groups) * r.binding.dtype.itemsize
@@ -261,7 +261,7 @@ def _read_all(
 
 
 def _issue(
-    ckpt: Checkpoint, r: ResolvedLeaf, g: ReadGroup, stats: ReadStats, batcher: direct.Batcher
+    ckpt: Checkpoint, r: ResolvedLeaf, g: ReadGroup, stats: ReadStats, batcher: read_batches.Batcher
 ) -> tuple[np.ndarray, list[tuple[Any, Any, Any]]]:
     """Start filling the region `g.box` of leaf `r.binding`: (host buffer, pending pieces).
 
@@ -356,8 +356,8 @@ def _read_direct(
     stored: tuple[Any, np.dtype],
     box: Any,
     dst: np.ndarray,
-    batcher: direct.Batcher,
-) -> direct.Pieces:
+    batcher: read_batches.Batcher,
+) -> read_batches.Pieces:
     """Read `box` of a local atom slot (of `stored` shape and dtype) into `dst` with positioned
     reads (format/direct.py); a shard that reader does not take is read by TensorStore (the
     array opened then)."""

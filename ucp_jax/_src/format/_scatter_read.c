@@ -21,6 +21,9 @@
  * possibly later ones) failed, by a read error e (errno), an early end of file (e = 0, k's
  * trailer short) or a checksum that disagrees (e = 0). Bytes of a failed chunk are in dst and
  * must be overwritten by the caller's other way of reading it.
+ * With an eighth argument, a writable buffer of 4 bytes per chunk, each chunk's trailer as read
+ * is left there (in the order of file_offsets): a shard's fingerprint is taken from them, so no
+ * second read of the trailers is needed.
  * hardware() -> bool: the CRC32C runs on the CPU's CRC instruction here.
  */
 #define PY_SSIZE_T_CLEAN
@@ -312,11 +315,12 @@ static int int64_view(PyObject *obj, Py_buffer *view, const char *what) {
 
 static PyObject *read_chunks(PyObject *self, PyObject *args) {
     int fd;
-    PyObject *dst_o, *foff_o, *doff_o, *counts_o, *strides_o;
+    PyObject *dst_o, *foff_o, *doff_o, *counts_o, *strides_o, *trail_o = NULL;
     long long row_bytes;
-    if (!PyArg_ParseTuple(args, "iOOOOOL", &fd, &dst_o, &foff_o, &doff_o, &counts_o, &strides_o, &row_bytes))
+    if (!PyArg_ParseTuple(args, "iOOOOOL|O", &fd, &dst_o, &foff_o, &doff_o, &counts_o, &strides_o, &row_bytes,
+                          &trail_o))
         return NULL;
-    Py_buffer dst = {0}, foff = {0}, doff = {0}, counts = {0}, strides = {0};
+    Py_buffer dst = {0}, foff = {0}, doff = {0}, counts = {0}, strides = {0}, trail = {0};
     PyObject *result = NULL;
     uint32_t *trailers = NULL;
     if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
@@ -349,6 +353,13 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    if (trail_o && trail_o != Py_None) {
+        if (PyObject_GetBuffer(trail_o, &trail, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (trail.len < nchunks * 4) {
+            PyErr_SetString(PyExc_ValueError, "read_chunks: the trailers buffer holds fewer than 4 bytes per chunk");
+            goto done;
+        }
+    }
     trailers = PyMem_RawMalloc((size_t)(nchunks ? nchunks : 1) * 4);
     if (!trailers) {
         PyErr_NoMemory();
@@ -365,10 +376,12 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
         bad = read_run(fd, &s, (unsigned char *)dst.buf, fo, d, k0, k1, trailers + k0, &err);
         k0 = k1;
     }
+    if (trail.obj && nchunks) memcpy(trail.buf, trailers, (size_t)nchunks * 4);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(Li)", (long long)bad, err);
 done:
     PyMem_RawFree(trailers);
+    if (trail.obj) PyBuffer_Release(&trail);
     if (dst.obj) PyBuffer_Release(&dst);
     if (foff.obj) PyBuffer_Release(&foff);
     if (doff.obj) PyBuffer_Release(&doff);
@@ -390,10 +403,51 @@ static PyObject *crc32c_of(PyObject *self, PyObject *arg) {
 
 static PyObject *hardware(PyObject *self, PyObject *unused) { return PyBool_FromLong(use_hw); }
 
+/* read_at(fd, offsets, length, out) -> bool: `length` bytes from each offset of the file into
+ * consecutive places of out (len(offsets) * length bytes), the GIL released: the few bytes a
+ * shard's fingerprint takes from each inner chunk it did not read (their trailers), in one call
+ * instead of one system call, and one hand-over of the interpreter lock, each. False when a read
+ * failed or the file ended first. */
+static PyObject *read_at(PyObject *self, PyObject *args) {
+    int fd;
+    PyObject *off_o, *out_o;
+    long long length;
+    if (!PyArg_ParseTuple(args, "iOLO", &fd, &off_o, &length, &out_o)) return NULL;
+    Py_buffer offs = {0}, out = {0};
+    PyObject *result = NULL;
+    if (int64_view(off_o, &offs, "offsets") < 0) goto done;
+    if (PyObject_GetBuffer(out_o, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    int64_t n = offs.len / 8;
+    if (length < 0 || (length > 0 && n > (int64_t)out.len / length)) {
+        PyErr_SetString(PyExc_ValueError, "read_at: out holds fewer than len(offsets) * length bytes");
+        goto done;
+    }
+    const int64_t *o = (const int64_t *)offs.buf;
+    for (int64_t k = 0; k < n; k++) {
+        if (o[k] < 0) {
+            PyErr_SetString(PyExc_ValueError, "read_at: a negative offset");
+            goto done;
+        }
+    }
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t k = 0; k < n && ok; k++) {
+        struct iovec iov = {(unsigned char *)out.buf + k * length, (size_t)length};
+        ok = read_full(fd, &iov, 1, o[k]) == 0;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ok);
+done:
+    if (offs.obj) PyBuffer_Release(&offs);
+    if (out.obj) PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"read_chunks", read_chunks, METH_VARARGS, "Read chunks into scattered rows, each checked by its CRC32C."},
     {"crc32c", crc32c_of, METH_O, "The CRC32C of a contiguous buffer (the same function read_chunks checks with)."},
     {"hardware", hardware, METH_NOARGS, "The CRC32C runs on the CPU's CRC instruction."},
+    {"read_at", read_at, METH_VARARGS, "The same number of bytes from each of many offsets of a file."},
     {NULL, NULL, 0, NULL},
 };
 

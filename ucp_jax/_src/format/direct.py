@@ -24,24 +24,31 @@ import dataclasses
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import zlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..util import config
 from . import crc, scatter_read
-from .integrity import fingerprint_range
+from .integrity import fingerprint_of, fingerprint_range, tail_size
 from .manifest import SlotInfo
 from .ocdbt_index import Extent, OcdbtIndex
 
-__all__ = ["Batcher", "Extent", "Layout", "OcdbtIndex", "Pieces", "available", "counts"]
+__all__ = [
+    "Extent",
+    "Layout",
+    "Mismatch",
+    "OcdbtIndex",
+    "OpenFiles",
+    "available",
+    "counts",
+    "read_shard",
+]
 
 Box = Sequence[tuple[int, int]]
 
-# positioned reads in flight: two per core, 2 to 8 (the roofline's plain read limit uses 4)
-_THREADS = max(2, min(8, 2 * (os.cpu_count() or 1)))
 _SCRATCH = 4 << 20  # bytes of one thread's buffer: runs of inner chunks are read this much at once
 _NO_CHUNK = (1 << 64) - 1  # a shard index entry of an inner chunk that was never written
 
@@ -60,6 +67,9 @@ def available() -> bool:
 _counts = {"direct": 0, "fallback": 0, "scatter": 0}
 
 
+_counts_lock = threading.Lock()
+
+
 def counts() -> dict[str, int]:
     """Shards this process read directly and through TensorStore, and the calls that read whole
     chunks straight into their rows (format/scatter_read.py), since it started.
@@ -67,26 +77,17 @@ def counts() -> dict[str, int]:
     >>> sorted(counts())
     ['direct', 'fallback', 'scatter']
     """
-    with _pool_lock:
+    with _counts_lock:
         return dict(_counts)
 
 
-def _count(kind: str) -> None:
-    with _pool_lock:
+def record(kind: str) -> None:
+    """Count one shard read `kind` ("direct", "fallback") or one scattered-row read."""
+    with _counts_lock:
         _counts[kind] += 1
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 _local = threading.local()
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="ucp-read")
-        return _pool
 
 
 def _scratch(n: int) -> np.ndarray:
@@ -122,6 +123,30 @@ def _open(path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
         raise Mismatch(f"cannot open {path}: {e}") from e
+
+
+class OpenFiles:
+    """Files opened once for a batch of shard reads and closed together after.
+
+    A version-3 data file holds many shards; opening and closing it for each one cost two
+    system calls per shard, each a hand-over of the interpreter lock between the reading threads.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        """The open descriptor of `path` (opened now if it is not yet), or raise Mismatch."""
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = _open(path)
+        return fd
+
+    def close(self) -> None:
+        """Close every file opened."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
 
 # ---------------------------------------------------------------- reading one shard
@@ -160,11 +185,12 @@ def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
             yield (i, *rest)
 
 
-def _meet(a: Box, b: Box) -> list[tuple[int, int]]:
+def meet(a: Box, b: Box) -> list[tuple[int, int]]:
+    """The intersection of two boxes (empty along an axis where stop <= start)."""
     return [(max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b)]
 
 
-def _rel(box: Box, origin: Sequence[int]) -> tuple[Any, ...]:
+def region_index(box: Box, origin: Sequence[int]) -> tuple[Any, ...]:
     """Index of `box` in an array holding the region from `origin` (a view, 0-d included)."""
     return (*(slice(a - o, b - o) for (a, b), o in zip(box, origin)), Ellipsis)
 
@@ -177,18 +203,23 @@ def read_shard(
     dst: np.ndarray,
     dst_origin: Box,
     fingerprints: Fingerprints | None = None,
+    files: OpenFiles | None = None,
+    place: scatter_read.Target | None = None,
 ) -> None:
     """Read the part `box` (array coordinates, inside shard `index`) of one shard into `dst`.
 
     `dst` holds the region `dst_origin` of the array (its own axis order is the array's). With
     `fingerprints` (and `lay.info`), the shard's fingerprint (format/integrity.py) is recorded
-    there too, from the same open file while its pages are hot.
+    there too, from the index and trailers just read (those of inner chunks outside `box` are
+    read for it). With `files`, the file is opened through it (and left open for the next
+    shard); `place` is `scatter_read.target(dst, lay.dtype)` when the caller has it.
 
     Raises:
         Mismatch: the shard is not as expected (size, index, a checksum): read it another way.
     """
     origin = [i * c for i, c in zip(index, lay.chunks)]
-    out = dst[_rel(box, [a for a, _ in dst_origin])]
+    start = [a - o for (a, _), (o, _) in zip(box, dst_origin)]
+    out = dst[region_index(box, [a for a, _ in dst_origin])]
     if ext.inline is not None:
         n = math.prod(lay.chunks) * lay.dtype.itemsize
         if lay.inner is not None or len(ext.inline) != n + 4:
@@ -196,19 +227,28 @@ def read_shard(
         raw = np.frombuffer(ext.inline, np.uint8)
         if not crc.matches(raw[:n], ext.inline[n:]):
             raise Mismatch("crc32c")
-        out[...] = raw[:n].view(lay.dtype).reshape(lay.chunks)[_rel(box, origin)]
+        out[...] = raw[:n].view(lay.dtype).reshape(lay.chunks)[region_index(box, origin)]
         return
-    fd = _open(ext.path)
+    fd = _open(ext.path) if files is None else files.fd(ext.path)
     try:
-        if lay.inner is None:
-            _read_chunk(fd, ext.offset, ext.length, lay.chunks, lay.dtype, origin, box, out)
-        else:
-            _read_sharded(fd, ext, lay, origin, box, out)
         where = (ext.path, ext.offset)
-        if fingerprints is not None and lay.info is not None and where not in fingerprints:
-            fingerprints[where] = fingerprint_range(fd, ext.offset, ext.length, lay.info)
+        want = fingerprints is not None and lay.info is not None and where not in fingerprints
+        if lay.inner is None:
+            tail = _read_chunk(fd, ext.offset, ext.length, lay.chunks, lay.dtype, origin, box, out)
+            # an unsharded chunk's fingerprint is that of its trailer alone
+            info = lay.info if want else None
+            fp = None if info is None else fingerprint_of(tail, ext.length, info, lambda end: b"")
+        else:
+            if place is None:
+                place = scatter_read.target(dst, lay.dtype)
+            into = None if place is None else place.shifted(start)
+            fp = _read_sharded(fd, ext, lay, origin, box, out, into, want)
+        if want:
+            assert fingerprints is not None and fp is not None
+            fingerprints[where] = fp
     finally:
-        os.close(fd)
+        if files is None:
+            os.close(fd)
 
 
 def _read_chunk(
@@ -220,8 +260,9 @@ def _read_chunk(
     origin: Sequence[int],
     box: Box,
     out: np.ndarray,
-) -> None:
-    """One chunk (raw bytes + crc32c) at `offset`: its part `box` into `out`."""
+) -> bytes:
+    """One chunk (raw bytes + crc32c) at `offset`: its part `box` into `out`; returns its
+    crc32c trailer, as read and checked."""
     n = math.prod(shape) * dtype.itemsize
     if length != n + 4:
         raise Mismatch(f"a chunk of {length} bytes, {n + 4} expected")
@@ -231,23 +272,39 @@ def _read_chunk(
         _read_exact(fd, [_bytes_of(out), memoryview(trailer)], offset)
         if not crc.matches(out.reshape(-1).view(np.uint8), trailer):
             raise Mismatch("crc32c")
-        return
+        return bytes(trailer)
     if whole and scatter_read.usable(out, dtype):
-        if not scatter_read.read_whole(fd, [offset], [[0] * len(shape)], shape, out):
+        trailer = bytearray(4)
+        if not scatter_read.read_whole(fd, [offset], [[0] * len(shape)], shape, out, trailer):
             raise Mismatch("a chunk's read or crc32c")
-        _count("scatter")
-        return
+        record("scatter")
+        return bytes(trailer)
     buf = _scratch(n + 4)
     _read_exact(fd, [_bytes_of(buf)], offset)
     if not crc.matches(buf[:n], buf[n:]):
         raise Mismatch("crc32c")
-    out[...] = buf[:n].view(dtype).reshape(shape)[_rel(box, origin)]
+    out[...] = buf[:n].view(dtype).reshape(shape)[region_index(box, origin)]
+    return buf[n:].tobytes()
 
 
 def _read_sharded(
-    fd: int, ext: Extent, lay: Layout, origin: Sequence[int], box: Box, out: np.ndarray
-) -> None:
-    """A `sharding_indexed` shard: its index (at the end), then the inner chunks `box` meets."""
+    fd: int,
+    ext: Extent,
+    lay: Layout,
+    origin: Sequence[int],
+    box: Box,
+    out: np.ndarray,
+    into: scatter_read.Target | None,
+    want_fingerprint: bool,
+) -> str | None:
+    """A `sharding_indexed` shard: its index (at the end), then the inner chunks `box` meets.
+
+    The inner chunks wholly inside `box` are read straight into their rows (`into`, out's
+    Target, when it has one); the others through this thread's buffer. Returns the shard's
+    fingerprint (with `want_fingerprint`), taken from the index and the trailers just read.
+    Plain loops, not numpy: a shard holds a few inner chunks, and numpy's cost per call on
+    arrays that small was twice the loops' (a restore of a model's tree reads ~1400 shards).
+    """
     assert lay.inner is not None
     grid = [c // i for c, i in zip(lay.chunks, lay.inner)]
     if any(c % i for c, i in zip(lay.chunks, lay.inner)):
@@ -260,36 +317,39 @@ def _read_sharded(
     _read_exact(fd, [memoryview(raw)], ext.offset + ext.length - index_bytes)
     if not crc.matches(memoryview(raw)[:-4], raw[-4:]):
         raise Mismatch("shard index crc32c")
-    table = np.frombuffer(raw, "<u8", count * 2).reshape(count, 2)
+    table = np.frombuffer(raw, "<u8", count * 2).tolist()  # offset, nbytes, offset, ...
     inner_bytes = math.prod(lay.inner) * lay.dtype.itemsize
+    step = inner_bytes + 4
     data_end = ext.length - index_bytes
     box_origin = [a for a, _ in box]
     ranges = [range((a - o) // i, -(-(b - o) // i)) for (a, b), o, i in zip(box, origin, lay.inner)]
-    todo = []  # (offset in shard, inner box)
+    todo: list[tuple[int, int, list[tuple[int, int]]]] = []  # (offset, flat index, inner box)
     for idx in _product(ranges):
         flat = 0
         for k, g in zip(idx, grid):
             flat = flat * g + k
-        off, nbytes = int(table[flat, 0]), int(table[flat, 1])
-        if off == _NO_CHUNK or nbytes != inner_bytes + 4 or off + nbytes > data_end:
+        off, nbytes = table[2 * flat], table[2 * flat + 1]
+        if off == _NO_CHUNK or nbytes != step or off + nbytes > data_end:
             raise Mismatch("inner chunk missing or of another size")
         ibox = [(o + k * i, o + (k + 1) * i) for o, k, i in zip(origin, idx, lay.inner)]
-        todo.append((off, ibox))
+        todo.append((off, flat, ibox))
     todo.sort(key=lambda t: t[0])
-    if scatter_read.usable(out, lay.dtype):  # whole inner chunks: straight into their rows
-        inside: list[tuple[int, list[tuple[int, int]]]] = []
-        partial: list[tuple[int, list[tuple[int, int]]]] = []
+    trailers: dict[int, bytes] = {}  # flat index of an inner chunk read -> its trailer
+    if into is not None:  # whole inner chunks: straight into their rows
+        inside: list[tuple[int, int, list[tuple[int, int]]]] = []
+        partial: list[tuple[int, int, list[tuple[int, int]]]] = []
         for t in todo:
-            whole = all(b0 <= a and b <= b1 for (a, b), (b0, b1) in zip(t[1], box))
+            whole = all(b0 <= a and b <= b1 for (a, b), (b0, b1) in zip(t[2], box))
             (inside if whole else partial).append(t)
         if inside:
-            starts = [[a - o for (a, _), o in zip(t[1], box_origin)] for t in inside]
-            offsets = [ext.offset + t[0] for t in inside]
-            if not scatter_read.read_whole(fd, offsets, starts, lay.inner, out):
+            starts = [[a - o for (a, _), o in zip(t[2], box_origin)] for t in inside]
+            got = bytearray(4 * len(inside))
+            if not into.read(fd, [ext.offset + t[0] for t in inside], starts, lay.inner, got):
                 raise Mismatch("an inner chunk's read or crc32c")
-            _count("scatter")
+            record("scatter")
+            for k, t in enumerate(inside):
+                trailers[t[1]] = bytes(got[4 * k : 4 * k + 4])
         todo = partial
-    step = inner_bytes + 4
     per_run = max(_SCRATCH // step, 1)
     i = 0
     while i < len(todo):
@@ -302,131 +362,43 @@ def _read_sharded(
             chunk = buf[(k - i) * step : (k - i + 1) * step]
             if not crc.matches(chunk[:inner_bytes], chunk[inner_bytes:]):
                 raise Mismatch("crc32c")
-            ibox = todo[k][1]
-            part = _meet(ibox, box)
+            _, flat, ibox = todo[k]
+            trailers[flat] = chunk[inner_bytes:].tobytes()
+            part = meet(ibox, box)
             src = chunk[:inner_bytes].view(lay.dtype).reshape(lay.inner)
-            out[_rel(part, box_origin)] = src[_rel(part, [a for a, _ in ibox])]
+            out[region_index(part, box_origin)] = src[region_index(part, [a for a, _ in ibox])]
         i = j
+    if not want_fingerprint:
+        return None
+    assert lay.info is not None
+    return _shard_fingerprint(fd, ext, lay.info, bytes(raw), table, trailers)
 
 
-BATCH_BYTES = 8 << 20  # shard reads handed to a thread together: fewer wake-ups per byte
-
-
-@dataclasses.dataclass
-class _Job:
-    """One shard's part to read; `error` is what reading it raised."""
-
-    args: tuple[Any, ...]
-    nbytes: int
-    error: BaseException | None = None
-
-
-@dataclasses.dataclass
-class _Batch:
-    jobs: list[_Job] = dataclasses.field(default_factory=list)
-    nbytes: int = 0
-    future: Future[None] | None = None
-
-
-def _run(batch: _Batch) -> None:
-    for job in batch.jobs:
-        try:
-            _one(*job.args)
-        except BaseException as e:  # raised where that piece is waited for
-            job.error = e
-
-
-class Pieces:
-    """The shard reads of one restored piece, waited for together; a shard this reader could
-    not take is read by `fallback(box)` (TensorStore) in its place."""
-
-    def __init__(self, batcher: Batcher, jobs: list[tuple[_Batch, _Job]]) -> None:
-        self.batcher, self.jobs = batcher, jobs
-
-    def result(self) -> None:
-        """Wait for every shard of the piece; raise the first error one of them raised."""
-        if any(b.future is None for b, _ in self.jobs):
-            self.batcher.flush()
-        for b, job in self.jobs:
-            assert b.future is not None
-            b.future.result()
-            if job.error is not None:
-                raise job.error
-
-
-class Batcher:
-    """Hands shard reads to the reading threads in batches of about BATCH_BYTES.
-
-    Small shards (a model's many small arrays) each cost a thread hand-off otherwise, which took
-    more CPU than copying their bytes. Used from one thread (the restore's); `Pieces.result`
-    flushes what is still pending.
-    """
-
-    def __init__(self) -> None:
-        self._open = _Batch()
-
-    def submit(
-        self,
-        locate: Callable[[tuple[int, ...]], Extent | None],
-        lay: Layout,
-        box: Box,
-        dst: np.ndarray,
-        fallback: Callable[[Box, np.ndarray], None],
-        fingerprints: Fingerprints | None = None,
-    ) -> Pieces:
-        """Read the region `box` of a stored array into `dst` (shaped as `box`), shard by shard.
-
-        Args:
-            locate: the Extent of the shard at a grid index (None: read it by `fallback`).
-            lay: the stored array's layout.
-            box: the region, (start, stop) per axis.
-            dst: the buffer it goes into, in the array's axis order.
-            fallback: reads a sub-box into its part of `dst` another way (TensorStore); it
-                raises the error a damaged file deserves.
-            fingerprints: where each shard read directly records its fingerprint.
-
-        Returns:
-            The pending reads; `.result()` waits for them and raises what a fallback raised.
-        """
-        jobs = []
-        for index in shards_in(box, lay.chunks):
-            sbox = [(i * c, (i + 1) * c) for i, c in zip(index, lay.chunks)]
-            part = _meet(sbox, box)
-            if any(a >= b for a, b in part):
-                continue
-            nbytes = math.prod(b - a for a, b in part) * lay.dtype.itemsize
-            job = _Job((locate, lay, index, part, dst, box, fallback, fingerprints), nbytes)
-            self._open.jobs.append(job)
-            self._open.nbytes += nbytes
-            jobs.append((self._open, job))
-            if self._open.nbytes >= BATCH_BYTES:
-                self.flush()
-        return Pieces(self, jobs)
-
-    def flush(self) -> None:
-        """Start the pending reads."""
-        if self._open.jobs:
-            self._open.future = _executor().submit(_run, self._open)
-            self._open = _Batch()
-
-
-def _one(
-    locate: Callable[[tuple[int, ...]], Extent | None],
-    lay: Layout,
-    index: tuple[int, ...],
-    part: Box,
-    dst: np.ndarray,
-    box: Box,
-    fallback: Callable[[Box, np.ndarray], None],
-    fingerprints: Fingerprints | None,
-) -> None:
-    ext = locate(index)
-    if ext is not None:
-        try:
-            read_shard(ext, lay, index, part, dst, box, fingerprints)
-            _count("direct")
-            return
-        except Mismatch:
-            pass  # TensorStore reads it: the same bytes, its checks, its errors
-    _count("fallback")
-    fallback(part, dst[_rel(part, [a for a, _ in box])])
+def _shard_fingerprint(
+    fd: int, ext: Extent, info: SlotInfo, tail: bytes, table: list[int], trailers: dict[int, bytes]
+) -> str:
+    """`integrity.fingerprint_range`'s value for a shard whose index (`tail`; as a flat list of
+    (offset, nbytes): `table`) and some inner chunks' `trailers` (by flat index) were just
+    read: the other inner chunks' trailers are read here, in one call."""
+    if len(tail) != tail_size(info) or len(table) != (len(tail) - 4) // 8:
+        return fingerprint_range(fd, ext.offset, ext.length, info)
+    parts: list[bytes] = []
+    missing: list[tuple[int, int]] = []  # (place in parts, end offset of the chunk)
+    for k in range(len(table) // 2):
+        off, nbytes = table[2 * k], table[2 * k + 1]
+        if off == _NO_CHUNK or nbytes < 4 or off > 2**62:
+            continue  # not listed: integrity._trailer_ends leaves it out
+        t = trailers.get(k)
+        if t is None:
+            if off + nbytes > ext.length:  # its trailer is past the shard: the exact, slow way
+                return fingerprint_range(fd, ext.offset, ext.length, info)
+            missing.append((len(parts), off + nbytes))
+            t = b""
+        parts.append(t)
+    if missing:
+        got = scatter_read.read_at(fd, [ext.offset + end - 4 for _, end in missing], 4)
+        if got is None:
+            return fingerprint_range(fd, ext.offset, ext.length, info)
+        for n, (at, _) in enumerate(missing):
+            parts[at] = got[4 * n : 4 * n + 4]
+    return f"{zlib.crc32(b''.join(parts), zlib.crc32(tail)):08x}"

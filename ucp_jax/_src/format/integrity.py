@@ -85,7 +85,7 @@ def _local_dir(kv: ts.KvStore) -> str | None:
     return spec["path"] if spec.get("driver") == "file" else None
 
 
-def _tail_size(info: SlotInfo) -> int:
+def tail_size(info: SlotInfo) -> int:
     """Bytes at the end of a chunk file that a fingerprint starts from: the crc32c trailer, or
     for a shard file its index ((offset, nbytes) per inner chunk) and the index's trailer."""
     return 16 * inner_per_shard(info) + 4 if info.inner_chunks is not None else 4
@@ -117,12 +117,28 @@ def local_fingerprint(path: str, info: SlotInfo) -> tuple[str, int, int, int] | 
 
 def fingerprint_range(fd: int, base: int, size: int, info: SlotInfo) -> str:
     """The fingerprint of the chunk (shard) whose `size` bytes start at `base` of file `fd`."""
-    tail = _tail_size(info)
+    tail = tail_size(info)
     t = os.pread(fd, tail, base + size - tail) if size >= tail else b""
-    crc = zlib.crc32(t)
-    if info.inner_chunks is not None and len(t) == tail:
-        for end in _trailer_ends(t, info):
-            crc = zlib.crc32(os.pread(fd, 4, base + end - 4) if end <= size else b"?", crc)
+    return fingerprint_of(t, size, info, lambda end: os.pread(fd, 4, base + end - 4))
+
+
+def fingerprint_of(
+    tail: bytes, size: int, info: SlotInfo, trailer_at: Callable[[int], bytes]
+) -> str:
+    """The fingerprint of a chunk (shard) of `size` bytes from its `tail` (`tail_size(info)`
+    bytes, or b"" when shorter) and `trailer_at(end)`: the 4 bytes before offset `end` of it.
+
+    A reader that has just read a shard's index and its inner chunks' trailers passes what it
+    read, instead of reading them a second time (`fingerprint_range` reads them).
+
+    >>> info = SlotInfo(dtype="float32", path="a", chunks=(2,))
+    >>> fingerprint_of(b"\\x01\\x02\\x03\\x04", 12, info, lambda end: b"")
+    'b63cfbcd'
+    """
+    crc = zlib.crc32(tail)
+    if info.inner_chunks is not None and len(tail) == tail_size(info):
+        for end in _trailer_ends(tail, info):
+            crc = zlib.crc32(trailer_at(end) if end <= size else b"?", crc)
     return f"{crc:08x}"
 
 
@@ -183,7 +199,7 @@ def fingerprints_many(
     """
     tails: dict[str, bytes] = {}
     with ts.Batch() as batch:
-        futs = [(k, kv.read(k, byte_range=slice(-_tail_size(info), None), batch=batch))
+        futs = [(k, kv.read(k, byte_range=slice(-tail_size(info), None), batch=batch))
                 for info, keys in items for k in keys]  # fmt: skip
     for k, f in futs:
         try:
@@ -198,7 +214,7 @@ def fingerprints_many(
         for info, keys in items:
             if info.inner_chunks is None:
                 continue
-            tail = _tail_size(info)
+            tail = tail_size(info)
             for k in keys:
                 t = tails.get(k)
                 if t is None or len(t) != tail:

@@ -11,6 +11,8 @@ format/direct.py reads through its buffer as before.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,17 +56,72 @@ def _root(a: np.ndarray) -> np.ndarray | None:
     return root if rlo <= lo and hi <= rhi else None
 
 
-def usable(out: np.ndarray, dtype: np.dtype) -> bool:
-    """Chunks of `dtype` can be read into `out` this way: its last axis is contiguous, its
-    memory is a plain writable array's, and `UCP_SCATTER_READ` is not 0."""
-    return (
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the elements of a strided array lie in the plain buffer under it.
+
+    Computed once per restored piece (`target`), then moved to each shard's part of it
+    (`shifted`): the checks and the walk to the root buffer are not repeated for every shard.
+
+    Attributes:
+        root: the buffer's bytes (flat uint8, writable).
+        base: byte offset in `root` of the array's first element.
+        strides: the array's byte strides (int64; the last is the item size).
+    """
+
+    root: np.ndarray
+    base: int
+    strides: np.ndarray
+
+    def shifted(self, start: Sequence[int]) -> Target:
+        """The target of the sub-array that starts at index `start` of this one."""
+        return Target(self.root, self.base + int(np.dot(start, self.strides)), self.strides)
+
+    def read(
+        self,
+        fd: int,
+        file_offsets: Any,
+        starts: Any,
+        chunk: Sequence[int],
+        trailers: bytearray | None = None,
+    ) -> bool:
+        """`read_whole` into this target (`starts`: an index per chunk, relative to it)."""
+        ndim = len(self.strides)
+        dst_offsets = self.base + np.asarray(starts, np.int64).reshape(-1, ndim) @ self.strides
+        bad, _err = _native.read_chunks(
+            fd,
+            self.root,
+            np.ascontiguousarray(file_offsets, np.int64),
+            np.ascontiguousarray(dst_offsets, np.int64),
+            np.asarray(chunk[:-1], np.int64),
+            np.ascontiguousarray(self.strides[:-1]),
+            int(chunk[-1]) * int(self.strides[-1]),
+            trailers,
+        )
+        return bool(bad < 0)
+
+
+def target(out: np.ndarray, dtype: np.dtype) -> Target | None:
+    """`out`'s Target when chunks of `dtype` can be read into it this way (`usable`), else None."""
+    if not (
         out.ndim > 0
         and out.dtype == dtype
         and out.strides[-1] == dtype.itemsize
         and config.scatter_read()
         and built()
-        and _root(out) is not None
-    )
+    ):
+        return None
+    root = _root(out)
+    if root is None:
+        return None
+    base = out.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    return Target(root.reshape(-1).view(np.uint8), base, np.asarray(out.strides, np.int64))
+
+
+def usable(out: np.ndarray, dtype: np.dtype) -> bool:
+    """Chunks of `dtype` can be read into `out` this way: its last axis is contiguous, its
+    memory is a plain writable array's, and `UCP_SCATTER_READ` is not 0."""
+    return target(out, dtype) is not None
 
 
 def read_whole(
@@ -73,6 +130,7 @@ def read_whole(
     starts: Sequence[Sequence[int]],
     chunk: Sequence[int],
     out: np.ndarray,
+    trailers: bytearray | None = None,
 ) -> bool:
     """Read whole chunks of shape `chunk` (raw C-order bytes, then a 4-byte crc32c) into `out`.
 
@@ -82,24 +140,39 @@ def read_whole(
         starts: where each chunk goes in `out` (an index per axis; the chunk fits there).
         chunk: the chunk shape.
         out: where they go; `usable(out, ...)` said yes.
+        trailers: 4 bytes per chunk; when given and every chunk matched, each chunk's trailer as
+            read (in the order of `file_offsets`).
 
     Returns:
         True when every chunk was read whole and matched its crc32c; False otherwise (a read
         error, an early end of file, a checksum that disagrees): what is in `out` is then not to
         be used, and the caller reads those chunks another way.
     """
-    root = _root(out)
-    assert root is not None and out.ndim == len(chunk)
-    base = out.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-    st = np.asarray(out.strides, np.int64)
-    dst_offsets = base + np.asarray(starts, np.int64).reshape(-1, out.ndim) @ st
-    bad, _err = _native.read_chunks(
-        fd,
-        root.reshape(-1).view(np.uint8),
-        np.ascontiguousarray(file_offsets, np.int64),
-        np.ascontiguousarray(dst_offsets, np.int64),
-        np.asarray(chunk[:-1], np.int64),
-        np.ascontiguousarray(st[:-1]),
-        int(chunk[-1]) * out.dtype.itemsize,
-    )
-    return bool(bad < 0)
+    t = target(out, out.dtype)
+    assert t is not None and out.ndim == len(chunk)
+    return t.read(fd, file_offsets, starts, chunk, trailers)
+
+
+def read_at(fd: int, offsets: Any, length: int) -> bytes | None:
+    """`length` bytes from each of `offsets` of the file, joined; None when one read fails or
+    the file ends first. One call, the GIL released, however many offsets.
+
+    >>> import os, tempfile
+    >>> with tempfile.TemporaryFile() as f:
+    ...     _ = f.write(b"abcdefgh"); f.flush()
+    ...     read_at(f.fileno(), [6, 0], 2)
+    b'ghab'
+    """
+    offs = np.ascontiguousarray(offsets, np.int64)
+    out = bytearray(len(offs) * length)
+    if _native is None:
+        try:
+            for k, o in enumerate(offs.tolist()):
+                got = os.pread(fd, length, o)
+                if len(got) != length:
+                    return None
+                out[k * length : (k + 1) * length] = got
+        except OSError:
+            return None
+        return bytes(out)
+    return bytes(out) if _native.read_at(fd, offs, length, out) else None
