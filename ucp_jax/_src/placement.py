@@ -67,6 +67,10 @@ class Placer:
         self._held = 0
         self.staged_bytes = 0
 
+    def staging(self, sharding: Any) -> str | None:
+        """The memory kind a placement onto `sharding` is staged through, or None (direct)."""
+        return staging_memory(sharding, self.mode)
+
     def place(
         self, shape: tuple[int, ...], sharding: Any, host_of: Callable[[Any], np.ndarray]
     ) -> jax.Array:
