@@ -83,31 +83,35 @@ def test_direct_reads_equal_tensorstore(
     assert m == {"direct": 0, "fallback": 0, "scatter": 0}, m
 
 
+@pytest.mark.parametrize("scatter", ["1", "0"])  # the C reader, or Python's
 @pytest.mark.parametrize(
     ("saved", "restored", "style", "cuts"),
     [((2, 4), (4, 2), "spread", True), ((1,), (8,), "fsdp", True),
      ((8,), (2,), "fsdp", False), ((2, 4), (2, 4), "spread", False)],
 )  # fmt: skip
 def test_fingerprints_from_the_read_equal_a_fresh_read(
-    tmp_path: Path, monkeypatch, saved, restored, style: str, cuts: bool
+    tmp_path: Path, monkeypatch, scatter: str, saved, restored, style: str, cuts: bool
 ) -> None:
     """A shard's fingerprint is taken from the index and trailers its read just checked, and
     the trailers of inner chunks it did not read are read for it: equal, shard by shard, to
     `integrity.fingerprint_range` reading the file afresh, whether the shard was read whole or
-    in part (a reshard cuts shards)."""
+    in part (a reshard cuts shards), by the C reader or by Python's."""
     from ucp_jax._src.format import integrity
 
     monkeypatch.setenv("UCP_LAYOUT", "aggregated")
+    monkeypatch.setenv("UCP_SCATTER_READ", scatter)
     seen: list[tuple[bool, bool]] = []  # (equal to the fresh read, shard read only in part)
-    real = direct._shard_fingerprint
+    real = direct._read_sharded
 
-    def spy(fd, ext, info, tail, table, trailers):
-        got = real(fd, ext, info, tail, table, dict(trailers))
-        fresh = integrity.fingerprint_range(fd, ext.offset, ext.length, info)
-        seen.append((got == fresh, len(trailers) < len(table) // 2))
+    def spy(fd, ext, lay, origin, box, out, into, want):
+        got = real(fd, ext, lay, origin, box, out, into, want)
+        if want:
+            fresh = integrity.fingerprint_range(fd, ext.offset, ext.length, lay.info)
+            part = any(a > o or b < o + c for (a, b), o, c in zip(box, origin, lay.chunks))
+            seen.append((got == fresh, part))
         return got
 
-    monkeypatch.setattr(direct, "_shard_fingerprint", spy)
+    monkeypatch.setattr(direct, "_read_sharded", spy)
     state = _state("float32")
     placed = jax.tree.map(
         lambda x, t: jax.device_put(x, t.sharding), state, targets(state, mesh_of(saved))

@@ -212,3 +212,80 @@ def test_read_at_reads_each_offset_or_says_no(tmp_path: Path) -> None:
             native.read_at(fd, np.zeros(3, np.int32), 4, bytearray(12))  # not int64 offsets
     finally:
         os.close(fd)
+
+
+def _shard_file(tmp_path: Path, want: np.ndarray, inner: tuple[int, ...], drop: int | None = None):
+    """A zarr3 `sharding_indexed` shard of `want` built by hand: inner chunks (C-order bytes and
+    a crc32c each) in a shuffled order, then the index ((offset, nbytes) per chunk, u64 little
+    endian, `drop`'s entry marked missing) and its crc32c. Returns path, grid, the index bytes,
+    and each listed chunk's trailer in index order."""
+    grid = [s // i for s, i in zip(want.shape, inner)]
+    cells = list(np.ndindex(*grid))
+    order = np.random.default_rng(5).permutation(len(cells))
+    index = np.full((len(cells), 2), 2**64 - 1, np.uint64)
+    trailers: dict[int, bytes] = {}
+    body = b""
+    for k in order:
+        if k == drop:
+            continue
+        box = tuple(slice(c * i, (c + 1) * i) for c, i in zip(cells[k], inner))
+        raw = np.ascontiguousarray(want[box]).tobytes()
+        trailers[int(k)] = crc32c.crc32c(raw).to_bytes(4, "little")
+        index[k] = (len(body), len(raw) + 4)
+        body += raw + trailers[int(k)]
+    ix = index.astype("<u8").tobytes()
+    path = tmp_path / "shard"
+    path.write_bytes(b"\x00" * 3 + body + ix + crc32c.crc32c(ix).to_bytes(4, "little"))
+    listed = b"".join(trailers[k] for k in range(len(cells)) if k in trailers)
+    return str(path), grid, ix + crc32c.crc32c(ix).to_bytes(4, "little"), listed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint16", "int8"])
+def test_read_shard_places_checks_and_lists_like_the_format_says(
+    tmp_path: Path, dtype: str
+) -> None:
+    """The C shard reader against a shard built here from the zarr3 spec: the inner chunks of
+    the asked grid box land where numpy puts them (a target cut out of a larger array, so the
+    shard's origin lies before it), the index comes back as written, `listed` is every listed
+    chunk's trailer in index order (a missing chunk left out); a missing chunk inside the box,
+    a damaged index or chunk, or a short file is refused, not returned."""
+    want = (np.random.default_rng(2).standard_normal((12, 32)) * 50).astype(dtype)
+    inner = (4, 8)
+    path, grid, index, listed = _shard_file(tmp_path, want, inner, drop=0)
+    size = os.path.getsize(path)
+    base = np.full((16, 40), 7, dtype)
+    out = base[2:14, 4:36]  # the target holds rows 4.. and columns 8.. of `want`
+    out_origin = (4, 8)
+    place = scatter_read.target(out[:, :], np.dtype(dtype))
+    assert place is not None
+    lo, hi = (1, 1), (3, 4)  # grid box: rows 4..12, columns 8..32
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        origin = [-o for o in out_origin]
+        ok, got_index, got_listed = place.read_shard(
+            fd, (3, size - 3), grid, inner, lo, hi, origin, True
+        )
+        assert ok and got_index == index and got_listed == listed
+        np.testing.assert_array_equal(out[: 12 - 4, : 32 - 8], want[4:, 8:])
+        assert (base[:2] == 7).all() and (base[:, :4] == 7).all()  # nothing outside touched
+        # chunk 0 (grid (0, 0)) is missing: asked for, the shard is refused
+        assert not place.read_shard(fd, (3, size - 3), grid, inner, (0, 0), (1, 1), origin, False)[
+            0
+        ]
+        assert not place.read_shard(fd, (3, size - 4), grid, inner, lo, hi, origin, False)[0]
+        with pytest.raises(ValueError):  # a grid box outside the grid
+            place.read_shard(fd, (3, size - 3), grid, inner, lo, (3, 5), origin, False)
+    finally:
+        os.close(fd)
+    at_1_1 = int(np.frombuffer(index[:-4], "<u8").reshape(-1, 2)[1 * grid[1] + 1, 0])
+    for where in (3 + at_1_1 + 5, size - 10):  # a byte of chunk (1, 1), asked for; of the index
+        damaged = bytearray(Path(path).read_bytes())
+        damaged[where] ^= 0x10
+        bad = tmp_path / f"bad{where}"
+        bad.write_bytes(bytes(damaged))
+        fd = os.open(bad, os.O_RDONLY)
+        try:
+            got = place.read_shard(fd, (3, size - 3), grid, inner, (0, 1), (3, 4), origin, True)
+            assert got == (False, None, None)
+        finally:
+            os.close(fd)

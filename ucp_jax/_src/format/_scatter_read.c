@@ -24,6 +24,8 @@
  * With an eighth argument, a writable buffer of 4 bytes per chunk, each chunk's trailer as read
  * is left there (in the order of file_offsets): a shard's fingerprint is taken from them, so no
  * second read of the trailers is needed.
+ * read_shard(...): a whole sharding_indexed shard (its index, then its inner chunks inside the
+ * target, as read_chunks does), see its comment below; read_at(...): small reads at many offsets.
  * hardware() -> bool: the CRC32C runs on the CPU's CRC instruction here.
  */
 #define PY_SSIZE_T_CLEAN
@@ -32,6 +34,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -390,6 +393,241 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------ one whole shard */
+
+#define NO_CHUNK UINT64_MAX
+#define MAX_LISTED_OFFSET (UINT64_C(1) << 62)
+
+static uint64_t le64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+typedef struct {
+    int64_t foff, doff;
+    int64_t flat;
+} Planned;
+
+static int by_file_offset(const void *a, const void *b) {
+    int64_t x = ((const Planned *)a)->foff, y = ((const Planned *)b)->foff;
+    return (x > y) - (x < y);
+}
+
+/* What read_shard does without the GIL. Returns 0 (done), 1 (the shard is not as expected:
+ * index checksum, a missing or odd-sized inner chunk, a read error, a chunk checksum) or
+ * 2 (out of memory). *listed_ok says whether `listed` holds the fingerprint's trailers. */
+static int shard_work(int fd, int64_t shard_off, int64_t shard_len, int nd, const int64_t *grid,
+                      const int64_t *inner, int64_t itemsize, const int64_t *lo, const int64_t *hi,
+                      unsigned char *dst, int64_t dst_len, int64_t base, const int64_t *strides,
+                      unsigned char *index, int64_t index_bytes, int64_t count, int want_listed,
+                      unsigned char *listed, int64_t *listed_len, int *listed_ok) {
+    struct iovec one = {index, (size_t)index_bytes};
+    if (read_full(fd, &one, 1, shard_off + shard_len - index_bytes)) return 1;
+    uint32_t want = (uint32_t)index[index_bytes - 4] | (uint32_t)index[index_bytes - 3] << 8 |
+                    (uint32_t)index[index_bytes - 2] << 16 | (uint32_t)index[index_bytes - 1] << 24;
+    if (~crc_extend(0xFFFFFFFFu, index, (size_t)(index_bytes - 4)) != want) return 1;
+    int64_t elems = 1;
+    for (int a = 0; a < nd; a++) elems *= inner[a];
+    int64_t step = elems * itemsize + 4, data_end = shard_len - index_bytes;
+    int64_t n = 1;
+    for (int a = 0; a < nd; a++) n *= hi[a] - lo[a];
+    Planned *plan = NULL;
+    uint32_t *trailers = NULL;
+    unsigned char *have = NULL;
+    int rc = 0;
+    if (n > 0) {
+        plan = malloc((size_t)n * sizeof(Planned));
+        trailers = malloc((size_t)n * 4);
+        if (!plan || !trailers) {
+            rc = 2;
+            goto out;
+        }
+        /* the chunks of the grid box [lo, hi), row-major; each must be listed whole */
+        int64_t idx[MAX_AXES];
+        for (int a = 0; a < nd; a++) idx[a] = lo[a];
+        /* a chunk's bytes in dst lie in [d + span_lo, d + span_hi), d its first element's */
+        int64_t span_lo = 0, span_hi = inner[nd - 1] * itemsize;
+        for (int a = 0; a + 1 < nd; a++) {
+            int64_t ext = (inner[a] - 1) * strides[a];
+            if (ext >= 0) span_hi += ext;
+            else span_lo += ext;
+        }
+        for (int64_t k = 0; k < n; k++) {
+            int64_t flat = 0, d = base;
+            for (int a = 0; a < nd; a++) {
+                flat = flat * grid[a] + idx[a];
+                d += idx[a] * inner[a] * strides[a];
+            }
+            uint64_t off = le64(index + 16 * flat), nb = le64(index + 16 * flat + 8);
+            if (off == NO_CHUNK || nb != (uint64_t)step || data_end < step || off > (uint64_t)(data_end - step)) {
+                rc = 1;
+                goto out;
+            }
+            if (d + span_lo < 0 || d + span_hi > dst_len) {
+                rc = 1; /* said as a mismatch: Python checked the box, so this is never reached */
+                goto out;
+            }
+            plan[k].foff = shard_off + (int64_t)off;
+            plan[k].doff = d;
+            plan[k].flat = flat;
+            for (int a = nd - 1; a >= 0; a--) { /* next index, row-major */
+                if (++idx[a] < hi[a]) break;
+                idx[a] = lo[a];
+            }
+        }
+        qsort(plan, (size_t)n, sizeof(Planned), by_file_offset);
+        int64_t *fo = malloc((size_t)n * 8), *dd = malloc((size_t)n * 8);
+        if (!fo || !dd) {
+            free(fo);
+            free(dd);
+            rc = 2;
+            goto out;
+        }
+        for (int64_t k = 0; k < n; k++) {
+            fo[k] = plan[k].foff;
+            dd[k] = plan[k].doff;
+        }
+        Shape sh = {1, nd - 1, inner, strides, inner[nd - 1] * itemsize};
+        for (int a = 0; a + 1 < nd; a++) sh.rows *= inner[a];
+        int64_t k0 = 0, bad = -1;
+        int err = 0;
+        while (k0 < n && bad < 0) {
+            int64_t k1 = k0 + 1;
+            while (k1 < n && fo[k1] == fo[k1 - 1] + step && (k1 - k0 + 1) * step <= RUN_BYTES) k1++;
+            bad = read_run(fd, &sh, dst, fo, dd, k0, k1, trailers + k0, &err);
+            k0 = k1;
+        }
+        free(fo);
+        free(dd);
+        if (bad >= 0) {
+            rc = 1;
+            goto out;
+        }
+    }
+    *listed_ok = 0;
+    *listed_len = 0;
+    if (want_listed) {
+        /* the fingerprint's trailers (format/integrity.py): every listed inner chunk's, in index
+         * order; those read above are taken from there, the others read now */
+        have = calloc((size_t)count, 1);
+        uint32_t *by_flat = calloc((size_t)count, 4);
+        if (!have || !by_flat) {
+            free(by_flat);
+            rc = 2;
+            goto out;
+        }
+        for (int64_t k = 0; k < n; k++) {
+            have[plan[k].flat] = 1;
+            by_flat[plan[k].flat] = trailers[k];
+        }
+        int ok = 1;
+        for (int64_t f = 0; f < count && ok; f++) {
+            uint64_t off = le64(index + 16 * f), nb = le64(index + 16 * f + 8);
+            if (off == NO_CHUNK || nb < 4 || off > MAX_LISTED_OFFSET) continue;
+            unsigned char *t = listed + *listed_len;
+            if (have[f]) {
+                memcpy(t, &by_flat[f], 4);
+            } else {
+                if (nb > MAX_LISTED_OFFSET || off + nb > (uint64_t)shard_len) {
+                    ok = 0; /* a trailer outside the shard: Python's exact way says what it is */
+                    break;
+                }
+                struct iovec iv = {t, 4};
+                ok = read_full(fd, &iv, 1, shard_off + (int64_t)(off + nb) - 4) == 0;
+            }
+            *listed_len += 4;
+        }
+        free(by_flat);
+        *listed_ok = ok;
+    }
+out:
+    free(plan);
+    free(trailers);
+    free(have);
+    return rc;
+}
+
+/* read_shard(fd, shard_offset, shard_length, grid, inner, itemsize, lo, hi, dst, base, strides,
+ *            want_listed) -> (ok, index, listed)
+ * One sharding_indexed shard: its index (at the end, checked by its crc32c), then the inner
+ * chunks of the grid box [lo, hi) (all of them wholly inside the target), each read straight
+ * into its rows of dst and checked by its crc32c; the inner chunk at grid index g goes to byte
+ * base + sum(g * inner * strides) of dst. ok is False when the shard is not as expected (the
+ * caller reads it another way); index is the index as read (None when not read); listed, with
+ * want_listed, the 4-byte trailers a fingerprint takes (None: take it the exact, slower way). */
+static PyObject *read_shard(PyObject *self, PyObject *args) {
+    int fd, want_listed;
+    long long shard_off, shard_len, itemsize, base;
+    PyObject *grid_o, *inner_o, *lo_o, *hi_o, *dst_o, *strides_o;
+    if (!PyArg_ParseTuple(args, "iLLOOLOOOLOp", &fd, &shard_off, &shard_len, &grid_o, &inner_o,
+                          &itemsize, &lo_o, &hi_o, &dst_o, &base, &strides_o, &want_listed))
+        return NULL;
+    Py_buffer grid = {0}, inner = {0}, lo = {0}, hi = {0}, dst = {0}, strides = {0};
+    PyObject *result = NULL, *index_o = NULL, *listed_o = NULL;
+    if (int64_view(grid_o, &grid, "grid") < 0 || int64_view(inner_o, &inner, "inner") < 0 ||
+        int64_view(lo_o, &lo, "lo") < 0 || int64_view(hi_o, &hi, "hi") < 0 ||
+        int64_view(strides_o, &strides, "strides") < 0)
+        goto done;
+    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    int nd = (int)(grid.len / 8);
+    const int64_t *g = grid.buf, *in = inner.buf, *l = lo.buf, *h = hi.buf, *st = strides.buf;
+    if (nd < 1 || nd > MAX_AXES || inner.len != grid.len || lo.len != grid.len || hi.len != grid.len ||
+        strides.len != grid.len || itemsize <= 0 || st[nd - 1] != itemsize || shard_off < 0 || shard_len < 0) {
+        PyErr_SetString(PyExc_ValueError, "read_shard: mismatched arguments");
+        goto done;
+    }
+    int64_t count = 1, elems = 1;
+    for (int a = 0; a < nd; a++) {
+        if (g[a] <= 0 || in[a] <= 0 || l[a] < 0 || h[a] < l[a] || h[a] > g[a] || count > INT64_MAX / 32 / g[a] ||
+            elems > INT64_MAX / 16 / itemsize / in[a] || (st[a] < 0 ? -st[a] : st[a]) > INT64_MAX / 16 / in[a] / g[a]) {
+            PyErr_SetString(PyExc_ValueError, "read_shard: bad grid, inner chunk, range or stride");
+            goto done;
+        }
+        count *= g[a];
+        elems *= in[a];
+    }
+    int64_t index_bytes = count * 16 + 4;
+    if (shard_len < index_bytes) {
+        result = Py_BuildValue("(OOO)", Py_False, Py_None, Py_None);
+        goto done;
+    }
+    index_o = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)index_bytes);
+    listed_o = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(want_listed ? count * 4 : 0));
+    if (!index_o || !listed_o) goto done;
+    unsigned char *ix = (unsigned char *)PyBytes_AS_STRING(index_o);
+    unsigned char *ls = (unsigned char *)PyBytes_AS_STRING(listed_o);
+    int64_t listed_len = 0;
+    int listed_ok = 0, rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = shard_work(fd, shard_off, shard_len, nd, g, in, itemsize, l, h, dst.buf, (int64_t)dst.len, base, st, ix,
+                    index_bytes, count, want_listed, ls, &listed_len, &listed_ok);
+    Py_END_ALLOW_THREADS
+    if (rc == 2) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (rc == 1) {
+        result = Py_BuildValue("(OOO)", Py_False, Py_None, Py_None);
+        goto done;
+    }
+    if (listed_ok && _PyBytes_Resize(&listed_o, (Py_ssize_t)listed_len) < 0) {
+        listed_o = NULL;
+        goto done;
+    }
+    result = Py_BuildValue("(OOO)", Py_True, index_o, listed_ok ? listed_o : Py_None);
+done:
+    Py_XDECREF(index_o);
+    Py_XDECREF(listed_o);
+    if (grid.obj) PyBuffer_Release(&grid);
+    if (inner.obj) PyBuffer_Release(&inner);
+    if (lo.obj) PyBuffer_Release(&lo);
+    if (hi.obj) PyBuffer_Release(&hi);
+    if (dst.obj) PyBuffer_Release(&dst);
+    if (strides.obj) PyBuffer_Release(&strides);
+    return result;
+}
+
 static PyObject *crc32c_of(PyObject *self, PyObject *arg) {
     Py_buffer b;
     if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS) < 0) return NULL;
@@ -447,6 +685,7 @@ static PyMethodDef methods[] = {
     {"read_chunks", read_chunks, METH_VARARGS, "Read chunks into scattered rows, each checked by its CRC32C."},
     {"crc32c", crc32c_of, METH_O, "The CRC32C of a contiguous buffer (the same function read_chunks checks with)."},
     {"hardware", hardware, METH_NOARGS, "The CRC32C runs on the CPU's CRC instruction."},
+    {"read_shard", read_shard, METH_VARARGS, "One shard: its index, then whole inner chunks into place, checked."},
     {"read_at", read_at, METH_VARARGS, "The same number of bytes from each of many offsets of a file."},
     {NULL, NULL, 0, NULL},
 };

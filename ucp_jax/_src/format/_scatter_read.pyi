@@ -14,3 +14,18 @@ def read_chunks(
 def crc32c(data: Any, /) -> int: ...
 def hardware() -> bool: ...
 def read_at(fd: int, offsets: Any, length: int, out: Any, /) -> bool: ...
+def read_shard(
+    fd: int,
+    shard_offset: int,
+    shard_length: int,
+    grid: Any,
+    inner: Any,
+    itemsize: int,
+    lo: Any,
+    hi: Any,
+    dst: Any,
+    base: int,
+    strides: Any,
+    want_listed: bool,
+    /,
+) -> tuple[bool, bytes | None, bytes | None]: ...

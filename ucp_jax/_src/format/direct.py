@@ -299,32 +299,54 @@ def _read_sharded(
 ) -> str | None:
     """A `sharding_indexed` shard: its index (at the end), then the inner chunks `box` meets.
 
-    The inner chunks wholly inside `box` are read straight into their rows (`into`, out's
-    Target, when it has one); the others through this thread's buffer. Returns the shard's
-    fingerprint (with `want_fingerprint`), taken from the index and the trailers just read.
-    Plain loops, not numpy: a shard holds a few inner chunks, and numpy's cost per call on
-    arrays that small was twice the loops' (a restore of a model's tree reads ~1400 shards).
+    With `into` (out's Target: the C extension is there and out's rows are contiguous), one C
+    call reads the index and every inner chunk wholly inside `box` straight into its rows, the
+    GIL released (a model's tree is ~1400 shards of a few inner chunks: per-chunk Python was
+    most of what the reading threads held the lock for). The inner chunks `box` only cuts, and
+    every chunk without `into`, go through this thread's buffer. Returns the shard's fingerprint
+    (with `want_fingerprint`), from the index and the trailers just read.
     """
     assert lay.inner is not None
     grid = [c // i for c, i in zip(lay.chunks, lay.inner)]
     if any(c % i for c, i in zip(lay.chunks, lay.inner)):
         raise Mismatch("inner chunks do not divide the shard")
     count = math.prod(grid)
-    index_bytes = count * 16 + 4
-    if ext.length < index_bytes:
+    if ext.length < count * 16 + 4:
         raise Mismatch("shard smaller than its index")
-    raw = bytearray(index_bytes)
-    _read_exact(fd, [memoryview(raw)], ext.offset + ext.length - index_bytes)
-    if not crc.matches(memoryview(raw)[:-4], raw[-4:]):
-        raise Mismatch("shard index crc32c")
-    table = np.frombuffer(raw, "<u8", count * 2).tolist()  # offset, nbytes, offset, ...
-    inner_bytes = math.prod(lay.inner) * lay.dtype.itemsize
-    step = inner_bytes + 4
-    data_end = ext.length - index_bytes
-    box_origin = [a for a, _ in box]
-    ranges = [range((a - o) // i, -(-(b - o) // i)) for (a, b), o, i in zip(box, origin, lay.inner)]
+    rel = [a - o for (a, _), o in zip(box, origin)]  # where box starts in the shard
+    meets = [
+        range(r // i, -(-(b - o) // i)) for r, (_, b), o, i in zip(rel, box, origin, lay.inner)
+    ]
+    whole: tuple[list[int], list[int]] | None = None  # the grid box the C reader took
+    listed: bytes | None = None
+    if into is not None:
+        lo = [-(-r // i) for r, i in zip(rel, lay.inner)]
+        hi = [max((b - o) // i, k) for (_, b), o, i, k in zip(box, origin, lay.inner, lo)]
+        ok, got, listed = into.read_shard(
+            fd, (ext.offset, ext.length), grid, lay.inner, lo, hi, [-r for r in rel],
+            want_fingerprint,
+        )  # fmt: skip
+        if not ok or got is None:
+            raise Mismatch("the shard's index, an inner chunk or a crc32c")
+        raw: bytes | bytearray = got
+        if all(h > k for k, h in zip(lo, hi)):
+            record("scatter")
+        whole = (lo, hi)
+    else:
+        raw = bytearray(count * 16 + 4)
+        _read_exact(fd, [memoryview(raw)], ext.offset + ext.length - len(raw))
+        if not crc.matches(memoryview(raw)[:-4], raw[-4:]):
+            raise Mismatch("shard index crc32c")
+    table: list[int] | None = None  # offset, nbytes, offset, ...: parsed when needed
+    trailers: dict[int, bytes] = {}  # flat index of an inner chunk read here -> its trailer
     todo: list[tuple[int, int, list[tuple[int, int]]]] = []  # (offset, flat index, inner box)
-    for idx in _product(ranges):
+    step = math.prod(lay.inner) * lay.dtype.itemsize + 4
+    data_end = ext.length - len(raw)
+    for idx in _product(meets):
+        if whole is not None and all(k <= j < h for j, k, h in zip(idx, *whole)):
+            continue  # read by the C reader
+        if table is None:
+            table = np.frombuffer(raw, "<u8", count * 2).tolist()
         flat = 0
         for k, g in zip(idx, grid):
             flat = flat * g + k
@@ -334,22 +356,35 @@ def _read_sharded(
         ibox = [(o + k * i, o + (k + 1) * i) for o, k, i in zip(origin, idx, lay.inner)]
         todo.append((off, flat, ibox))
     todo.sort(key=lambda t: t[0])
-    trailers: dict[int, bytes] = {}  # flat index of an inner chunk read -> its trailer
-    if into is not None:  # whole inner chunks: straight into their rows
-        inside: list[tuple[int, int, list[tuple[int, int]]]] = []
-        partial: list[tuple[int, int, list[tuple[int, int]]]] = []
-        for t in todo:
-            whole = all(b0 <= a and b <= b1 for (a, b), (b0, b1) in zip(t[2], box))
-            (inside if whole else partial).append(t)
-        if inside:
-            starts = [[a - o for (a, _), o in zip(t[2], box_origin)] for t in inside]
-            got = bytearray(4 * len(inside))
-            if not into.read(fd, [ext.offset + t[0] for t in inside], starts, lay.inner, got):
-                raise Mismatch("an inner chunk's read or crc32c")
-            record("scatter")
-            for k, t in enumerate(inside):
-                trailers[t[1]] = bytes(got[4 * k : 4 * k + 4])
-        todo = partial
+    _read_buffered(fd, ext, lay, box, out, todo, trailers)
+    if not want_fingerprint:
+        return None
+    assert lay.info is not None
+    if listed is not None:
+        return f"{zlib.crc32(listed, zlib.crc32(raw)):08x}"
+    if into is not None:  # a trailer outside the shard: the exact way says what it is
+        return fingerprint_range(fd, ext.offset, ext.length, lay.info)
+    if table is None:
+        table = np.frombuffer(raw, "<u8", count * 2).tolist()
+    return _shard_fingerprint(fd, ext, lay.info, bytes(raw), table, trailers)
+
+
+def _read_buffered(
+    fd: int,
+    ext: Extent,
+    lay: Layout,
+    box: Box,
+    out: np.ndarray,
+    todo: list[tuple[int, int, list[tuple[int, int]]]],
+    trailers: dict[int, bytes],
+) -> None:
+    """Inner chunks (offset in the shard, flat index, inner box; by offset) read through this
+    thread's buffer, runs of adjacent ones at once, each checked, then their part inside `box`
+    copied into `out`; each leaves its trailer in `trailers`."""
+    assert lay.inner is not None
+    inner_bytes = math.prod(lay.inner) * lay.dtype.itemsize
+    step = inner_bytes + 4
+    box_origin = [a for a, _ in box]
     per_run = max(_SCRATCH // step, 1)
     i = 0
     while i < len(todo):
@@ -368,10 +403,6 @@ def _read_sharded(
             src = chunk[:inner_bytes].view(lay.dtype).reshape(lay.inner)
             out[region_index(part, box_origin)] = src[region_index(part, [a for a, _ in ibox])]
         i = j
-    if not want_fingerprint:
-        return None
-    assert lay.info is not None
-    return _shard_fingerprint(fd, ext, lay.info, bytes(raw), table, trailers)
 
 
 def _shard_fingerprint(

@@ -4,7 +4,10 @@ A restore's target shard rarely holds a stored chunk as one run of bytes: its ro
 Reading such a chunk into a per-thread buffer, checking it and copying it into place passes over
 its bytes three times; `_scatter_read` (C, the GIL released) reads it with one `preadv` whose
 iovecs are the rows' places and takes the CRC32C over those rows with the CPU's CRC instruction:
-one pass, as a plain read makes. No library offers a CRC32C over scattered rows. Optional: where
+one pass, as a plain read makes. No library offers a CRC32C over scattered rows. For a
+`sharding_indexed` shard, `Target.read_shard` does the whole shard in one call: its index (checked),
+its inner chunks into place, and the trailers its fingerprint takes; the reading threads then hold
+the interpreter lock for a few microseconds a shard, not for a loop over its chunks. Optional: where
 the extension was not built, or the CPU has no CRC instruction, `usable` says no and
 format/direct.py reads through its buffer as before.
 """
@@ -67,15 +70,18 @@ class Target:
         root: the buffer's bytes (flat uint8, writable).
         base: byte offset in `root` of the array's first element.
         strides: the array's byte strides (int64; the last is the item size).
+        steps: the same strides as Python ints.
     """
 
     root: np.ndarray
     base: int
     strides: np.ndarray
+    steps: tuple[int, ...]
 
     def shifted(self, start: Sequence[int]) -> Target:
         """The target of the sub-array that starts at index `start` of this one."""
-        return Target(self.root, self.base + int(np.dot(start, self.strides)), self.strides)
+        base = self.base + sum(i * s for i, s in zip(start, self.steps))
+        return Target(self.root, base, self.strides, self.steps)
 
     def read(
         self,
@@ -100,6 +106,52 @@ class Target:
         )
         return bool(bad < 0)
 
+    def read_shard(
+        self,
+        fd: int,
+        extent: tuple[int, int],
+        grid: Sequence[int],
+        inner: Sequence[int],
+        lo: Sequence[int],
+        hi: Sequence[int],
+        origin: Sequence[int],
+        want_listed: bool,
+    ) -> tuple[bool, bytes | None, bytes | None]:
+        """One `sharding_indexed` shard, read and checked in C with the GIL released: its index,
+        then its inner chunks of grid indices [lo, hi) (each wholly inside this target) straight
+        into their rows.
+
+        Args:
+            fd: the open file.
+            extent: (offset, length) of the shard in it.
+            grid: inner chunks per axis; inner: the inner chunk shape.
+            lo, hi: the box of inner chunks to read, in grid indices.
+            origin: the index, relative to this target, of the shard's first element (negative
+                where the shard starts before it).
+            want_listed: also return the trailers a fingerprint takes (format/integrity.py).
+
+        Returns:
+            (ok, index, listed): ok is False when the shard is not as expected (an index or
+            chunk checksum, a missing or odd-sized chunk, a short read); index is the shard's
+            index as read; listed the fingerprint's trailers (None: not taken, or a trailer
+            lies outside the shard: take it the exact way).
+        """
+        base = self.base + sum(o * s for o, s in zip(origin, self.steps))
+        return _native.read_shard(
+            fd,
+            extent[0],
+            extent[1],
+            np.asarray(grid, np.int64),
+            np.asarray(inner, np.int64),
+            self.steps[-1],
+            np.asarray(lo, np.int64),
+            np.asarray(hi, np.int64),
+            self.root,
+            base,
+            self.strides,
+            want_listed,
+        )
+
 
 def target(out: np.ndarray, dtype: np.dtype) -> Target | None:
     """`out`'s Target when chunks of `dtype` can be read into it this way (`usable`), else None."""
@@ -115,7 +167,8 @@ def target(out: np.ndarray, dtype: np.dtype) -> Target | None:
     if root is None:
         return None
     base = out.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-    return Target(root.reshape(-1).view(np.uint8), base, np.asarray(out.strides, np.int64))
+    st = tuple(out.strides)
+    return Target(root.reshape(-1).view(np.uint8), base, np.asarray(st, np.int64), st)
 
 
 def usable(out: np.ndarray, dtype: np.dtype) -> bool:
