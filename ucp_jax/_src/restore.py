@@ -254,7 +254,8 @@ def _read_all(
     out: list[Any] = [None] * len(resolved)
     window: InflightWindow[tuple[int, list[Any]]] = InflightWindow(budget)
     placer = Placer(budget)  # accelerators: staged through pinned host memory (UCP_STAGING)
-    batcher = read_batches.Batcher()  # local shards: read in batches by the reading threads
+    # local shards: read in batches by the reading threads (None: everything through TensorStore)
+    batcher = read_batches.Batcher() if ckpt.direct_reads() else None
     later: list[tuple[int, dict[Any, np.ndarray]]] = []  # CPU leaves, placed after the reads
 
     def retire(j: int, issued: list[Any]) -> None:
@@ -290,7 +291,11 @@ def _in_place(sharding: Any, placer: Placer) -> bool:
 
 
 def _issue(
-    ckpt: Checkpoint, r: ResolvedLeaf, g: ReadGroup, stats: ReadStats, batcher: read_batches.Batcher
+    ckpt: Checkpoint,
+    r: ResolvedLeaf,
+    g: ReadGroup,
+    stats: ReadStats,
+    batcher: read_batches.Batcher | None,
 ) -> tuple[np.ndarray, list[tuple[Any, Any, Any]]]:
     """Start filling the region `g.box` of leaf `r.binding`: (host buffer, pending pieces).
 
@@ -321,7 +326,7 @@ def _issue(
             whole_trailing: tuple[Any, ...] = (*rel, ...)
             dst = p.leaf_to_atom(out[whole_trailing])
             if np.may_share_memory(dst, out):  # a view: no reshape copy was needed
-                if ckpt.direct_reads():
+                if batcher is not None:
                     fut = _read_direct(ckpt, name, slot, (shape, dtype), p.atom_box, dst, batcher)
                     pending.append((p, fut, None))
                     continue

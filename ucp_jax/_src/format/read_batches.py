@@ -114,6 +114,7 @@ class Batcher:
 
     def __init__(self) -> None:
         self._open = _Batch()
+        self._scatter = scatter_read.enabled()  # read once, not once per piece
 
     def submit(
         self,
@@ -140,7 +141,9 @@ class Batcher:
         """
         jobs = []
         # where whole inner chunks go in dst: worked out once for all its shards
-        place = scatter_read.target(dst, lay.dtype) if lay.inner is not None else None
+        place = None
+        if lay.inner is not None and self._scatter:
+            place = scatter_read.target(dst, lay.dtype, checked=True)
         piece = _Piece(locate, lay, dst, box, fallback, fingerprints, place)
         for index in shards_in(box, lay.chunks):
             sbox = [(i * c, (i + 1) * c) for i, c in zip(index, lay.chunks)]

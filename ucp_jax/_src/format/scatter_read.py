@@ -153,15 +153,23 @@ class Target:
         )
 
 
-def target(out: np.ndarray, dtype: np.dtype) -> Target | None:
-    """`out`'s Target when chunks of `dtype` can be read into it this way (`usable`), else None."""
-    if not (
-        out.ndim > 0
-        and out.dtype == dtype
-        and out.strides[-1] == dtype.itemsize
-        and config.scatter_read()
-        and built()
-    ):
+def enabled() -> bool:
+    """The extension is built and `UCP_SCATTER_READ` is not 0.
+
+    >>> enabled() == (built() and config.scatter_read())
+    True
+    """
+    return config.scatter_read() and built()
+
+
+def target(out: np.ndarray, dtype: np.dtype, *, checked: bool = False) -> Target | None:
+    """`out`'s Target when chunks of `dtype` can be read into it this way (`usable`), else None.
+
+    `checked`: the caller has seen `enabled()` say yes (once for many targets).
+    """
+    if not (out.ndim > 0 and out.dtype == dtype and out.strides[-1] == dtype.itemsize):
+        return None
+    if not (checked or enabled()):
         return None
     root = _root(out)
     if root is None:
