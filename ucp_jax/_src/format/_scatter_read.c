@@ -305,6 +305,12 @@ static int64_t read_run(int fd, const Shape *s, unsigned char *dst, const int64_
     return -1;
 }
 
+/* Release the buffers of `views` that were taken (a view not taken has no obj). */
+static void release_all(Py_buffer **views, int n) {
+    for (int i = 0; i < n; i++)
+        if (views[i]->obj) PyBuffer_Release(views[i]);
+}
+
 static int int64_view(PyObject *obj, Py_buffer *view, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
     if (view->itemsize != 8 || (view->format && strcmp(view->format, "q") && strcmp(view->format, "l") &&
@@ -384,12 +390,7 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
     result = Py_BuildValue("(Li)", (long long)bad, err);
 done:
     PyMem_RawFree(trailers);
-    if (trail.obj) PyBuffer_Release(&trail);
-    if (dst.obj) PyBuffer_Release(&dst);
-    if (foff.obj) PyBuffer_Release(&foff);
-    if (doff.obj) PyBuffer_Release(&doff);
-    if (counts.obj) PyBuffer_Release(&counts);
-    if (strides.obj) PyBuffer_Release(&strides);
+    release_all((Py_buffer *[]){&trail, &dst, &foff, &doff, &counts, &strides}, 6);
     return result;
 }
 
@@ -619,12 +620,7 @@ static PyObject *read_shard(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(index_o);
     Py_XDECREF(listed_o);
-    if (grid.obj) PyBuffer_Release(&grid);
-    if (inner.obj) PyBuffer_Release(&inner);
-    if (lo.obj) PyBuffer_Release(&lo);
-    if (hi.obj) PyBuffer_Release(&hi);
-    if (dst.obj) PyBuffer_Release(&dst);
-    if (strides.obj) PyBuffer_Release(&strides);
+    release_all((Py_buffer *[]){&grid, &inner, &lo, &hi, &dst, &strides}, 6);
     return result;
 }
 
@@ -676,8 +672,7 @@ static PyObject *read_at(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(ok);
 done:
-    if (offs.obj) PyBuffer_Release(&offs);
-    if (out.obj) PyBuffer_Release(&out);
+    release_all((Py_buffer *[]){&offs, &out}, 2);
     return result;
 }
 

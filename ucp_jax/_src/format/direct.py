@@ -195,6 +195,13 @@ def region_index(box: Box, origin: Sequence[int]) -> tuple[Any, ...]:
     return (*(slice(a - o, b - o) for (a, b), o in zip(box, origin)), Ellipsis)
 
 
+class _Ask:
+    """`read_shard`'s default `place`: work it out from `dst`."""
+
+
+_ASK = _Ask()
+
+
 def read_shard(
     ext: Extent,
     lay: Layout,
@@ -204,7 +211,7 @@ def read_shard(
     dst_origin: Box,
     fingerprints: Fingerprints | None = None,
     files: OpenFiles | None = None,
-    place: scatter_read.Target | None = None,
+    place: scatter_read.Target | _Ask | None = _ASK,
 ) -> None:
     """Read the part `box` (array coordinates, inside shard `index`) of one shard into `dst`.
 
@@ -212,7 +219,8 @@ def read_shard(
     `fingerprints` (and `lay.info`), the shard's fingerprint (format/integrity.py) is recorded
     there too, from the index and trailers just read (those of inner chunks outside `box` are
     read for it). With `files`, the file is opened through it (and left open for the next
-    shard); `place` is `scatter_read.target(dst, lay.dtype)` when the caller has it.
+    shard); `place` is `scatter_read.target(dst, lay.dtype)` when the caller has it (None: the
+    C reader is off or cannot write into `dst`).
 
     Raises:
         Mismatch: the shard is not as expected (size, index, a checksum): read it another way.
@@ -239,7 +247,7 @@ def read_shard(
             info = lay.info if want else None
             fp = None if info is None else fingerprint_of(tail, ext.length, info, lambda end: b"")
         else:
-            if place is None:
+            if isinstance(place, _Ask):
                 place = scatter_read.target(dst, lay.dtype)
             into = None if place is None else place.shifted(start)
             fp = _read_sharded(fd, ext, lay, origin, box, out, into, want)
