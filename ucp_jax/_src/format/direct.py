@@ -6,10 +6,13 @@ another buffer and copies that into the restore's: three passes over every byte 
 makes one, which kept warm restores at a third of the machine's read limit. For the arrays ucp
 writes itself (zarr3, raw little-endian bytes and a crc32c per chunk, inner chunks in a
 `sharding_indexed` shard; `checkpoint._check_metadata` has already proved the zarr.json is that),
-a restore from a local folder instead reads each shard's byte ranges with `preadv` (into the
-restore buffer itself where the chunk is a contiguous part of it, else into a small per-thread
-buffer that stays in cache), checks every chunk's crc32c with the CPU's CRC instructions
-(`crc32c`, released GIL), and copies it into place. Every check TensorStore makes is made here
+a restore from a local folder instead reads each shard directly: with the C extension
+(format/scatter_read.py), one call per shard reads its index and every inner chunk that lies
+wholly inside the target straight into its rows, each checked with the CPU's CRC instructions,
+the GIL released; other chunks (cut by the target, or without the extension) are read with
+`preadv` into a small per-thread buffer that stays in cache, checked (`crc32c`, released GIL)
+and copied into place. The shard reads are handed to the reading threads in batches by
+format/read_batches.py. Every check TensorStore makes is made here
 too; anything this reader does not expect (an inline value, a missing inner chunk, a size or a
 checksum that disagrees) sends that piece back through TensorStore, so a damaged checkpoint
 raises the same errors as before and no value is ever taken from bytes that failed a check.
