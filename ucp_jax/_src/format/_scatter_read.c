@@ -305,6 +305,32 @@ static int64_t read_run(int fd, const Shape *s, unsigned char *dst, const int64_
     return -1;
 }
 
+/* Read and check the chunks [0, n) (file offsets fo, ascending where adjacent), in runs of chunks
+ * adjacent in the file of at most RUN_BYTES. Returns -1, or the first failed chunk. */
+static int64_t read_runs(int fd, const Shape *s, unsigned char *dst, const int64_t *fo, const int64_t *dd,
+                         int64_t n, uint32_t *trailers, int *err) {
+    int64_t chunk_len = s->rows * s->row_bytes + 4, k0 = 0, bad = -1;
+    while (k0 < n && bad < 0) {
+        int64_t k1 = k0 + 1;
+        while (k1 < n && fo[k1] == fo[k1 - 1] + chunk_len && (k1 - k0 + 1) * chunk_len <= RUN_BYTES) k1++;
+        bad = read_run(fd, s, dst, fo, dd, k0, k1, trailers + k0, err);
+        k0 = k1;
+    }
+    return bad;
+}
+
+/* A chunk's bytes in dst lie in [d + *lo, d + *hi), d the offset of its first element (strides
+ * may be negative). */
+static void chunk_span(const Shape *s, int64_t *lo, int64_t *hi) {
+    *lo = 0;
+    *hi = s->row_bytes;
+    for (int a = 0; a < s->nlead; a++) {
+        int64_t ext = (s->counts[a] - 1) * s->strides[a];
+        if (ext >= 0) *hi += ext;
+        else *lo += ext;
+    }
+}
+
 /* Release the buffers of `views` that were taken (a view not taken has no obj). */
 static void release_all(Py_buffer **views, int n) {
     for (int i = 0; i < n; i++)
@@ -342,19 +368,18 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
         goto done;
     }
     Shape s = {1, (int)nlead, (const int64_t *)counts.buf, (const int64_t *)strides.buf, row_bytes};
-    /* Every row of every chunk must lie inside dst: the span of a chunk, from its lowest to its
-     * highest byte, is checked once per chunk (strides may be negative). */
-    int64_t lo = 0, hi = row_bytes;
     for (int a = 0; a < nlead; a++) {
-        int64_t n = s.counts[a], st = s.strides[a];
+        int64_t n = s.counts[a];
         if (n <= 0 || n > (INT64_MAX / 2) / (s.rows > 0 ? s.rows : 1)) {
             PyErr_SetString(PyExc_ValueError, "read_chunks: bad counts");
             goto done;
         }
         s.rows *= n;
-        if (st >= 0) hi += (n - 1) * st;
-        else lo += (n - 1) * st;
     }
+    /* Every row of every chunk must lie inside dst: the span of a chunk, from its lowest to its
+     * highest byte, is checked once per chunk. */
+    int64_t lo, hi;
+    chunk_span(&s, &lo, &hi);
     const int64_t *fo = (const int64_t *)foff.buf, *d = (const int64_t *)doff.buf;
     for (int64_t k = 0; k < nchunks; k++) {
         if (d[k] + lo < 0 || d[k] + hi > (int64_t)dst.len || fo[k] < 0) {
@@ -374,17 +399,10 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    int64_t chunk_len = s.rows * row_bytes + 4, bad = -1;
+    int64_t bad;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    int64_t k0 = 0;
-    while (k0 < nchunks && bad < 0) {
-        int64_t k1 = k0 + 1;
-        while (k1 < nchunks && fo[k1] == fo[k1 - 1] + chunk_len && (k1 - k0 + 1) * chunk_len <= RUN_BYTES)
-            k1++;
-        bad = read_run(fd, &s, (unsigned char *)dst.buf, fo, d, k0, k1, trailers + k0, &err);
-        k0 = k1;
-    }
+    bad = read_runs(fd, &s, (unsigned char *)dst.buf, fo, d, nchunks, trailers, &err);
     if (trail.obj && nchunks) memcpy(trail.buf, trailers, (size_t)nchunks * 4);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(Li)", (long long)bad, err);
@@ -447,13 +465,10 @@ static int shard_work(int fd, int64_t shard_off, int64_t shard_len, int nd, cons
         /* the chunks of the grid box [lo, hi), row-major; each must be listed whole */
         int64_t idx[MAX_AXES];
         for (int a = 0; a < nd; a++) idx[a] = lo[a];
-        /* a chunk's bytes in dst lie in [d + span_lo, d + span_hi), d its first element's */
-        int64_t span_lo = 0, span_hi = inner[nd - 1] * itemsize;
-        for (int a = 0; a + 1 < nd; a++) {
-            int64_t ext = (inner[a] - 1) * strides[a];
-            if (ext >= 0) span_hi += ext;
-            else span_lo += ext;
-        }
+        Shape sh = {1, nd - 1, inner, strides, inner[nd - 1] * itemsize};
+        for (int a = 0; a + 1 < nd; a++) sh.rows *= inner[a];
+        int64_t span_lo, span_hi;
+        chunk_span(&sh, &span_lo, &span_hi);
         for (int64_t k = 0; k < n; k++) {
             int64_t flat = 0, d = base;
             for (int a = 0; a < nd; a++) {
@@ -489,16 +504,8 @@ static int shard_work(int fd, int64_t shard_off, int64_t shard_len, int nd, cons
             fo[k] = plan[k].foff;
             dd[k] = plan[k].doff;
         }
-        Shape sh = {1, nd - 1, inner, strides, inner[nd - 1] * itemsize};
-        for (int a = 0; a + 1 < nd; a++) sh.rows *= inner[a];
-        int64_t k0 = 0, bad = -1;
         int err = 0;
-        while (k0 < n && bad < 0) {
-            int64_t k1 = k0 + 1;
-            while (k1 < n && fo[k1] == fo[k1 - 1] + step && (k1 - k0 + 1) * step <= RUN_BYTES) k1++;
-            bad = read_run(fd, &sh, dst, fo, dd, k0, k1, trailers + k0, &err);
-            k0 = k1;
-        }
+        int64_t bad = read_runs(fd, &sh, dst, fo, dd, n, trailers, &err);
         free(fo);
         free(dd);
         if (bad >= 0) {
