@@ -35,7 +35,7 @@ import numpy as np
 
 from ..util import config
 from . import crc, scatter_read
-from .integrity import fingerprint_of, fingerprint_range, tail_size
+from .integrity import fingerprint_of, fingerprint_range, tail_size, trailer_ends
 from .manifest import SlotInfo
 from .ocdbt_index import Extent, OcdbtIndex
 
@@ -284,9 +284,10 @@ def _read_chunk(
         if not crc.matches(out.reshape(-1).view(np.uint8), trailer):
             raise Mismatch("crc32c")
         return bytes(trailer)
-    if whole and scatter_read.usable(out, dtype):
+    into = scatter_read.target(out, dtype) if whole else None
+    if into is not None:
         trailer = bytearray(4)
-        if not scatter_read.read_whole(fd, [offset], [[0] * len(shape)], shape, out, trailer):
+        if not into.read(fd, [offset], [[0] * len(shape)], shape, trailer):
             raise Mismatch("a chunk's read or crc32c")
         record("scatter")
         return bytes(trailer)
@@ -349,8 +350,8 @@ def _read_sharded(
         if not crc.matches(memoryview(raw)[:-4], raw[-4:]):
             raise Mismatch("shard index crc32c")
     table: list[int] | None = None  # offset, nbytes, offset, ...: parsed when needed
-    trailers: dict[int, bytes] = {}  # flat index of an inner chunk read here -> its trailer
-    todo: list[tuple[int, int, list[tuple[int, int]]]] = []  # (offset, flat index, inner box)
+    trailers: dict[int, bytes] = {}  # end offset of an inner chunk read here -> its trailer
+    todo: list[tuple[int, list[tuple[int, int]]]] = []  # (offset in the shard, inner box)
     step = math.prod(lay.inner) * lay.dtype.itemsize + 4
     data_end = ext.length - len(raw)
     for idx in _product(meets):
@@ -365,7 +366,7 @@ def _read_sharded(
         if off == _NO_CHUNK or nbytes != step or off + nbytes > data_end:
             raise Mismatch("inner chunk missing or of another size")
         ibox = [(o + k * i, o + (k + 1) * i) for o, k, i in zip(origin, idx, lay.inner)]
-        todo.append((off, flat, ibox))
+        todo.append((off, ibox))
     todo.sort(key=lambda t: t[0])
     _read_buffered(fd, ext, lay, box, out, todo, trailers)
     if not want_fingerprint:
@@ -375,9 +376,7 @@ def _read_sharded(
         return f"{zlib.crc32(listed, zlib.crc32(raw)):08x}"
     if into is not None:  # a trailer outside the shard: the exact way says what it is
         return fingerprint_range(fd, ext.offset, ext.length, lay.info)
-    if table is None:
-        table = np.frombuffer(raw, "<u8", count * 2).tolist()
-    return _shard_fingerprint(fd, ext, lay.info, bytes(raw), table, trailers)
+    return _shard_fingerprint(fd, ext, lay.info, bytes(raw), trailers)
 
 
 def _read_buffered(
@@ -386,12 +385,12 @@ def _read_buffered(
     lay: Layout,
     box: Box,
     out: np.ndarray,
-    todo: list[tuple[int, int, list[tuple[int, int]]]],
+    todo: list[tuple[int, list[tuple[int, int]]]],
     trailers: dict[int, bytes],
 ) -> None:
-    """Inner chunks (offset in the shard, flat index, inner box; by offset) read through this
-    thread's buffer, runs of adjacent ones at once, each checked, then their part inside `box`
-    copied into `out`; each leaves its trailer in `trailers`."""
+    """Inner chunks (offset in the shard, inner box; by offset) read through this thread's
+    buffer, runs of adjacent ones at once, each checked, then their part inside `box` copied
+    into `out`; each leaves its trailer in `trailers`, keyed by the chunk's end offset."""
     assert lay.inner is not None
     inner_bytes = math.prod(lay.inner) * lay.dtype.itemsize
     step = inner_bytes + 4
@@ -408,8 +407,8 @@ def _read_buffered(
             chunk = buf[(k - i) * step : (k - i + 1) * step]
             if not crc.matches(chunk[:inner_bytes], chunk[inner_bytes:]):
                 raise Mismatch("crc32c")
-            _, flat, ibox = todo[k]
-            trailers[flat] = chunk[inner_bytes:].tobytes()
+            off, ibox = todo[k]
+            trailers[off + step] = chunk[inner_bytes:].tobytes()
             part = meet(ibox, box)
             src = chunk[:inner_bytes].view(lay.dtype).reshape(lay.inner)
             out[region_index(part, box_origin)] = src[region_index(part, [a for a, _ in ibox])]
@@ -417,30 +416,17 @@ def _read_buffered(
 
 
 def _shard_fingerprint(
-    fd: int, ext: Extent, info: SlotInfo, tail: bytes, table: list[int], trailers: dict[int, bytes]
+    fd: int, ext: Extent, info: SlotInfo, tail: bytes, trailers: dict[int, bytes]
 ) -> str:
-    """`integrity.fingerprint_range`'s value for a shard whose index (`tail`; as a flat list of
-    (offset, nbytes): `table`) and some inner chunks' `trailers` (by flat index) were just
-    read: the other inner chunks' trailers are read here, in one call."""
-    if len(tail) != tail_size(info) or len(table) != (len(tail) - 4) // 8:
+    """`integrity.fingerprint_range`'s value for a shard whose index (`tail`) and some inner
+    chunks' `trailers` (by end offset) were just read: the other trailers are read here, in one
+    call, and `integrity.fingerprint_of` takes them all."""
+    if len(tail) != tail_size(info):
         return fingerprint_range(fd, ext.offset, ext.length, info)
-    parts: list[bytes] = []
-    missing: list[tuple[int, int]] = []  # (place in parts, end offset of the chunk)
-    for k in range(len(table) // 2):
-        off, nbytes = table[2 * k], table[2 * k + 1]
-        if off == _NO_CHUNK or nbytes < 4 or off > 2**62:
-            continue  # not listed: integrity._trailer_ends leaves it out
-        t = trailers.get(k)
-        if t is None:
-            if off + nbytes > ext.length:  # its trailer is past the shard: the exact, slow way
-                return fingerprint_range(fd, ext.offset, ext.length, info)
-            missing.append((len(parts), off + nbytes))
-            t = b""
-        parts.append(t)
+    missing = [e for e in trailer_ends(tail, info) if e not in trailers and e <= ext.length]
     if missing:
-        got = scatter_read.read_at(fd, [ext.offset + end - 4 for _, end in missing], 4)
+        got = scatter_read.read_at(fd, [ext.offset + e - 4 for e in missing], 4)
         if got is None:
             return fingerprint_range(fd, ext.offset, ext.length, info)
-        for n, (at, _) in enumerate(missing):
-            parts[at] = got[4 * n : 4 * n + 4]
-    return f"{zlib.crc32(b''.join(parts), zlib.crc32(tail)):08x}"
+        trailers = trailers | {e: got[4 * n : 4 * n + 4] for n, e in enumerate(missing)}
+    return fingerprint_of(tail, ext.length, info, trailers.__getitem__)

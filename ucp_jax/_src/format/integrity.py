@@ -91,10 +91,11 @@ def tail_size(info: SlotInfo) -> int:
     return 16 * inner_per_shard(info) + 4 if info.inner_chunks is not None else 4
 
 
-def _trailer_ends(tail: bytes, info: SlotInfo) -> list[int]:
+def trailer_ends(tail: bytes, info: SlotInfo) -> list[int]:
     """End offsets of the inner chunks a shard's index (in `tail`) lists, in index order."""
-    index = np.frombuffer(tail[:-4], "<u8").reshape(inner_per_shard(info), 2)
-    return [int(off) + int(nb) for off, nb in index if off != _MISSING and nb >= 4 and off <= 2**62]
+    index = np.frombuffer(tail[:-4], "<u8").reshape(inner_per_shard(info), 2).tolist()
+    missing = int(_MISSING)
+    return [off + nb for off, nb in index if off != missing and nb >= 4 and off <= 2**62]
 
 
 def local_fingerprint(path: str, info: SlotInfo) -> tuple[str, int, int, int] | None:
@@ -137,7 +138,7 @@ def fingerprint_of(
     """
     crc = zlib.crc32(tail)
     if info.inner_chunks is not None and len(tail) == tail_size(info):
-        for end in _trailer_ends(tail, info):
+        for end in trailer_ends(tail, info):
             crc = zlib.crc32(trailer_at(end) if end <= size else b"?", crc)
     return f"{crc:08x}"
 
@@ -221,7 +222,7 @@ def fingerprints_many(
                     continue
                 reads[k] = [
                     kv.read(k, byte_range=slice(end - 4, end), batch=batch)
-                    for end in _trailer_ends(t, info)
+                    for end in trailer_ends(t, info)
                 ]
     out = {}
     for k, t in tails.items():
