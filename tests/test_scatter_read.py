@@ -71,10 +71,9 @@ def test_chunks_land_where_numpy_puts_them(
     fd = os.open(path, os.O_RDONLY)
     trailers = bytearray(4 * len(order))
     try:
-        assert scatter_read.usable(out, np.dtype(dtype))
-        assert scatter_read.read_whole(
-            fd, offsets, [starts[k] for k in order], chunk, out, trailers
-        )
+        into = scatter_read.target(out, np.dtype(dtype))
+        assert into is not None
+        assert into.read(fd, offsets, [starts[k] for k in order], chunk, trailers)
     finally:
         os.close(fd)
     np.testing.assert_array_equal(out, want)
@@ -90,7 +89,7 @@ def test_chunks_land_where_numpy_puts_them(
 
 @pytest.mark.parametrize("damage", ["data", "trailer", "short"])
 def test_damaged_or_short_files_are_refused(tmp_path: Path, damage: str) -> None:
-    """A flipped data byte, a flipped checksum byte, a file that ends early: read_whole says no
+    """A flipped data byte, a flipped checksum byte, a file that ends early: the read says no
     (the caller then reads through TensorStore, which raises the checksum error)."""
     want = np.arange(32 * 48, dtype=np.float32).reshape(32, 48)
     starts = _grid(want.shape, (8, 16))
@@ -108,7 +107,9 @@ def test_damaged_or_short_files_are_refused(tmp_path: Path, damage: str) -> None
     out = np.zeros_like(want)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert not scatter_read.read_whole(fd, offsets, starts, (8, 16), out)
+        into = scatter_read.target(out, out.dtype)
+        assert into is not None
+        assert not into.read(fd, offsets, starts, (8, 16))
     finally:
         os.close(fd)
 
@@ -148,13 +149,13 @@ def test_crc32c_equals_the_crc32c_package(n: int) -> None:
 def test_not_usable_where_rows_are_not_contiguous() -> None:
     """A transposed target (last axis strided), another dtype, or the switch off: not usable."""
     a = np.zeros((8, 8), np.float32)
-    assert scatter_read.usable(a, np.dtype(np.float32))
-    assert not scatter_read.usable(a.T, np.dtype(np.float32))
-    assert not scatter_read.usable(a, np.dtype(np.int32))
-    assert not scatter_read.usable(np.zeros((), np.float32), np.dtype(np.float32))
+    assert scatter_read.target(a, np.dtype(np.float32)) is not None
+    assert scatter_read.target(a.T, np.dtype(np.float32)) is None
+    assert scatter_read.target(a, np.dtype(np.int32)) is None
+    assert scatter_read.target(np.zeros((), np.float32), np.dtype(np.float32)) is None
     os.environ["UCP_SCATTER_READ"] = "0"
     try:
-        assert not scatter_read.usable(a, np.dtype(np.float32))
+        assert scatter_read.target(a, np.dtype(np.float32)) is None
     finally:
         del os.environ["UCP_SCATTER_READ"]
 
@@ -179,8 +180,9 @@ def test_random_geometries(tmp_path: Path, seed: int) -> None:
     path, offsets = _file(tmp_path, [want[b] for b in boxes], gap=int(rng.integers(0, 2)) * 5)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert scatter_read.usable(out, dtype)
-        assert scatter_read.read_whole(fd, offsets, [starts[k] for k in keep], chunk, out)
+        into = scatter_read.target(out, dtype)
+        assert into is not None
+        assert into.read(fd, offsets, [starts[k] for k in keep], chunk)
     finally:
         os.close(fd)
     expect = np.zeros_like(base)

@@ -8,7 +8,7 @@ one pass, as a plain read makes. No library offers a CRC32C over scattered rows.
 `sharding_indexed` shard, `Target.read_shard` does the whole shard in one call: its index (checked),
 its inner chunks into place, and the trailers its fingerprint takes; the reading threads then hold
 the interpreter lock for a few microseconds a shard, not for a loop over its chunks. Optional: where
-the extension was not built, or the CPU has no CRC instruction, `usable` says no and
+the extension was not built, or the CPU has no CRC instruction, `target` says no and
 format/direct.py reads through its buffer as before.
 """
 
@@ -91,8 +91,25 @@ class Target:
         chunk: Sequence[int],
         trailers: bytearray | None = None,
     ) -> bool:
-        """`read_whole` into this target (`starts`: an index per chunk, relative to it)."""
+        """Read whole chunks of shape `chunk` (raw C-order bytes, then a 4-byte crc32c) into
+        this target.
+
+        Args:
+            fd: the open file.
+            file_offsets: where each chunk's bytes start.
+            starts: where each chunk goes (an index per axis, relative to this target; the
+                chunk fits there).
+            chunk: the chunk shape.
+            trailers: 4 bytes per chunk; when given and every chunk matched, each chunk's
+                trailer as read (in the order of `file_offsets`).
+
+        Returns:
+            True when every chunk was read whole and matched its crc32c; False otherwise (a
+            read error, an early end of file, a checksum that disagrees): what is in the target
+            is then not to be used, and the caller reads those chunks another way.
+        """
         ndim = len(self.strides)
+        assert len(chunk) == ndim
         dst_offsets = self.base + np.asarray(starts, np.int64).reshape(-1, ndim) @ self.strides
         bad, _err = _native.read_chunks(
             fd,
@@ -163,9 +180,9 @@ def enabled() -> bool:
 
 
 def target(out: np.ndarray, dtype: np.dtype, *, checked: bool = False) -> Target | None:
-    """`out`'s Target when chunks of `dtype` can be read into it this way (`usable`), else None.
-
-    `checked`: the caller has seen `enabled()` say yes (once for many targets).
+    """`out`'s Target when chunks of `dtype` can be read into it this way, else None: its last
+    axis is contiguous, its memory is a plain writable array's, and `enabled()` (or `checked`:
+    the caller has seen `enabled()` say yes, once for many targets).
     """
     if not (out.ndim > 0 and out.dtype == dtype and out.strides[-1] == dtype.itemsize):
         return None
@@ -177,41 +194,6 @@ def target(out: np.ndarray, dtype: np.dtype, *, checked: bool = False) -> Target
     base = out.__array_interface__["data"][0] - root.__array_interface__["data"][0]
     st = tuple(out.strides)
     return Target(root.reshape(-1).view(np.uint8), base, np.asarray(st, np.int64), st)
-
-
-def usable(out: np.ndarray, dtype: np.dtype) -> bool:
-    """Chunks of `dtype` can be read into `out` this way: its last axis is contiguous, its
-    memory is a plain writable array's, and `UCP_SCATTER_READ` is not 0."""
-    return target(out, dtype) is not None
-
-
-def read_whole(
-    fd: int,
-    file_offsets: Sequence[int],
-    starts: Sequence[Sequence[int]],
-    chunk: Sequence[int],
-    out: np.ndarray,
-    trailers: bytearray | None = None,
-) -> bool:
-    """Read whole chunks of shape `chunk` (raw C-order bytes, then a 4-byte crc32c) into `out`.
-
-    Args:
-        fd: the open file.
-        file_offsets: where each chunk's bytes start.
-        starts: where each chunk goes in `out` (an index per axis; the chunk fits there).
-        chunk: the chunk shape.
-        out: where they go; `usable(out, ...)` said yes.
-        trailers: 4 bytes per chunk; when given and every chunk matched, each chunk's trailer as
-            read (in the order of `file_offsets`).
-
-    Returns:
-        True when every chunk was read whole and matched its crc32c; False otherwise (a read
-        error, an early end of file, a checksum that disagrees): what is in `out` is then not to
-        be used, and the caller reads those chunks another way.
-    """
-    t = target(out, out.dtype)
-    assert t is not None and out.ndim == len(chunk)
-    return t.read(fd, file_offsets, starts, chunk, trailers)
 
 
 def read_at(fd: int, offsets: Any, length: int) -> bytes | None:
