@@ -67,9 +67,12 @@ class Placer:
         self._held = 0
         self.staged_bytes = 0
 
-    def staging(self, sharding: Any) -> str | None:
-        """The memory kind a placement onto `sharding` is staged through, or None (direct)."""
-        return staging_memory(sharding, self.mode)
+    def in_place(self, sharding: Any) -> bool:
+        """Placing onto `sharding` takes the host buffers as the device buffers (CPU devices, no
+        staging): it moves no data, so it may wait until the host buffers are all filled."""
+        return staging_memory(sharding, self.mode) is None and all(
+            d.platform == "cpu" for d in sharding.addressable_devices
+        )
 
     def place(
         self, shape: tuple[int, ...], sharding: Any, host_of: Callable[[Any], np.ndarray]

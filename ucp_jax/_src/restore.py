@@ -263,7 +263,7 @@ def _read_all(
         got = _complete(ckpt, r, issued)
         if not isinstance(got, dict):
             out[j] = got
-        elif _in_place(r.binding.sharding, placer):
+        elif placer.in_place(r.binding.sharding):
             later.append((j, got))
         else:
             out[j] = _place(r, got, placer)
@@ -280,14 +280,6 @@ def _read_all(
     placer.finish()
     stats.bytes_staged = placer.staged_bytes
     return out
-
-
-def _in_place(sharding: Any, placer: Placer) -> bool:
-    """Placing onto `sharding` takes the host buffers as the device buffers (CPU devices, no
-    staging): it moves no data, and may wait until every read is done."""
-    return placer.staging(sharding) is None and all(
-        d.platform == "cpu" for d in sharding.addressable_devices
-    )
 
 
 def _issue(
