@@ -171,8 +171,9 @@ def _one(job: _Job, files: OpenFiles) -> None:
     ext = p.locate(job.index)
     if ext is not None:
         try:
-            direct.read_shard(ext, p.lay, job.index, job.part, p.dst, p.box, p.fingerprints, files,
-                       p.place)  # fmt: skip
+            direct.read_shard(
+                ext, p.lay, job.index, job.part, p.dst, p.box, p.fingerprints, files, p.place
+            )
             direct.record("direct")
             return
         except Mismatch:
