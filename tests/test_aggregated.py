@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_tree_bitexact
-from helpers import mesh_of, ocdbt_values, place, targets
+from helpers import mesh_of, need_devices, ocdbt_values, place, targets
 
 import ucp_jax as ucp
 from ucp_jax._src import save as save_mod
@@ -111,6 +111,7 @@ def test_flipped_byte_in_data_file_is_named(saved, capsys):
 
 def test_swapped_chunks_in_data_file_are_refused(saved):
     """Two equal-size chunks swapped inside the data file pass crc32c, not the fingerprints."""
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     path, ref = saved
     values = ocdbt_values(path)
     # Two of l002's chunks in one data file (TensorStore may spread a transaction's values over
@@ -156,6 +157,7 @@ def test_failed_save_leaves_nothing_and_next_save_succeeds(tmp_path, monkeypatch
 
 
 def test_async_save_uses_the_aggregated_layout(tmp_path):
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     ref = _tree(5)
     h = ucp.async_save(tmp_path / "a", place(ref, mesh_of((4, 2))), step=5)
     h.wait()

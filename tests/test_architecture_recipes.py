@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 import pytest
+from helpers import need_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -56,6 +57,7 @@ def prefixed_registered():
 
 
 def test_recipe_pattern(tmp_path, prefixed_registered):
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     mesh = jax.make_mesh((4, 2), ("data", "tensor"))
     atom = np.arange(6 * 4, dtype=np.float32).reshape(6, 4) + 1
     leaf = np.concatenate([np.zeros((2, 4), np.float32), atom])  # 8 rows: 2 padding + 6 data
@@ -105,6 +107,7 @@ def import_npz(src: str, dst: str, *, vocab: dict[str, int] | None = None) -> st
 
 
 def test_recipe_importer(tmp_path):
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     rng = np.random.default_rng(0)
     emb = rng.standard_normal((12, 4)).astype(np.float32)  # 10 real rows, padded to 12
     w = rng.standard_normal((4, 6)).astype(np.float32)

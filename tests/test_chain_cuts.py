@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_of
+from helpers import mesh_of, need_devices
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -137,6 +137,7 @@ class _Counter:
 def test_plan_writes_equals_per_device_plan(mesh_name, split, monkeypatch):
     """Every pattern and combination, every spec that fits: same tasks, same boundaries, and no
     atom piece of any region computed (the slow path's per-region mapping is never called)."""
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     if split:  # replicated shards split among their replicas, as big arrays are
         monkeypatch.setattr(binding, "SPLIT_MIN_BYTES", 64)
         monkeypatch.setattr(grid, "SPLIT_MIN_BYTES", 64)
@@ -241,6 +242,7 @@ def test_host_values_plan_on_the_per_device_path():
 def test_empty_shards_are_one_region():
     """A 0-row leaf split over 8 devices: every device holds the same empty box, written once (the
     grid planner gave each device its own cell, 8 writers of one box, before)."""
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     x = jax.device_put(np.zeros((0, 16), np.float32), NamedSharding(mesh_of((8,)), P("a")))
     (b,), _ = binding.bind_state({"x": x}, None, CompiledRules(()))
     assert grid.grid_plan(grid.mesh_info(x.sharding.mesh, 0), ("a",), (0, 16)) is None

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import need_devices
 
 from ucp_jax import demo
 from ucp_jax.demo import GPTConfig, Layout
@@ -66,7 +67,8 @@ def _train(
 
 
 def test_eight_devices() -> None:
-    assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    need_devices(8)  # the layouts of this file: fewer devices (one GPU) skip them
+    assert jax.device_count() >= 8
 
 
 @pytest.mark.parametrize("layout", ROUNDTRIP_LAYOUTS, ids=lambda lay: lay.name)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 from conftest import assert_tree_bitexact
-from helpers import mesh_of, targets
+from helpers import fit_shape, mesh_of, targets
 
 import ucp_jax as ucp
 from ucp_jax._src.format import direct, ocdbt_index, scatter_read
@@ -121,7 +121,9 @@ def test_fingerprints_from_the_read_equal_a_fresh_read(
     assert_tree_bitexact(jax.tree.map(np.asarray, mine), state)
     assert n["fallback"] == 0 and seen, (n, seen)
     assert all(equal for equal, _ in seen), seen
-    # where the targets cut stored shards, the trailers outside a part were read for it
+    # where the targets cut stored shards, the trailers outside a part were read for it (with
+    # fewer devices, as on one GPU, both meshes shrink to one device and nothing is cut)
+    cuts = cuts and fit_shape(saved) == tuple(saved) and fit_shape(restored) == tuple(restored)
     assert any(part for _, part in seen) == cuts, seen
 
 

@@ -13,15 +13,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import boto3
 import numpy as np
 import pytest
-from conftest import assert_tree_bitexact
-from faultproxy import FaultProxy
-from helpers import mesh_of, place, targets
-from test_object_stores import BUCKET, s3  # noqa: F401 - the moto server fixture
 
-import ucp_jax as ucp
+boto3 = pytest.importorskip("boto3", reason="moto[server] is not installed")
+from conftest import assert_tree_bitexact  # noqa: E402
+from faultproxy import FaultProxy  # noqa: E402
+from helpers import mesh_of, place, targets  # noqa: E402
+from test_object_stores import BUCKET, s3  # noqa: E402, F401 - the moto server fixture
+
+import ucp_jax as ucp  # noqa: E402
 
 
 def _tree(k: float) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import assert_tree_bitexact
-from helpers import mesh_of, targets
+from helpers import mesh_of, need_devices, targets
 from hostile_helpers import hostile_state
 from hostile_helpers import pristine as pristine  # the fixture
 
@@ -155,6 +155,7 @@ def test_huge_shape_in_manifest_and_zarr_json(ckpt: Path) -> None:
 
 def test_big_shape_backed_by_small_files_v1(ckpt: Path) -> None:
     """A version-1 checkpoint (no checksums) whose shape grew: the file sizes give it away."""
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
 
     def edit(m: dict) -> None:
         m["format_version"] = 1
@@ -266,6 +267,7 @@ def test_edited_zarr_json(ckpt: Path) -> None:
 
 
 def test_swapped_chunk_files_within_an_array(ckpt: Path) -> None:
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     f0, f1 = _chunks(ckpt, "a")[:2]
     tmp = f0.read_bytes()
     f0.write_bytes(f1.read_bytes())
@@ -275,6 +277,7 @@ def test_swapped_chunk_files_within_an_array(ckpt: Path) -> None:
 
 @pytest.mark.parametrize("atoms", [("a", "b"), ("big", "big")])
 def test_swapped_chunk_files_across_arrays(ckpt: Path, atoms: tuple[str, str]) -> None:
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     if atoms[0] == atoms[1]:  # sharded files (inner chunks + index) of one array
         f0, f1 = _chunks(ckpt, "big")[:2]
     else:

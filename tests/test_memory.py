@@ -374,6 +374,10 @@ def test_cpu_devices_copy_straight_from_their_buffers(tmp_path, shm_dir, copy_pa
     donating steps that follow never change a snapshot (checked bit for bit, step by step)."""
     from ucp_jax._src.memory import copies
 
+    if copy_path == "cpu-buffers" and jax.default_backend() != "cpu":
+        pytest.skip(
+            f"copies straight from device buffers only on CPU devices, not {jax.default_backend()}"
+        )
     calls = []
     device_copies = copies._copies
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mp.runner import worker_env
 
 from ucp_jax._src.memory.shm import huge_pages, tmpfs_huge
 from ucp_jax._src.memory.stitch import PAGE, can_stitch, stitch
@@ -89,7 +90,7 @@ def _in_tmpfs(tmp_path: Path, mode: str) -> dict:
     worker = Path(__file__).parent / "mp" / "tmpfs_worker.py"
     proc = subprocess.run(
         [*cmd, sys.executable, str(worker), mode, str(tmp_path / "mnt"), str(report)],
-        capture_output=True, text=True, timeout=300,
+        env=worker_env(8), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(report.read_text())

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import need_devices
 
 import ucp_jax as ucp
 from ucp_jax.demo.experiment import Run, state_differences
@@ -89,6 +90,7 @@ def test_other_number_of_experts_is_an_error(
 
 
 def test_expert_axis_for_a_dense_model_is_refused() -> None:
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     with pytest.raises(ValueError, match="no experts"):
         abstract_params(LlamaConfig(), MoELayout(expert=2), make_mesh(MoELayout(expert=2)))
     with pytest.raises(ValueError, match="does not divide n_experts"):

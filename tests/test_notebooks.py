@@ -8,9 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-import nbclient
-import nbformat
 import pytest
+
+nbclient = pytest.importorskip("nbclient")
+nbformat = pytest.importorskip("nbformat")
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -19,7 +19,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from conftest import assert_tree_bitexact
-from helpers import float_params, mesh_of, place, targets, trained_state
+from helpers import float_params, mesh_of, need_devices, place, targets, trained_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mp import state
@@ -211,6 +211,7 @@ def _ref_fuse(subs, n, axis):
 
 
 def test_restore_with_rules_when_tp_changes(tmp_path):
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     sizes = (16, 8, 8)
     rng = np.random.default_rng(5)
     subs = [rng.standard_normal((12, s)).astype(np.float32) for s in sizes]

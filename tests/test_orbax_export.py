@@ -9,7 +9,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from conftest import assert_tree_bitexact
-from helpers import mesh_of, place, targets
+from helpers import mesh_of, need_devices, place, targets
 from mp import state
 
 import ucp_jax as ucp
@@ -36,6 +36,7 @@ def _restore(path, tree):
 
 
 def test_atoms_tree_restores_with_orbax_alone_onto_a_new_sharding(tmp_path, saved):
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     path, _, _ = saved
     dst = tmp_path / "orbax"
     assert cli(["export", "orbax", str(path), str(dst)]) == 0

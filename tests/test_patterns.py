@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_tree_bitexact
-from helpers import mesh_of
+from helpers import mesh_of, need_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -200,6 +200,7 @@ def layout_specs(stages):
 
 
 def make_mesh(data, tensor, stages):
+    need_devices(data * tensor * stages)  # the stored layout is that of these sizes
     return mesh_of((stages, data, tensor), ("stage", "data", "tensor"))
 
 
@@ -235,6 +236,7 @@ def test_relayout_roundtrip(tmp_path, src, dst):
 
 
 def test_recorded_rules_used_when_none_given(tmp_path):
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     c = canonical()
     mesh = make_mesh(2, 4, 1)
     params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
@@ -251,6 +253,7 @@ def test_recorded_rules_used_when_none_given(tmp_path):
 
 
 def test_opt_state_follows_patterns(tmp_path):
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     c = canonical()
     mesh = make_mesh(2, 2, 2)
     params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
@@ -325,6 +328,7 @@ def test_fused_wrong_axis(tmp_path):
 
 
 def test_fused_sizes_not_divisible_by_tp(tmp_path):
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     mesh = mesh_of((2, 4), ("data", "tensor"))
     leaf = jax.device_put(f32(4, 6), NamedSharding(mesh, P()))
     with pytest.raises(ucp.PatternError, match=r"do not divide by the 4 shards"):
@@ -375,6 +379,7 @@ def test_pattern_json_roundtrip():
 def test_forgotten_fused_rule_is_an_error(tmp_path):
     """A fused atom restored onto a TP>1 leaf without ucp.Fused would silently come back in TP=1
     column order: it is refused; Fused(..., shard_axis=None) asks for the canonical order."""
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     mesh, leaf = _save_fused(tmp_path)
     tgt = _target(leaf.shape, mesh, P(None, "tensor"))
     with pytest.raises(ucp.PatternError, match=r"has no ucp.Fused.*TP=1 order"):

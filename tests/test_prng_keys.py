@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from helpers import mesh_of, place, targets
+from helpers import fit_shape, mesh_of, place, targets
 
 import ucp_jax as ucp
 from ucp_jax._src.mapping.names import named_leaves
@@ -94,7 +94,7 @@ def test_nnx_model_with_dropout_and_optimizer_onto_another_mesh(tmp_path):
     )
     _assert_equal(got, state)
     _assert_equal(got_opt, ostate)
-    assert got["up"]["kernel"][...].sharding.mesh.devices.shape == (4, 2)
+    assert got["up"]["kernel"][...].sharding.mesh.devices.shape == fit_shape((4, 2))
     nnx.update(fresh, got)  # drops into the live model: its dropout draws the same mask
     x = jnp.ones((4, 8))
     y, want = np.asarray(fresh(x)), np.asarray(model(x))
@@ -120,7 +120,7 @@ def test_key_impls_and_sharded_key_arrays(tmp_path, impl):
     }  # fmt: skip
     got, _ = ucp.restore(tmp_path / "ck", target)
     _assert_equal(got, state)
-    assert got["keys"].sharding.spec == spec
+    assert got["keys"].sharding.is_equivalent_to(target["keys"].sharding, keys.ndim)
     other = "rbg" if impl == "threefry2x32" else "threefry2x32"
     wrong = dict(target, one=jax.ShapeDtypeStruct((), jax.random.key(0, impl=other).dtype,
                                                   sharding=target["one"].sharding))  # fmt: skip

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mesh_of, place, targets
+from helpers import mesh_of, need_devices, place, targets
 
 import ucp_jax as ucp
 from ucp_jax._src.format import store
@@ -54,6 +54,7 @@ def _changed(mesh: jax.sharding.Mesh) -> dict:
 
 
 def test_plan_reports_everything_and_reads_nothing(tmp_path, monkeypatch):
+    need_devices(8)  # its layout or its counts of shards are those of 8 devices
     a, b = mesh_of((2, 4)), mesh_of((4, 2))
     ucp.save(tmp_path / "ck", place(_state(), a), step=3)
     no_reads = _refuse_opens(monkeypatch)

@@ -14,6 +14,7 @@ The names that need JAX (save, restore, targets, ...) and the submodules `orbax`
 from typing import TYPE_CHECKING
 
 from ._src.errors import ChecksumError as ChecksumError
+from ._src.errors import DeviceCountError as DeviceCountError
 from ._src.errors import FormatVersionError as FormatVersionError
 from ._src.errors import HostMemoryError as HostMemoryError
 from ._src.errors import LimitError as LimitError

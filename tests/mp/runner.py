@@ -98,9 +98,7 @@ def run_and_kill(
     The test fails, with the trainer's output, if it never prints the marker, or if the lines it
     printed before differ from `expect_before`.
     """
-    full_env = dict(os.environ)
-    full_env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    full_env.update(env)
+    full_env = worker_env(8, **env)
     line: str | None = None
     with open(log, "w") as err:
         p = subprocess.Popen(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class UcpError(Exception):
     """Base class of all ucp_jax errors."""
@@ -90,6 +92,28 @@ def in_background(err: BaseException, prefix: str) -> BaseException:
 class WriterConflictError(UcpError):
     """Another save to the same checkpoint path is in progress (two jobs saving one step to one
     folder or bucket path); this save stopped without committing anything."""
+
+
+class DeviceCountError(UcpError, ValueError):
+    """A mesh or parallel layout needs more devices than there are: `needed` and `available` say
+    how many (restore onto a layout that fits, or run with more devices)."""
+
+    def __init__(self, *args: object, needed: int, available: int) -> None:
+        super().__init__(*args)
+        self.needed = needed
+        self.available = available
+
+
+def check_device_count(what: str, needed: int, devices: list[Any]) -> None:
+    """Raise DeviceCountError unless `devices` holds at least `needed` devices for `what`."""
+    if len(devices) < needed:
+        kinds = sorted({d.platform for d in devices}) or ["none"]
+        raise DeviceCountError(
+            f"{what} needs {needed} devices, {len(devices)} available ({', '.join(kinds)}); "
+            f"choose sizes whose product is at most {len(devices)}, or run with more devices",
+            needed=needed,
+            available=len(devices),
+        )
 
 
 class HostMemoryError(UcpError, MemoryError):

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .errors import check_device_count
 from .mapping.names import named_leaves
 from .mapping.slots import classify_opt_state
 
@@ -25,6 +26,7 @@ def make_mesh(devices: Any = None, **axes: int) -> Mesh:
         **axes: axis name -> size, in mesh order, e.g. `data=2, fsdp=1, tensor=4`.
 
     Raises:
+        DeviceCountError: the sizes need more devices than there are.
         ValueError: the sizes do not multiply to the device count.
 
     >>> mesh = make_mesh(data=-1, tensor=1)
@@ -41,6 +43,7 @@ def make_mesh(devices: Any = None, **axes: int) -> Mesh:
         if len(devs) % known:
             raise ValueError(f"make_mesh: {len(devs)} devices do not divide by {known}")
         sizes[free[0]] = len(devs) // known
+    check_device_count(f"make_mesh: axes {sizes}", math.prod(sizes.values()), devs)
     if math.prod(sizes.values()) != len(devs):
         raise ValueError(
             f"make_mesh: axes {sizes} make {math.prod(sizes.values())} devices but "

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from .._src.errors import check_device_count
 from .._src.mapping.patterns import Fused, Stacked
 from .llama_config import LlamaConfig
 from .parallel import Group, Kernel, Layout
@@ -74,12 +75,17 @@ def make_mesh(layout: Layout, devices: list[jax.Device] | None = None) -> Mesh:
     Returns:
         A mesh with Auto axis types.
 
+    Raises:
+        DeviceCountError: fewer devices than the layout's size.
+
     >>> make_mesh(MoELayout(expert=2)).axis_names
     ('stage', 'data', 'expert', 'fsdp', 'tensor')
     """
     if not isinstance(layout, MoELayout):
         return dense_mesh(layout, devices)
-    devices = list(jax.devices() if devices is None else devices)[: layout.size]
+    devices = list(jax.devices() if devices is None else devices)
+    check_device_count(f"layout {layout.name}", layout.size, devices)
+    devices = devices[: layout.size]
     shape = (layout.stages, layout.data, layout.expert, layout.fsdp, layout.tensor)
     return jax.make_mesh(shape, MOE_MESH_AXES, axis_types=(AxisType.Auto,) * 5, devices=devices)
 

@@ -22,6 +22,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from .._src.errors import check_device_count
+
 PyTree = Any
 MESH_AXES = ("stage", "data", "fsdp", "tensor")
 
@@ -76,8 +78,13 @@ def make_mesh(layout: Layout, devices: list[jax.Device] | None = None) -> Mesh:
 
     Returns:
         A mesh with Auto axis types.
+
+    Raises:
+        DeviceCountError: fewer devices than the layout's size.
     """
-    devices = list(jax.devices() if devices is None else devices)[: layout.size]
+    devices = list(jax.devices() if devices is None else devices)
+    check_device_count(f"layout {layout.name}", layout.size, devices)
+    devices = devices[: layout.size]
     shape = (layout.stages, layout.data, layout.fsdp, layout.tensor)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices)
 
