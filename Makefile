@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-dev
 XLA     := XLA_FLAGS=--xla_force_host_platform_device_count=8
 SRC     := ucp_jax tests $(wildcard benchmarks)
 
-.PHONY: demo test test-gpu test-py312 lint docs format bench clean referees maxtext-fixtures
+.PHONY: demo test test-gpu test-few-devices test-py312 lint docs format bench clean referees maxtext-fixtures
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -81,6 +81,10 @@ test-py312: $(STAMP312)
 GPU_PY  ?= python3
 test-gpu:
 	UCP_TEST_ACCELERATOR=1 XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_PY) -m pytest -q $(REFEREE_TESTS) $(PYTEST_ARGS)
+
+# One GPU's device count on CPU (UCP_TEST_DEVICES=1): what test-gpu skips and shrinks, checked here.
+test-few-devices: $(STAMP)
+	UCP_TEST_DEVICES=$(or $(DEVICES),1) $(BIN)/python -m pytest -q $(REFEREE_TESTS) $(PYTEST_ARGS)
 
 # The frameworks themselves as referees (not part of `make test`): MaxText 0.2.5 in its own venv
 # (Python 3.12, under REF_DIR) resumes from `ucp export maxtext` output with its own losses, and

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from .format import aggregate, commit, encode, ocdbt_index, process_tables, store
 from .format.integrity import keys_in_box
@@ -21,6 +22,7 @@ from .format.manifest import PER_ARRAY_VERSION, Manifest, SlotInfo, source_heade
 from .mapping.binding import LeafBinding, WriteTask, bind_state, describe_leaf
 from .mapping.boxes import Box, box_size, relative_slices, to_slices
 from .mapping.rules import CompiledRules, Rule
+from .placement import staging_memory
 from .save_plan import SavePlan
 from .util import config
 from .util.inflight import InflightWindow
@@ -90,6 +92,7 @@ class SaveJob:
         self.atoms, self.tasks, self.merged, self.slots = (
             plan.atoms, plan.tasks, plan.merged, plan.slots)  # fmt: skip
         self._shards: dict[int, dict[Any, Any]] = {}  # id(leaf value) -> device -> its shard
+        self._staging: dict[Any, Any] = {}  # device -> the sharding its copies to host go to
         atoms = plan.atom_infos()
         self.manifest = Manifest(
             step=None if step is None else int(step),
@@ -127,12 +130,28 @@ class SaveJob:
             return np.asarray(shard.data)[local]
         return shard.data[local]
 
+    def _to_host_async(self, d: Any) -> Any:
+        """Start the copy of a task's data to host memory; `np.asarray` of the result takes it.
+
+        Accelerators with pinned host memory (`placement.staging_memory`, as restores and
+        snapshots) copy into it: one DMA per shard. Otherwise (CPU devices, `UCP_STAGING=none`)
+        a copy to pageable host memory is started (`copy_to_host_async`).
+        """
+        if not isinstance(d, jax.Array):
+            return d
+        (device,) = d.devices()
+        if device not in self._staging:
+            kind = staging_memory(SingleDeviceSharding(device))
+            self._staging[device] = kind and SingleDeviceSharding(device, memory_kind=kind)
+        staged = self._staging[device]
+        if staged is None:
+            d.copy_to_host_async()
+            return d
+        return jax.device_put(d, staged)
+
     def copy_all_to_host(self) -> list[np.ndarray]:
         """Copy this process's whole share to host memory (async saves: the source may change)."""
-        datas = [self._device_data(t) for t in self.tasks]
-        for d in datas:
-            if isinstance(d, jax.Array):
-                d.copy_to_host_async()
+        datas = [self._to_host_async(self._device_data(t)) for t in self.tasks]
         out = []
         for t, d in zip(self.tasks, datas):
             h = np.asarray(d)
@@ -145,9 +164,7 @@ class SaveJob:
         """Copy region by region, prefetching a few ahead (blocking saves)."""
         window: InflightWindow[tuple[WriteTask, Any]] = InflightWindow(self.budget // 2)
         for t in self.tasks:
-            d = self._device_data(t)
-            if isinstance(d, jax.Array):
-                d.copy_to_host_async()
+            d = self._to_host_async(self._device_data(t))
             for t0, d0 in window.push((t, d), t.nbytes):
                 yield t0, np.asarray(d0)
         for t0, d0 in window.drain():
