@@ -86,7 +86,8 @@ class SaveJob:
         for b in bindings:
             if isinstance(b.value, jax.ShapeDtypeStruct):
                 raise TypeError(f"save: leaf {b.name!r} is a ShapeDtypeStruct; save real arrays")
-        plan = SavePlan(self.budget)
+        shard_bytes = store.AGGREGATED_SHARD_BYTES if self.aggregated else store.MAX_SHARD_BYTES
+        plan = SavePlan(self.budget, max_shard_bytes=shard_bytes)
         for b in bindings:
             plan.add(b)
         self.atoms, self.tasks, self.merged, self.slots = (

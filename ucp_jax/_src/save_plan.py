@@ -32,15 +32,22 @@ class SavePlan:
         slots: (atom, slot) -> (atom shape, its SlotInfo).
     """
 
-    def __init__(self, budget: int, mesh_info: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        budget: int,
+        mesh_info: Callable[[Any], Any] | None = None,
+        max_shard_bytes: int = store.MAX_SHARD_BYTES,
+    ) -> None:
         """A plan with no leaves yet.
 
         Args:
             budget: the in-flight byte budget (merged writes hold at most a quarter of it).
             mesh_info: the `grid.MeshInfo` of this process for a leaf's mesh; None: from the
                 concrete mesh (a simulated mesh passes its own).
+            max_shard_bytes: the most bytes of one stored shard (`store.choose_chunks`).
         """
         self.budget = budget
+        self.max_shard_bytes = max_shard_bytes
         self.mesh_info = mesh_info
         self.atoms: dict[str, dict[str, Any]] = {}
         self.tasks: list[WriteTask] = []
@@ -80,7 +87,10 @@ class SavePlan:
             # atoms (and leaves) often share their boundary sets: one chunk grid for them
             key = (shape, b.dtype.itemsize, *map(id, bounds))
             if key not in self._grids:  # (the sets are kept with it: their ids stay theirs)
-                self._grids[key] = (bounds, store.choose_chunks(shape, b.dtype.itemsize, bounds))
+                self._grids[key] = (
+                    bounds,
+                    store.choose_chunks(shape, b.dtype.itemsize, bounds, self.max_shard_bytes),
+                )
             chunks, inner = self._grids[key][1]
             info_ = SlotInfo(dtype_name(b.dtype), f"{atom_dir(atom)}/{b.slot}", chunks, inner)
             entry["slots"][b.slot] = info_
