@@ -131,9 +131,15 @@ def test_save_copies_through_pinned_host(tmp_path, monkeypatch, dtype, how):
             ucp.async_save(tmp_path / mode, params, step=1).wait()
         else:
             ucp.save(tmp_path / mode, params, step=1, **kw)
-        shards = sum(len(x.addressable_shards) for x in jax.tree.leaves(params))
-        # replicas are written once: one staged copy per unique shard (w: 8, b: 4, w2: 8)
-        assert staged == (["pinned_host"] * 20 if mode == "pinned_host" else []), (shards, staged)
+        # replicas are written once: one staged copy per distinct shard (8 devices: w 8, b 4,
+        # w2 8; one GPU: one each)
+        unique = sum(
+            len({tuple((i.start, i.stop) for i in sh.index) for sh in x.addressable_shards})
+            for x in jax.tree.leaves(params)
+        )
+        if jax.device_count() >= 8:
+            assert unique == 20
+        assert staged == (["pinned_host"] * unique if mode == "pinned_host" else []), staged
     for name in params:
         a, b = (np.asarray(ucp.open(tmp_path / m).read(name)) for m in ("pinned_host", "none"))
         assert a.tobytes() == b.tobytes() == np.asarray(params[name]).tobytes(), name
