@@ -231,3 +231,23 @@ def test_blocking_save_holds_no_reference_after_it_returns(tmp_path, monkeypatch
     out, _ = ucp.restore(tmp_path / "ck", targets(ref, mesh_of((4, 2))))
     assert_tree_bitexact(ref, out)
     np.testing.assert_array_equal(np.asarray(stepped["l000"]), ref["l000"] * 2.0 + 1.0)
+
+
+@pytest.mark.parametrize("layout", ["aggregated", "per-array"])
+def test_shard_size_cap(tmp_path, monkeypatch, layout):
+    """One device's 32 MiB leaf: version 3 stores shards of at most 8 MiB (a larger value handed
+    to TensorStore is copied into fresh pages every time), version 2 one shard (one file)."""
+    from ucp_jax._src.format import store
+
+    monkeypatch.setenv("UCP_LAYOUT", layout)
+    x = np.arange(2048 * 4096, dtype=np.float32).reshape(2048, 4096)
+    ucp.save(tmp_path / "ck", {"w": jax.device_put(x, jax.devices()[0])}, step=1)
+    ck = ucp.open(tmp_path / "ck")
+    shard = ck.atoms["w"].slots["fp32"].chunks
+    cap = store.AGGREGATED_SHARD_BYTES if layout == "aggregated" else store.MAX_SHARD_BYTES
+    assert int(np.prod(shard)) * 4 == min(cap, x.nbytes), shard
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    out, _ = ucp.restore(
+        tmp_path / "ck", {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)}
+    )
+    assert np.asarray(out["w"]).tobytes() == x.tobytes()

@@ -36,7 +36,7 @@ class SavePlan:
         self,
         budget: int,
         mesh_info: Callable[[Any], Any] | None = None,
-        max_shard_bytes: int = store.MAX_SHARD_BYTES,
+        max_shard_bytes: int = store.AGGREGATED_SHARD_BYTES,
     ) -> None:
         """A plan with no leaves yet.
 
@@ -44,7 +44,8 @@ class SavePlan:
             budget: the in-flight byte budget (merged writes hold at most a quarter of it).
             mesh_info: the `grid.MeshInfo` of this process for a leaf's mesh; None: from the
                 concrete mesh (a simulated mesh passes its own).
-            max_shard_bytes: the most bytes of one stored shard (`store.choose_chunks`).
+            max_shard_bytes: the most bytes of one stored shard (`store.choose_chunks`; the
+                default is that of format version 3, the default layout).
         """
         self.budget = budget
         self.max_shard_bytes = max_shard_bytes
