@@ -23,6 +23,23 @@ def test_make_mesh_sizes():
         ucp.make_mesh(data=-1, tensor=-1)
 
 
+def test_a_mesh_beyond_the_devices_is_a_device_count_error():
+    """More devices than there are: DeviceCountError names both counts and the platform, from
+    `ucp.make_mesh` and from a model layout's mesh alike (a ValueError, as before)."""
+    from ucp_jax.models.llama import Layout, MoELayout, make_mesh
+
+    have = jax.device_count()
+    with pytest.raises(
+        ucp.DeviceCountError, match=f"needs {4 * have} devices, {have} available"
+    ) as e:
+        ucp.make_mesh(data=4 * have // 2, tensor=2)
+    assert (e.value.needed, e.value.available) == (4 * have, have)
+    assert isinstance(e.value, ValueError) and jax.default_backend() in str(e.value)
+    for layout in (Layout(data=2 * have), MoELayout(expert=2 * have)):
+        with pytest.raises(ucp.DeviceCountError, match=f"layout .* needs {2 * have} devices"):
+            make_mesh(layout)
+
+
 def test_targets_mirror_param_shardings(tmp_path):
     opt = optax.adamw(1e-2)
     params, state = trained_state(opt, float_params())
