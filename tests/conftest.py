@@ -57,8 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> object:
+def _skipping_beyond_the_devices(item: pytest.Item) -> object:
     try:
         return (yield)
     except DeviceCountError as e:
@@ -66,13 +65,9 @@ def pytest_runtest_setup(item: pytest.Item) -> object:
         raise
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> object:
-    try:
-        return (yield)
-    except DeviceCountError as e:
-        _skip_beyond_the_devices(e)
-        raise
+# a test's set-up (fixtures build meshes too) and its body
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_skipping_beyond_the_devices)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_skipping_beyond_the_devices)
 
 
 def _skip_beyond_the_devices(e: DeviceCountError) -> None:
