@@ -124,7 +124,7 @@ def test_flipped_byte_in_data_file_is_named(saved, capsys):
 
 def test_swapped_chunks_in_data_file_are_refused(saved):
     """Two equal-size chunks swapped inside the data file pass crc32c, not the fingerprints."""
-    need_devices(8)  # its layout or its counts of shards are those of 8 devices
+    need_devices(8)  # two equal-size chunks in one data file: the 8-device save writes them
     path, ref = saved
     values = ocdbt_values(path)
     # Two of l002's chunks in one data file (TensorStore may spread a transaction's values over

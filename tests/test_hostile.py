@@ -155,7 +155,7 @@ def test_huge_shape_in_manifest_and_zarr_json(ckpt: Path) -> None:
 
 def test_big_shape_backed_by_small_files_v1(ckpt: Path) -> None:
     """A version-1 checkpoint (no checksums) whose shape grew: the file sizes give it away."""
-    need_devices(8)  # its layout or its counts of shards are those of 8 devices
+    need_devices(8)  # the message names the 8-device save's chunk files
 
     def edit(m: dict) -> None:
         m["format_version"] = 1
@@ -267,7 +267,7 @@ def test_edited_zarr_json(ckpt: Path) -> None:
 
 
 def test_swapped_chunk_files_within_an_array(ckpt: Path) -> None:
-    need_devices(8)  # its layout or its counts of shards are those of 8 devices
+    need_devices(8)  # two chunk files to swap: the 8-device save writes them
     f0, f1 = _chunks(ckpt, "a")[:2]
     tmp = f0.read_bytes()
     f0.write_bytes(f1.read_bytes())
@@ -277,7 +277,7 @@ def test_swapped_chunk_files_within_an_array(ckpt: Path) -> None:
 
 @pytest.mark.parametrize("atoms", [("a", "b"), ("big", "big")])
 def test_swapped_chunk_files_across_arrays(ckpt: Path, atoms: tuple[str, str]) -> None:
-    need_devices(8)  # its layout or its counts of shards are those of 8 devices
+    need_devices(8)  # two chunk files to swap: the 8-device save writes them
     if atoms[0] == atoms[1]:  # sharded files (inner chunks + index) of one array
         f0, f1 = _chunks(ckpt, "big")[:2]
     else:
