@@ -25,6 +25,7 @@ if not ON_ACCELERATOR:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from helpers import need_devices  # noqa: E402
 
 from ucp_jax import DeviceCountError  # noqa: E402
 
@@ -58,26 +59,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _skipping_beyond_the_devices(item: pytest.Item) -> object:
+    """Fewer devices than the 8 of `make test` (one GPU; UCP_TEST_DEVICES=1): a layout or mesh
+    that 8 devices hold and these do not skips the test (`helpers.need_devices`, naming its size)
+    instead of failing it. The 8-device run converts nothing: there every such error fails."""
     try:
         return (yield)
     except DeviceCountError as e:
-        _skip_beyond_the_devices(e)
+        if e.needed <= 8:
+            need_devices(e.needed)
         raise
 
 
 # a test's set-up (fixtures build meshes too) and its body
 pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_skipping_beyond_the_devices)
 pytest_runtest_call = pytest.hookimpl(wrapper=True)(_skipping_beyond_the_devices)
-
-
-def _skip_beyond_the_devices(e: DeviceCountError) -> None:
-    """Fewer devices than the 8 of `make test` (one GPU; UCP_TEST_DEVICES=1): a layout or mesh
-    that 8 devices hold and these do not skips the test, naming its size, instead of failing it.
-    The 8-device run converts nothing: there every such error fails its test."""
-    if jax.device_count() < 8 and e.needed <= 8:
-        pytest.skip(
-            f"needs {e.needed} devices, {jax.device_count()} here ({jax.default_backend()})"
-        )
 
 
 def assert_tree_bitexact(a: object, b: object) -> None:

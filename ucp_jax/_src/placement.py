@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from .util import config
 
@@ -49,6 +50,18 @@ def staging_memory(sharding: Any, mode: str | None = None) -> str | None:
     except Exception:  # a runtime without memory spaces
         return None
     return PINNED if PINNED in kinds else None
+
+
+def host_staging(device: Any) -> SingleDeviceSharding | None:
+    """Where copies of `device`'s data to host go: its pinned host memory where staging is on
+    for it (`staging_memory`: one DMA each), else None (a copy to pageable host memory).
+
+    >>> import jax
+    >>> host_staging(jax.devices()[0]) is None  # CPU devices, UCP_STAGING=auto
+    True
+    """
+    kind = staging_memory(SingleDeviceSharding(device))
+    return None if kind is None else SingleDeviceSharding(device, memory_kind=kind)
 
 
 class Placer:

@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from .format import aggregate, commit, encode, ocdbt_index, process_tables, store
 from .format.integrity import keys_in_box
@@ -22,7 +21,7 @@ from .format.manifest import PER_ARRAY_VERSION, Manifest, SlotInfo, source_heade
 from .mapping.binding import LeafBinding, WriteTask, bind_state, describe_leaf
 from .mapping.boxes import Box, box_size, relative_slices, to_slices
 from .mapping.rules import CompiledRules, Rule
-from .placement import staging_memory
+from .placement import host_staging
 from .save_plan import SavePlan
 from .util import config
 from .util.inflight import InflightWindow
@@ -134,7 +133,7 @@ class SaveJob:
     def _to_host_async(self, d: Any) -> Any:
         """Start the copy of a task's data to host memory; `np.asarray` of the result takes it.
 
-        Accelerators with pinned host memory (`placement.staging_memory`, as restores and
+        Accelerators with pinned host memory (`placement.host_staging`, as restores and
         snapshots) copy into it: one DMA per shard. Otherwise (CPU devices, `UCP_STAGING=none`)
         a copy to pageable host memory is started (`copy_to_host_async`).
         """
@@ -142,8 +141,7 @@ class SaveJob:
             return d
         (device,) = d.devices()
         if device not in self._staging:
-            kind = staging_memory(SingleDeviceSharding(device))
-            self._staging[device] = kind and SingleDeviceSharding(device, memory_kind=kind)
+            self._staging[device] = host_staging(device)
         staged = self._staging[device]
         if staged is None:
             d.copy_to_host_async()

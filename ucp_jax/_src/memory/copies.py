@@ -14,10 +14,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from ..mapping.boxes import relative_slices, to_slices
-from ..placement import staging_memory
+from ..placement import host_staging
 from .redundancy import Fetch
 
 
@@ -90,7 +89,7 @@ def dispatch(
 ) -> list[Any]:
     """Start every copy of a snapshot: one computation per device, host values copied.
 
-    Where a device has pinned host memory and staging is on (`placement.staging_memory`), each
+    Where a device has pinned host memory and staging is on (`placement.host_staging`), each
     copy then goes to it (one DMA; the background thread reads it as host memory); otherwise the
     caller starts a copy to pageable host memory (`copy_to_host_async`).
     """
@@ -101,14 +100,12 @@ def dispatch(
             datas[fi] = np.array(np.asarray(leaves[f.leaf])[to_slices(f.box)])
     for g in groups:
         srcs = tuple(shard(*src, g.device) for src in g.sources)
-        kind = staging_memory(SingleDeviceSharding(g.device))
+        pinned = host_staging(g.device)
         outs = [(fi, srcs[si]) for fi, si in g.direct]
         if g.plan:
             outs += list(zip(g.fetches, _copies(srcs, g.plan)))
-        if kind is not None and outs:
-            staged = jax.device_put(
-                [x for _, x in outs], SingleDeviceSharding(g.device, memory_kind=kind)
-            )
+        if pinned is not None and outs:
+            staged = jax.device_put([x for _, x in outs], pinned)
             outs = [(fi, x) for (fi, _), x in zip(outs, staged)]
         for fi, x in outs:
             datas[fi] = x
