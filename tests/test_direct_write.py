@@ -50,9 +50,9 @@ def _save(path: Path, state: dict, mesh_shape: tuple[int, ...], style: str, dire
     calls = []
     real = encode.encode_shard
 
-    def counting(data: np.ndarray, info: SlotInfo) -> tuple[bytes | bytearray, str]:
+    def counting(data: np.ndarray, info: SlotInfo, *rest) -> tuple[bytes | bytearray, str]:
         calls.append(info.path)
-        return real(data, info)
+        return real(data, info, *rest)
 
     monkeypatch.setattr(encode, "encode_shard", counting)
     placed = jax.tree.map(
@@ -212,3 +212,121 @@ def test_writeback_is_asked_once_per_data_file_and_again_when_it_grew(
     save_mod._start_writeback(None, 0, requested)  # not a local save: nothing to ask
     save_mod._start_writeback(str(tmp_path / "gone"), 0, requested)  # no data files yet
     assert asked == ["a", "b", "b"]
+
+
+def _import(dst: Path, arrays: dict[str, np.ndarray], direct: bool, monkeypatch, *,
+            box_rows: int, budget: int = 256 << 10) -> int:  # fmt: skip
+    """Import `arrays` with AtomWriter (version 3) in boxes of `box_rows` rows; return how many
+    shards the sink encoded itself."""
+    from ucp_jax._src.frameworks.common import writer
+    from ucp_jax._src.frameworks.common.writer import AtomWriter
+
+    monkeypatch.setenv("UCP_DIRECT_WRITE", "1" if direct else "0")
+    monkeypatch.setattr(writer, "IMPORT_SHARD_BYTES", 128 << 10)
+    calls = []
+    real = encode.encode_shard
+
+    def counting(data: np.ndarray, info: SlotInfo, *rest) -> tuple[bytes | bytearray, str]:
+        calls.append(info.path)
+        return real(data, info, *rest)
+
+    monkeypatch.setattr(encode, "encode_shard", counting)
+    with AtomWriter(dst, layout="aggregated", max_inflight_bytes=budget) as w:
+        for name, a in arrays.items():
+            w.atom(name, a.shape)
+            rows = box_rows if a.ndim > 1 else a.shape[0]  # a vector in one go
+            for r in range(0, a.shape[0], rows):
+                box = ((r, min(r + rows, a.shape[0])), *((0, d) for d in a.shape[1:]))
+                w.write(name, "fp32", box, a[r : r + rows].copy())
+        w.commit(step=1, source={"framework": "test"})
+    monkeypatch.setattr(encode, "encode_shard", real)
+    monkeypatch.delenv("UCP_DIRECT_WRITE")
+    return len(calls)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16", "int8"])
+def test_imports_encode_whole_shards_as_tensorstore_does(
+    tmp_path: Path, monkeypatch, dtype: str
+) -> None:
+    """An import's whole shards are encoded by its sink: key for key TensorStore's bytes, nothing
+    read back for the fingerprint table (the encoder's own), and `ucp verify`, TensorStore's
+    zarr3 driver and ucp's reads all agree. Rows that end in a padded edge shard, and boxes
+    that cut shards, go through TensorStore's array write."""
+    from ucp_jax._src.frameworks.common import sink_aggregated
+
+    rng = np.random.default_rng(4)
+    dt = jnp.bfloat16 if dtype == "bf16" else np.dtype(dtype)
+    arrays = {
+        "big": rng.standard_normal((64, 4096)).astype(dt),  # shards of rows, inner chunks
+        "edge": rng.standard_normal((37, 2048)).astype(dt),  # a padded edge shard
+        "vec": rng.standard_normal(300).astype(dt),  # one shard, no inner chunks
+    }
+    read_back: list[str] = []
+    real = integrity.fingerprints_many
+
+    def counting(kv, items):
+        read_back.extend(k for _, keys in items for k in keys)
+        return real(kv, items)
+
+    monkeypatch.setattr(sink_aggregated.integrity, "fingerprints_many", counting)
+    n_raw = _import(tmp_path / "raw", arrays, True, monkeypatch, box_rows=32)
+    assert n_raw > 0 and read_back and all(k.startswith("atoms/edge/") for k in read_back), (
+        read_back
+    )
+    assert _import(tmp_path / "ts", arrays, False, monkeypatch, box_rows=32) == 0
+    sharded = [s for a in ucp.open(tmp_path / "raw").atoms.values() for s in a.slots.values()
+               if s.inner_chunks is not None]  # fmt: skip
+    assert sharded, "no array with inner chunks: the case this test is for is missing"
+    mine, theirs = _values(tmp_path / "raw"), _values(tmp_path / "ts")
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        assert mine[k] == theirs[k], f"{k}: {len(mine[k])} bytes written, TensorStore's differ"
+    by_ts = _read_with_tensorstore(tmp_path / "raw", monkeypatch)
+    assert_tree_bitexact(by_ts, {k: np.asarray(v) for k, v in arrays.items()})
+    assert cli_main(["verify", str(tmp_path / "raw")]) == 0
+
+
+@pytest.mark.parametrize("budget", [4096, 4 << 20], ids=["many-transactions", "one-transaction"])
+def test_import_raw_and_array_writes_of_one_shard_keep_the_last(
+    tmp_path: Path, monkeypatch, budget: int
+) -> None:
+    """Shards written whole (encoded by the sink) and in part (TensorStore's array write), in
+    turns, in one transaction or across several: the last write of every element wins, and the
+    fingerprints are those of what landed (`ucp verify`). A source released by
+    `release_sources` is no longer read."""
+    from ucp_jax._src.frameworks.common import writer
+    from ucp_jax._src.frameworks.common.writer import AtomWriter
+
+    monkeypatch.setattr(writer, "IMPORT_SHARD_BYTES", 4096)  # shards of 4 rows of 256 f32
+    rng = np.random.default_rng(6)
+    want = np.zeros((16, 256), np.float32)
+    dst = tmp_path / "ck"
+    with AtomWriter(dst, layout="aggregated", max_inflight_bytes=budget) as w:
+        w.atom("x", want.shape)
+        assert w._sink._raw is not None
+
+        def put(r0: int, r1: int, c0: int = 0, c1: int = 256) -> None:
+            data = rng.standard_normal((r1 - r0, c1 - c0)).astype(np.float32)
+            want[r0:r1, c0:c1] = data
+            w.write("x", "fp32", ((r0, r1), (c0, c1)), data)
+
+        put(0, 16)  # whole shards 0-3
+        put(1, 3)  # part of shard 0
+        put(0, 4)  # shard 0 whole again
+        put(2, 3, 5, 100)  # and in part again
+        put(4, 8, 10, 20)  # part of shard 1
+        put(4, 8)  # shard 1 whole
+        put(8, 16, 3, 200)  # parts of shards 2 and 3
+        put(12, 16)  # shard 3 whole
+        put(13, 14, 0, 9)  # and in part
+        put(8, 12)  # shard 2 whole
+        src = rng.standard_normal((4, 256)).astype(np.float32)
+        want[12:16] = src
+        w.write("x", "fp32", ((12, 16), (0, 256)), src)
+        w.release_sources()
+        src[:] = -1  # a released source is no longer read
+        w.commit(step=1, source={"framework": "test"})
+    ck = ucp.open(dst)
+    assert np.asarray(ck.read("x", "fp32")).tobytes() == want.tobytes()
+    assert_tree_bitexact(_read_with_tensorstore(dst, monkeypatch), {"x": want})
+    assert cli_main(["verify", str(dst)]) == 0

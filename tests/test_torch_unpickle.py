@@ -177,6 +177,45 @@ def test_lazy_loader_reads_tensors_like_torch(tmp_path):
     np.testing.assert_array_equal(got["a"].reshape(-1).narrow(0, 5, 4).numpy(), [5, 6, 7, 8])
 
 
+def test_lazy_tensors_mapped_read_like_torch(tmp_path):
+    """`mapped()` views a large contiguous tensor in the file (read-only, no copy), equal to
+    torch's values, narrowed and reshaped too; the mapping ends with the array; small and
+    strided tensors are read; a file cut short is refused, not mapped past its end."""
+    import gc
+
+    from ucp_jax._src.untrusted import lazy
+
+    big = torch.arange(3 * (1 << 19), dtype=torch.float32).reshape(3, 1 << 19)  # 6 MiB
+    obj = {"big": big, "small": torch.arange(10.0), "t": big[:, :1000].t()}
+    path = tmp_path / "t.pt"
+    torch.save(obj, path)
+    got = load_lazy(path)
+    m = got["big"].mapped()
+    assert not m.flags.writeable and not m.flags.owndata
+    np.testing.assert_array_equal(m, big.numpy())
+    part = got["big"].reshape(-1).narrow(0, 12345, 1 << 18).mapped()  # not page-aligned
+    np.testing.assert_array_equal(part, big.reshape(-1)[12345 : 12345 + (1 << 18)].numpy())
+    assert got["small"].mapped().flags.writeable  # read into memory of its own
+    np.testing.assert_array_equal(got["t"].mapped(), obj["t"].numpy())
+
+    def mappings() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(str(path) in line for line in f)
+
+    if os.path.exists("/proc/self/maps"):
+        assert mappings() >= 1
+        del m, part
+        gc.collect()
+        assert mappings() == 0
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(path.read_bytes())
+    t = got["big"]
+    short = lazy.LazyTensor(str(cut), t.offset, t.dtype, t.shape, t.stride)
+    os.truncate(cut, t.offset + t.nbytes - 1)
+    with pytest.raises(UnsafePickleError, match="truncated"):
+        short.mapped()
+
+
 def test_import_deepspeed_refuses_a_poisoned_rank_file(tmp_path):
     """A DeepSpeed folder whose rank file carries a payload is refused before anything runs."""
     from ucp_jax._src.frameworks.deepspeed.zero import import_deepspeed

@@ -25,6 +25,7 @@ the region and its trailer), a shard once (each inner chunk straight into its pl
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import zlib
@@ -104,9 +105,44 @@ def _le_bytes(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8).data)
 
 
-def encode_shard(data: np.ndarray, info: SlotInfo) -> tuple[bytes | bytearray, str]:
+class BufferPool:
+    """Value buffers to encode into again once TensorStore has copied them: a buffer used before
+    has its pages already (a fresh one is zeroed by the kernel page by page as it is filled).
+
+    Keeps at most `keep` buffers; `take(n)` gives one of exactly `n` bytes.
+
+    >>> pool = BufferPool(2)
+    >>> b = pool.take(8); pool.give(b); pool.take(8) is b
+    True
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._free: collections.deque[bytearray] = collections.deque()
+
+    def take(self, n: int) -> bytearray:
+        for _ in range(len(self._free)):
+            try:
+                buf = self._free.popleft()
+            except IndexError:
+                break
+            if len(buf) == n:
+                return buf
+            self._free.append(buf)
+        return bytearray(n)
+
+    def give(self, buf: bytes | bytearray) -> None:
+        if isinstance(buf, bytearray):
+            self._free.append(buf)
+            while len(self._free) > self.keep:
+                self._free.popleft()
+
+
+def encode_shard(
+    data: np.ndarray, info: SlotInfo, pool: BufferPool | None = None
+) -> tuple[bytes | bytearray, str]:
     """One stored chunk (shard) value of `data` (exactly one shard of `info`'s array), and its
-    fingerprint.
+    fingerprint. With `pool`, the value is a buffer taken from it.
 
     Raises:
         ValueError: `data` is not one whole shard of `info` (expected shape `info.chunks`).
@@ -119,14 +155,20 @@ def encode_shard(data: np.ndarray, info: SlotInfo) -> tuple[bytes | bytearray, s
     if info.inner_chunks is None:
         body = _le_bytes(data)
         tr = crc.trailer(body)
-        return b"".join((body, tr)), f"{zlib.crc32(tr):08x}"
+        if pool is None:
+            return b"".join((body, tr)), f"{zlib.crc32(tr):08x}"
+        buf = pool.take(len(body) + 4)
+        buf[: len(body)] = body
+        buf[len(body) :] = tr
+        return buf, f"{zlib.crc32(tr):08x}"
     inner = tuple(info.inner_chunks)
     grid = [c // i for c, i in zip(info.chunks, inner)]
     n = math.prod(grid)
     body_bytes = math.prod(inner) * data.dtype.itemsize
     # One buffer laid out as the value: each inner chunk copied straight into its place (one
     # strided copy, no temporary), its crc32c after it; TensorStore's write takes a bytearray.
-    value = bytearray(n * (body_bytes + 4) + 16 * n + 4)
+    size = n * (body_bytes + 4) + 16 * n + 4
+    value = bytearray(size) if pool is None else pool.take(size)
     out = np.frombuffer(value, np.uint8)
     le = data.dtype.newbyteorder("<") if data.dtype.byteorder == ">" else data.dtype
     trailers: list[bytes] = []
@@ -169,13 +211,36 @@ class RawWriter:
         """Encode and write the shards of `data`, the region `box` of `info`'s array (whole
         shards: see `covers_whole_shards`); return the futures of their writes (ready once each
         is recorded in the transaction)."""
+        return self.put(info, encode_region(info, box, data))
+
+    def put(
+        self, info: SlotInfo, shards: Sequence[tuple[str, bytes | bytearray, str]]
+    ) -> list[Any]:
+        """Write shards `encode_region` encoded for `info`'s array into the bound transaction
+        (TensorStore copies each value before this returns); return the futures of the writes."""
         if self.bound is None:
-            raise RuntimeError("RawWriter.write: no transaction bound; call bind(txn) first")
+            raise RuntimeError("RawWriter.put: no transaction bound; call bind(txn) first")
         futs = []
         table = self.known.setdefault(info.path, {})
-        for idx, rel in shards_of(info, box):
-            value, fp = encode_shard(data[rel] if rel else data, info)
-            key = chunk_key(idx)
+        for key, value, fp in shards:
             futs.append(self.bound.write(f"{info.path}/{key}", value))
             table[key] = fp
         return futs
+
+
+def encode_region(
+    info: SlotInfo, box: Box, data: np.ndarray, pool: BufferPool | None = None
+) -> list[tuple[str, bytes | bytearray, str]]:
+    """(chunk key, value, fingerprint) of every shard of `data`, the region `box` of `info`'s
+    array (whole shards: see `covers_whole_shards`). Safe on any thread (the copies and the
+    checksums release the GIL).
+
+    >>> [(k, len(v)) for k, v, _ in encode_region(SlotInfo("float32", "a", (2,)), ((0, 4),),
+    ...                                           np.arange(4, dtype=np.float32))]
+    [('c/0', 12), ('c/1', 12)]
+    """
+    out = []
+    for idx, rel in shards_of(info, box):
+        value, fp = encode_shard(data[rel] if rel else data, info, pool)
+        out.append((chunk_key(idx), value, fp))
+    return out

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import io
 import math
+import mmap
 import os
 import zipfile
 from typing import Any
@@ -120,8 +121,39 @@ class LazyTensor:
         )
         return view.copy()
 
+    def mapped(self) -> Any:
+        """The tensor as a read-only numpy array over a mapping of its bytes in the file (no
+        copy), for a contiguous tensor of at least MAP_MIN_BYTES; otherwise `numpy()`.
+
+        The mapping ends when the array (and every view of it) is dropped. It reads the page
+        cache in place: an importer then copies each byte once, into what it writes, instead of
+        first into a buffer of its own. The file must not shrink while the array is used (a
+        read past its end would be a SIGBUS); its size is checked when mapped.
+
+        Raises:
+            UnsafePickleError: the file is shorter than the tensor's bytes.
+        """
+        import numpy as np
+
+        n = self.numel()
+        nbytes = n * self.dtype.itemsize
+        if nbytes < MAP_MIN_BYTES or not self.is_contiguous() or not hasattr(mmap, "PROT_READ"):
+            return self.numpy()
+        start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
+        with open(self.path, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size < self.offset + nbytes:
+                raise UnsafePickleError(f"{self.path}: tensor data truncated at {self.offset}")
+            mm = mmap.mmap(f.fileno(), self.offset + nbytes - start, prot=mmap.PROT_READ,
+                           offset=start)  # fmt: skip
+        if hasattr(mmap, "MADV_SEQUENTIAL"):
+            mm.madvise(mmap.MADV_SEQUENTIAL)
+        return np.frombuffer(mm, self.dtype, n, self.offset - start).reshape(self.shape)
+
     def item(self) -> Any:
         return self.numpy().reshape(-1)[0].item()
+
+
+MAP_MIN_BYTES = 1 << 20  # smaller tensors are read (a mapping costs a few system calls)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -30,18 +30,21 @@ from typing import Any
 
 import tensorstore as ts
 
-from ...format import aggregate, integrity, process_tables, store
+from ...format import aggregate, encode, integrity, process_tables, store
 from ...format.manifest import SlotInfo
 from ...mapping.boxes import Box, to_slices
 from .write_order import WriteOrder
 
 TXN_SHARE = 4  # a transaction is committed once it holds budget / TXN_SHARE bytes and every
 # shard it touched is whole, or once it holds the whole budget (a shard left open is rewritten)
+ENCODING = 2  # regions of whole shards encoded ahead (each at most writer.IMPORT_SHARD_BYTES)
 MAX_COMMITTING = 2  # transactions writing their data files while the next one fills (at most:
 # their bytes and the next one's budget / TXN_SHARE stay within the budget)
 SETTLE_MIN_BYTES = 1 << 20  # data files smaller than this (B-tree nodes, small values) stay cached
 
 Shard = tuple[str, tuple[int, ...]]  # (array path, shard grid index)
+Fingerprints = dict[str, dict[str, str]]  # array path -> chunk key -> fingerprint
+Landing = tuple[Any, set[Shard], int, Fingerprints]
 
 
 class AggregatedSink:
@@ -67,9 +70,22 @@ class AggregatedSink:
         self._copying = 0  # bytes of sources not copied yet
         self._order = WriteOrder()  # a write overlapping one still copying waits for it
         self._touched: set[Shard] = set()  # shards the open transaction writes into
+        # Whole shards are encoded here (hardware CRC32C, fingerprint known) and written as raw
+        # values into the open transaction; the rest through TensorStore's array write.
+        self._raw = encode.RawWriter(self.db.kv()) if encode.available() else None
+        if self._raw is not None:
+            self._raw.bind(self._txn)
+        self._raw_open: set[Shard] = set()  # shards the open transaction writes raw
+        # Encoding runs on a thread of its own (its copies and checksums release the GIL) while
+        # this thread hands earlier shards to TensorStore (a copy that holds the GIL), in order:
+        # (future of the encoded shards, the array's slot info)
+        self._encoder: ThreadPoolExecutor | None = None
+        self._pool = encode.BufferPool(ENCODING + 2)
+        self._encoding: collections.deque[tuple[Future[Any], SlotInfo]] = collections.deque()
         self._left: dict[Shard, int] = {}  # elements of a shard not written yet (when > 0)
-        # (commit future, shards it wrote, bytes it holds) of the transactions landing
-        self._committing: collections.deque[tuple[Any, set[Shard], int]] = collections.deque()
+        # (commit future, shards it wrote, bytes it holds, fingerprints of its raw shards) of the
+        # transactions landing
+        self._committing: collections.deque[Landing] = collections.deque()
         self._landing = 0  # bytes the landing transactions hold
         self._creating: list[Any] = []  # array creations of the open transaction
         self._infos: dict[str, SlotInfo] = {}
@@ -110,6 +126,61 @@ class AggregatedSink:
     # ---------------------------------------------------------------------------- writing
 
     def write(self, info: SlotInfo, box: Box, data: Any, keep: Any) -> None:
+        """Write `data` into `box` of `info`'s array, in the open transaction.
+
+        Whole shards are encoded here and handed over as raw values (`data` is free once this
+        returns); other boxes go through TensorStore's array write, which copies `data` in the
+        background (`data` and `keep` are held until then). A shard is never written both ways
+        in one transaction: the open one is committed first.
+        """
+        shards = self._shards(info, box)
+        if self._raw is not None and encode.covers_whole_shards(self._shapes[info.path], info, box):
+            if not shards.isdisjoint(self._touched - self._raw_open):
+                self._commit_open()
+            self._order.before(info.path, box)  # an earlier array write of it is copied
+            self._encode(info, box, data)
+            self._raw_open |= shards
+        else:
+            if not shards.isdisjoint(self._raw_open):
+                self._commit_open()
+            self._write_array(info, box, data, keep)
+        self._dirty = True
+        self._staged += data.nbytes
+        self._cover(info, box)
+        if self._staged >= self.budget // TXN_SHARE and (
+            self._staged >= self.budget or not self._open_shards()
+        ):
+            self._commit_open()
+
+    def _encode(self, info: SlotInfo, box: Box, data: Any) -> None:
+        """Encode whole shards in the background; hand over those encoded, in order."""
+        if self._encoder is None:
+            self._encoder = ThreadPoolExecutor(1, thread_name_prefix="ucp-encode")
+        fut = self._encoder.submit(encode.encode_region, info, box, data, self._pool)
+        self._encoding.append((fut, info))
+        while self._encoding and (self._encoding[0][0].done() or len(self._encoding) > ENCODING):
+            self._put_encoded()
+
+    def _put_encoded(self) -> None:
+        """Hand the oldest encoded region's shards to the open transaction."""
+        assert self._raw is not None
+        fut, info = self._encoding.popleft()
+        shards = fut.result()
+        self._raw.put(info, shards)  # TensorStore has copied the values: their buffers are free
+        for _, value, _ in shards:
+            self._pool.give(value)
+
+    def _drain_encoding(self) -> None:
+        """Every region sent to be encoded is in the open transaction (its source released)."""
+        while self._encoding:
+            self._put_encoded()
+
+    @staticmethod
+    def _shards(info: SlotInfo, box: Box) -> set[Shard]:
+        ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, info.chunks)]
+        return {(info.path, idx) for idx in itertools.product(*ranges)}
+
+    def _write_array(self, info: SlotInfo, box: Box, data: Any, keep: Any) -> None:
         arr = self._bound.get(info.path)
         if arr is None:
             arr = self._bound[info.path] = self._base[info.path].with_transaction(self._txn)
@@ -120,13 +191,6 @@ class AggregatedSink:
         self._copying += data.nbytes
         while self._copies and (self._copies[0][0].copy.done() or self._copying > self.budget):
             self._copied()
-        self._dirty = True
-        self._staged += data.nbytes
-        self._cover(info, box)
-        if self._staged >= self.budget // TXN_SHARE and (
-            self._staged >= self.budget or not self._open_shards()
-        ):
-            self._commit_open()
 
     def _cover(self, info: SlotInfo, box: Box) -> None:
         """Count the elements of each shard `box` writes (a shard is whole at zero left)."""
@@ -152,6 +216,7 @@ class AggregatedSink:
     def release_sources(self) -> None:
         """Every write issued so far has been copied out of its source (which may be released);
         the writes land when their transaction commits (see `flush`)."""
+        self._drain_encoding()
         while self._copies:
             self._copied()
         self._order.forget()  # every copy is done
@@ -166,19 +231,25 @@ class AggregatedSink:
         """Commit the open transaction (in the background) and open the next one."""
         if not self._dirty:
             return
+        self._drain_encoding()
         # A shard this transaction shares with one still committing: that one lands first, so
         # the read-modify-write of the shard starts from what it wrote.
-        last = max((i for i, (_, keys, _) in enumerate(self._committing) if keys & self._touched),
+        last = max((i for i, (_, keys, *_) in enumerate(self._committing) if keys & self._touched),
                    default=-1)  # fmt: skip
         for _ in range(last + 1):
             self._retire()
         for opening in self._creating:
             opening.result()
         self._creating.clear()
-        self._committing.append((self._txn.commit_async(), self._touched, self._staged))
+        raw_fps: Fingerprints = {}
+        if self._raw is not None:
+            raw_fps, self._raw.known = self._raw.known, {}
+        self._committing.append((self._txn.commit_async(), self._touched, self._staged, raw_fps))
         self._landing += self._staged
         self._txn, self._bound, self._touched = ts.Transaction(), {}, set()
-        self._staged, self._dirty = 0, False
+        self._staged, self._dirty, self._raw_open = 0, False, set()
+        if self._raw is not None:
+            self._raw.bind(self._txn)
         # The landing transactions hold their bytes until written (and encode them on the way):
         # bounded by count and by bytes, so that the next one's share still fits the budget.
         while len(self._committing) > MAX_COMMITTING or (
@@ -189,21 +260,34 @@ class AggregatedSink:
     def _retire(self) -> None:
         """Wait until the oldest landing transaction has committed; its shards then go to the
         settle thread (fingerprints, writeback)."""
-        fut, shards, n = self._committing.popleft()
+        fut, shards, n, raw_fps = self._committing.popleft()
         self._landing -= n
         fut.result()
         if self._files is None:
+            self._record(shards, raw_fps, {})  # the others are read by `finish`
             return
         if self._settler is None:
             self._settler = ThreadPoolExecutor(1, thread_name_prefix="ucp-settle")
-        self._settling.append(self._settler.submit(self._fingerprint_and_settle, shards))
+        self._settling.append(self._settler.submit(self._fingerprint_and_settle, shards, raw_fps))
         while self._settling and self._settling[0].done():
             self._settling.popleft().result()
 
-    def _fingerprint_and_settle(self, shards: set[Shard]) -> None:
+    def _record(self, shards: set[Shard], raw_fps: Fingerprints, got: dict[str, str]) -> None:
+        """Take a landed transaction's fingerprints, in landing order: those its raw shards
+        came with, those read back (`got`, full key -> fingerprint); a shard it wrote with
+        neither loses an earlier one (`finish` reads it)."""
+        for path, idx in shards:
+            key = store.chunk_key(idx)
+            fp = raw_fps.get(path, {}).get(key) or got.get(f"{path}/{key}")
+            if fp is None:
+                self._fps.get(path, {}).pop(key, None)
+            else:
+                self._fps.setdefault(path, {})[key] = fp
+
+    def _fingerprint_and_settle(self, shards: set[Shard], raw_fps: Fingerprints) -> None:
         """Background: start the writeback of the data files a landed transaction wrote,
-        fingerprint its shards while their pages are hot, then wait for the writeback and drop
-        the pages."""
+        fingerprint the shards it wrote through TensorStore while their pages are hot (raw
+        shards came with theirs), then wait for the writeback and drop the pages."""
         assert self._files is not None
         new = sorted(set(store.listdir(self._files)) - self._seen)
         self._seen.update(new)
@@ -212,18 +296,24 @@ class AggregatedSink:
             store.start_writeback(path)
         by_array: dict[str, list[str]] = {}
         for path, idx in shards:
-            by_array.setdefault(path, []).append(f"{path}/{store.chunk_key(idx)}")
+            key = store.chunk_key(idx)
+            if key not in raw_fps.get(path, {}):
+                by_array.setdefault(path, []).append(f"{path}/{key}")
         items = [(self._infos[p], keys) for p, keys in by_array.items()]
-        got = integrity.fingerprints_many(self.db.kv(), items)
-        for p, keys in by_array.items():
-            table = self._fps.setdefault(p, {})
-            for k in keys:
-                if k in got:
-                    table[k[len(p) + 1 :]] = got[k]
+        got = integrity.fingerprints_many(self.db.kv(), items) if items else {}
+        self._record(shards, raw_fps, got)
         for path in paths:
             with contextlib.suppress(OSError):
                 if os.path.getsize(path) >= SETTLE_MIN_BYTES:
                     store.settle_file(path)
+
+    def _stop_encoding(self) -> None:
+        for fut, _ in self._encoding:
+            fut.cancel()
+        self._encoding.clear()
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=True)
+            self._encoder = None
 
     def _stop_settling(self) -> None:
         try:
@@ -249,6 +339,7 @@ class AggregatedSink:
         """Land everything, write this process's fingerprint table, then (local files) fsync the
         process database once, before the caller's COMMIT."""
         self.flush()
+        self._stop_encoding()
         self._stop_settling()
         process_tables.write_process_table(self.db, written, "p0", known=self._fps)
         if self.local is not None:
@@ -257,7 +348,10 @@ class AggregatedSink:
     def abort(self) -> None:
         """Drop the open transaction and let the committing ones end, quietly."""
         self._creating.clear()
+        self._stop_encoding()
         self._order.forget()
+        if self._raw is not None:
+            self._raw.known = {}
         with contextlib.suppress(Exception):
             self._txn.abort()
         while self._committing:

@@ -401,13 +401,14 @@ def _import_zero(lay: RankFiles, w: AtomWriter, progress: bool | None) -> None:
 
 
 def _read_ahead(items: Iterator[tuple[Any, ...]], budget: int, threads: int = 4) -> Iterator[Any]:
-    """(item, item[3].numpy()) in order, reading up to `budget` bytes ahead on a thread pool."""
+    """(item, item[3].mapped()) in order, up to `budget` bytes ahead on a thread pool (mapped
+    tensors are read where they are used; small ones are read here)."""
     from concurrent.futures import ThreadPoolExecutor
 
     window: InflightWindow[tuple[Any, Any]] = InflightWindow(budget)
     with ThreadPoolExecutor(threads, thread_name_prefix="ucp-read") as pool:
         for item in items:
-            for it, fut in window.push((item, pool.submit(item[3].numpy)), item[3].nbytes):
+            for it, fut in window.push((item, pool.submit(item[3].mapped)), item[3].nbytes):
                 yield it, fut.result()
         for it, fut in window.drain():
             yield it, fut.result()
