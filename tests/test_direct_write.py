@@ -231,7 +231,8 @@ def _import(dst: Path, arrays: dict[str, np.ndarray], direct: bool, monkeypatch,
         return real(data, info, *rest)
 
     monkeypatch.setattr(encode, "encode_shard", counting)
-    with AtomWriter(dst, layout="aggregated", max_inflight_bytes=budget) as w:
+    with AtomWriter(dst, layout="aggregated", max_inflight_bytes=budget,
+                    encode_whole_shards=True) as w:  # fmt: skip
         for name, a in arrays.items():
             w.atom(name, a.shape)
             rows = box_rows if a.ndim > 1 else a.shape[0]  # a vector in one go
@@ -301,7 +302,8 @@ def test_import_raw_and_array_writes_of_one_shard_keep_the_last(
     rng = np.random.default_rng(6)
     want = np.zeros((16, 256), np.float32)
     dst = tmp_path / "ck"
-    with AtomWriter(dst, layout="aggregated", max_inflight_bytes=budget) as w:
+    with AtomWriter(dst, layout="aggregated", max_inflight_bytes=budget,
+                    encode_whole_shards=True) as w:  # fmt: skip
         w.atom("x", want.shape)
         assert w._sink._raw is not None
 

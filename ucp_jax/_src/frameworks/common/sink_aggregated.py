@@ -15,6 +15,14 @@ pages still hot) and then waits for that writeback and drops the pages (`store.s
 pages are recycled instead of fresh memory taken for every byte written, which is most of the cost
 of writing on a VM); one `store.sync_tree` pass over the database makes everything durable before
 the table is final and COMMIT is written.
+
+With `encode_shards` (an importer's choice: `AtomWriter(encode_whole_shards=True)`), a write that
+covers whole shards is encoded here, as a save does (format/encode.py: hardware CRC32C, the
+fingerprint known, nothing read back), on a thread of its own into reused buffers, and handed to
+the open transaction as raw values in the order written. TensorStore does not order a raw value
+and an array write of the same shard within one transaction (its chunk's pending writes are
+applied where the first of them was), so a write of the other kind to a shard the open
+transaction already holds commits that transaction first.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ class AggregatedSink:
 
     version = aggregate.AGGREGATED_VERSION
 
-    def __init__(self, target: store.Location, budget: int) -> None:
+    def __init__(self, target: store.Location, budget: int, *, encode_shards: bool = False) -> None:
         self.target = target
         self.local = target.local_path
         self.budget = max(int(budget), 1)
@@ -70,9 +78,10 @@ class AggregatedSink:
         self._copying = 0  # bytes of sources not copied yet
         self._order = WriteOrder()  # a write overlapping one still copying waits for it
         self._touched: set[Shard] = set()  # shards the open transaction writes into
-        # Whole shards are encoded here (hardware CRC32C, fingerprint known) and written as raw
-        # values into the open transaction; the rest through TensorStore's array write.
-        self._raw = encode.RawWriter(self.db.kv()) if encode.available() else None
+        # With `encode_shards`, whole shards are encoded here (hardware CRC32C, fingerprint known)
+        # and written as raw values into the open transaction; the rest through TensorStore's
+        # array write.
+        self._raw = encode.RawWriter(self.db.kv()) if encode_shards and encode.available() else None
         if self._raw is not None:
             self._raw.bind(self._txn)
         self._raw_open: set[Shard] = set()  # shards the open transaction writes raw

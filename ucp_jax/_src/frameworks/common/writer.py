@@ -136,6 +136,7 @@ class AtomWriter:
         overwrite: bool = False,
         max_inflight_bytes: int | None = None,
         layout: str | None = None,
+        encode_whole_shards: bool = False,
     ) -> None:
         """Prepare the staging area of `dst` (refused if it holds a checkpoint, unless `overwrite`).
 
@@ -146,6 +147,11 @@ class AtomWriter:
                 `UCP_IMPORT_INFLIGHT_BYTES`).
             layout: 'aggregated' (format version 3) or 'per-array' (version 2); default
                 `UCP_LAYOUT`, else 'aggregated'.
+            encode_whole_shards: format version 3: encode writes that cover whole shards here
+                (hardware CRC32C, on a thread of their own) instead of in TensorStore (see
+                `sink_aggregated`). Faster for sources read as flat, contiguous fragments (the
+                DeepSpeed import: 0.89x the wall time); slower where the importing thread is
+                busy itself (Hugging Face 1.12x, Orbax 1.22x), so importers opt in.
         """
         layout = layout or config.save_layout()
         if layout not in ("aggregated", "per-array"):
@@ -162,7 +168,7 @@ class AtomWriter:
         self.staging.prepare()
         self.layout = layout
         self._sink: AggregatedSink | PerArraySink = (
-            AggregatedSink(self.staging.target, self.budget)
+            AggregatedSink(self.staging.target, self.budget, encode_shards=encode_whole_shards)
             if layout == "aggregated"
             else PerArraySink(self.staging.target, self.budget)
         )

@@ -308,7 +308,12 @@ def import_deepspeed(
     if skipped:
         source["deepspeed"]["hf_config_skipped"] = skipped
     if cfg is None:
-        with AtomWriter(dst, overwrite=overwrite, max_inflight_bytes=max_inflight_bytes) as w:
+        with AtomWriter(
+            dst,
+            overwrite=overwrite,
+            max_inflight_bytes=max_inflight_bytes,
+            encode_whole_shards=True,
+        ) as w:
             _import_raw(lay, w, progress)
             return w.commit(step=lay.step(), source=source)
     # the torch-named atoms first (a temporary checkpoint beside dst), then the model's
@@ -317,7 +322,7 @@ def import_deepspeed(
         local and os.path.isdir(os.path.dirname(os.path.abspath(dst)))) else None)  # fmt: skip
     try:
         raw = os.path.join(tmp, "raw")
-        with AtomWriter(raw, max_inflight_bytes=max_inflight_bytes) as w:
+        with AtomWriter(raw, max_inflight_bytes=max_inflight_bytes, encode_whole_shards=True) as w:
             _import_raw(lay, w, progress)
             w.commit(step=lay.step(), source=source)
         with AtomWriter(dst, overwrite=overwrite, max_inflight_bytes=max_inflight_bytes) as w:
