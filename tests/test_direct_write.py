@@ -305,7 +305,7 @@ def test_import_raw_and_array_writes_of_one_shard_keep_the_last(
     with AtomWriter(dst, layout="aggregated", max_inflight_bytes=budget,
                     encode_whole_shards=True) as w:  # fmt: skip
         w.atom("x", want.shape)
-        assert w._sink._raw is not None
+        assert w._sink._encodes
 
         def put(r0: int, r1: int, c0: int = 0, c1: int = 256) -> None:
             data = rng.standard_normal((r1 - r0, c1 - c0)).astype(np.float32)

@@ -683,12 +683,47 @@ done:
     return result;
 }
 
+/* seal_chunks(buf, count, body, stride) -> bytes: for k < count, the CRC32C of the `body` bytes at
+ * k * stride, written (4 bytes, little-endian) right after them, as zarr3's crc32c codec lays out
+ * a shard's inner chunks; returns those trailers, one after another. One call, the GIL released:
+ * the encoder of a shard otherwise takes the interpreter lock once per inner chunk. */
+static PyObject *seal_chunks(PyObject *self, PyObject *args) {
+    PyObject *buf_o;
+    long long count, body, stride;
+    if (!PyArg_ParseTuple(args, "OLLL", &buf_o, &count, &body, &stride)) return NULL;
+    Py_buffer b = {0};
+    if (PyObject_GetBuffer(buf_o, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (count < 0 || body < 0 || stride < body + 4 ||
+        (count > 0 && (count - 1) > ((long long)b.len - body - 4) / stride)) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "seal_chunks: count chunks of body + 4 bytes at stride do not fit the buffer");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * 4));
+    if (out == NULL) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    unsigned char *tr = (unsigned char *)PyBytes_AS_STRING(out);
+    unsigned char *base = (unsigned char *)b.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (long long k = 0; k < count; k++) {
+        unsigned char *p = base + k * stride;
+        uint32_t c = ~crc_extend(0xFFFFFFFFu, p, (size_t)body);
+        for (int i = 0; i < 4; i++) p[body + i] = tr[4 * k + i] = (unsigned char)(c >> (8 * i));
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"read_chunks", read_chunks, METH_VARARGS, "Read chunks into scattered rows, each checked by its CRC32C."},
     {"crc32c", crc32c_of, METH_O, "The CRC32C of a contiguous buffer (the same function read_chunks checks with)."},
     {"hardware", hardware, METH_NOARGS, "The CRC32C runs on the CPU's CRC instruction."},
     {"read_shard", read_shard, METH_VARARGS, "One shard: its index, then whole inner chunks into place, checked."},
     {"read_at", read_at, METH_VARARGS, "The same number of bytes from each of many offsets of a file."},
+    {"seal_chunks", seal_chunks, METH_VARARGS, "CRC32C trailers of chunks laid out at a stride, written in place."},
     {NULL, NULL, 0, NULL},
 };
 

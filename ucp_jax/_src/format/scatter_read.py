@@ -30,6 +30,17 @@ except ImportError:  # not built here (a source tree without a compiler): the bu
     _native = None
 
 
+def seal_chunks(buf: Any, count: int, body: int, stride: int) -> bytes:
+    """CRC32C trailers of `count` chunks of `body` bytes at `stride` in `buf`, written in place
+    after each chunk and returned one after another (see `_scatter_read.seal_chunks`; `built()`
+    must be true).
+
+    >>> b = bytearray(b"123456789" + bytes(4)); seal_chunks(b, 1, 9, 13).hex() if built() else "839206e3"
+    '839206e3'
+    """
+    return bytes(_native.seal_chunks(buf, count, body, stride))
+
+
 def built() -> bool:
     """The extension is built and runs its CRC32C on the CPU's CRC instruction.
 

@@ -55,6 +55,21 @@ Fingerprints = dict[str, dict[str, str]]  # array path -> chunk key -> fingerpri
 Landing = tuple[Any, set[Shard], int, Fingerprints]
 
 
+class _Closed:
+    """A transaction closed to new writes: committed once the shards it sent to be encoded are
+    in it (`pending` of them are not yet)."""
+
+    __slots__ = ("creating", "fps", "pending", "staged", "touched", "txn")
+
+    def __init__(self, txn: Any) -> None:
+        self.txn = txn
+        self.touched: set[Shard] = set()
+        self.staged = 0
+        self.fps: Fingerprints = {}  # of its raw shards
+        self.creating: list[Any] = []
+        self.pending = 0
+
+
 class AggregatedSink:
     """Where an `AtomWriter` of format version 3 puts its arrays (this process: `p0`)."""
 
@@ -81,16 +96,21 @@ class AggregatedSink:
         # With `encode_shards`, whole shards are encoded here (hardware CRC32C, fingerprint known)
         # and written as raw values into the open transaction; the rest through TensorStore's
         # array write.
-        self._raw = encode.RawWriter(self.db.kv()) if encode_shards and encode.available() else None
-        if self._raw is not None:
-            self._raw.bind(self._txn)
+        self._encodes = encode_shards and encode.available()
+        self._kv = self.db.kv()
         self._raw_open: set[Shard] = set()  # shards the open transaction writes raw
         # Encoding runs on a thread of its own (its copies and checksums release the GIL) while
-        # this thread hands earlier shards to TensorStore (a copy that holds the GIL), in order:
-        # (future of the encoded shards, the array's slot info)
+        # this thread hands earlier shards to TensorStore (a copy that holds the GIL), in order,
+        # each into the transaction that was open when it was written; a transaction closed
+        # meanwhile commits once its last shard is in (`_pump`):
+        # (future of the encoded shards, the array's slot info, its transaction's record)
         self._encoder: ThreadPoolExecutor | None = None
         self._pool = encode.BufferPool(ENCODING + 2)
-        self._encoding: collections.deque[tuple[Future[Any], SlotInfo]] = collections.deque()
+        self._encoding: collections.deque[tuple[Future[Any], SlotInfo, _Closed]] = (
+            collections.deque()
+        )
+        self._open = _Closed(self._txn)  # the open transaction's record (raw shards, pending)
+        self._closed: collections.deque[_Closed] = collections.deque()
         self._left: dict[Shard, int] = {}  # elements of a shard not written yet (when > 0)
         # (commit future, shards it wrote, bytes it holds, fingerprints of its raw shards) of the
         # transactions landing
@@ -143,7 +163,7 @@ class AggregatedSink:
         in one transaction: the open one is committed first.
         """
         shards = self._shards(info, box)
-        if self._raw is not None and encode.covers_whole_shards(self._shapes[info.path], info, box):
+        if self._encodes and encode.covers_whole_shards(self._shapes[info.path], info, box):
             if not shards.isdisjoint(self._touched - self._raw_open):
                 self._commit_open()
             self._order.before(info.path, box)  # an earlier array write of it is copied
@@ -166,23 +186,31 @@ class AggregatedSink:
         if self._encoder is None:
             self._encoder = ThreadPoolExecutor(1, thread_name_prefix="ucp-encode")
         fut = self._encoder.submit(encode.encode_region, info, box, data, self._pool)
-        self._encoding.append((fut, info))
-        while self._encoding and (self._encoding[0][0].done() or len(self._encoding) > ENCODING):
+        self._encoding.append((fut, info, self._open))
+        self._open.pending += 1
+        while len(self._encoding) > ENCODING:
             self._put_encoded()
+        self._pump()
 
     def _put_encoded(self) -> None:
-        """Hand the oldest encoded region's shards to the open transaction."""
-        assert self._raw is not None
-        fut, info = self._encoding.popleft()
+        """Hand the oldest encoded region's shards to its transaction (waiting for them)."""
+        fut, info, rec = self._encoding.popleft()
         shards = fut.result()
-        self._raw.put(info, shards)  # TensorStore has copied the values: their buffers are free
-        for _, value, _ in shards:
+        kv = self._kv.with_transaction(rec.txn)
+        fps = rec.fps.setdefault(info.path, {})
+        for key, value, fp in shards:
+            kv.write(f"{info.path}/{key}", value)  # copied by TensorStore: the buffer is free
+            fps[key] = fp
             self._pool.give(value)
+        rec.pending -= 1
 
-    def _drain_encoding(self) -> None:
-        """Every region sent to be encoded is in the open transaction (its source released)."""
-        while self._encoding:
+    def _pump(self, *, wait: bool = False) -> None:
+        """Hand over the regions encoded so far (with `wait`: every one), then commit the
+        closed transactions that have all their shards."""
+        while self._encoding and (wait or self._encoding[0][0].done()):
             self._put_encoded()
+        while self._closed and self._closed[0].pending == 0:
+            self._land(self._closed.popleft())
 
     @staticmethod
     def _shards(info: SlotInfo, box: Box) -> set[Shard]:
@@ -225,7 +253,7 @@ class AggregatedSink:
     def release_sources(self) -> None:
         """Every write issued so far has been copied out of its source (which may be released);
         the writes land when their transaction commits (see `flush`)."""
-        self._drain_encoding()
+        self._pump(wait=True)
         while self._copies:
             self._copied()
         self._order.forget()  # every copy is done
@@ -237,28 +265,30 @@ class AggregatedSink:
         fut.copy.result()
 
     def _commit_open(self) -> None:
-        """Commit the open transaction (in the background) and open the next one."""
+        """Close the open transaction and open the next one; the closed one commits (in the
+        background) once the shards it sent to be encoded are in it."""
         if not self._dirty:
             return
-        self._drain_encoding()
+        rec = self._open
+        rec.touched, rec.staged, rec.creating = self._touched, self._staged, self._creating
+        self._closed.append(rec)
+        self._landing += self._staged
+        self._txn, self._bound, self._touched, self._creating = ts.Transaction(), {}, set(), []
+        self._staged, self._dirty, self._raw_open = 0, False, set()
+        self._open = _Closed(self._txn)
+        self._pump()
+
+    def _land(self, rec: _Closed) -> None:
+        """Commit a closed transaction (in the background)."""
         # A shard this transaction shares with one still committing: that one lands first, so
         # the read-modify-write of the shard starts from what it wrote.
-        last = max((i for i, (_, keys, *_) in enumerate(self._committing) if keys & self._touched),
+        last = max((i for i, (_, keys, *_) in enumerate(self._committing) if keys & rec.touched),
                    default=-1)  # fmt: skip
         for _ in range(last + 1):
             self._retire()
-        for opening in self._creating:
+        for opening in rec.creating:
             opening.result()
-        self._creating.clear()
-        raw_fps: Fingerprints = {}
-        if self._raw is not None:
-            raw_fps, self._raw.known = self._raw.known, {}
-        self._committing.append((self._txn.commit_async(), self._touched, self._staged, raw_fps))
-        self._landing += self._staged
-        self._txn, self._bound, self._touched = ts.Transaction(), {}, set()
-        self._staged, self._dirty, self._raw_open = 0, False, set()
-        if self._raw is not None:
-            self._raw.bind(self._txn)
+        self._committing.append((rec.txn.commit_async(), rec.touched, rec.staged, rec.fps))
         # The landing transactions hold their bytes until written (and encode them on the way):
         # bounded by count and by bytes, so that the next one's share still fits the budget.
         while len(self._committing) > MAX_COMMITTING or (
@@ -317,7 +347,7 @@ class AggregatedSink:
                     store.settle_file(path)
 
     def _stop_encoding(self) -> None:
-        for fut, _ in self._encoding:
+        for fut, *_ in self._encoding:
             fut.cancel()
         self._encoding.clear()
         if self._encoder is not None:
@@ -338,6 +368,7 @@ class AggregatedSink:
         """Every write issued so far has landed (the open transaction is committed, and every
         transaction has committed) and no longer holds its source."""
         self._commit_open()
+        self._pump(wait=True)
         while self._committing:
             self._retire()
         self.release_sources()  # copied before their transactions committed: nothing to wait for
@@ -359,10 +390,10 @@ class AggregatedSink:
         self._creating.clear()
         self._stop_encoding()
         self._order.forget()
-        if self._raw is not None:
-            self._raw.known = {}
-        with contextlib.suppress(Exception):
-            self._txn.abort()
+        for txn in [rec.txn for rec in self._closed] + [self._txn]:
+            with contextlib.suppress(Exception):
+                txn.abort()
+        self._closed.clear()
         while self._committing:
             with contextlib.suppress(Exception):
                 self._retire()
