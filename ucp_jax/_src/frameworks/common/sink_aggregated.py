@@ -46,6 +46,7 @@ from .write_order import WriteOrder
 TXN_SHARE = 4  # a transaction is committed once it holds budget / TXN_SHARE bytes and every
 # shard it touched is whole, or once it holds the whole budget (a shard left open is rewritten)
 ENCODING = 2  # regions of whole shards encoded ahead (each at most writer.IMPORT_SHARD_BYTES)
+ENCODE_BUFFERS = 2 * ENCODING + 1  # encoded shards held at most: those ahead, one more, the pool
 MAX_COMMITTING = 2  # transactions writing their data files while the next one fills (at most:
 # their bytes and the next one's budget / TXN_SHARE stay within the budget)
 SETTLE_MIN_BYTES = 1 << 20  # data files smaller than this (B-tree nodes, small values) stay cached
@@ -105,7 +106,7 @@ class AggregatedSink:
         # meanwhile commits once its last shard is in (`_pump`):
         # (future of the encoded shards, the array's slot info, its transaction's record)
         self._encoder: ThreadPoolExecutor | None = None
-        self._pool = encode.BufferPool(ENCODING + 2)
+        self._pool = encode.BufferPool(ENCODING)
         self._encoding: collections.deque[tuple[Future[Any], SlotInfo, _Closed]] = (
             collections.deque()
         )

@@ -26,6 +26,7 @@ from ...mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_t
 from ...untrusted.paths import check_component
 from ...util import config
 from ...util.dtypes import dtype_name
+from . import sink_aggregated
 from .sink_aggregated import AggregatedSink
 from .sink_per_array import PerArraySink
 
@@ -160,9 +161,10 @@ class AtomWriter:
         if max_inflight_bytes is None:
             max_inflight_bytes = config.import_inflight_bytes()
         self.budget = max(int(max_inflight_bytes), 1)
-        # the writes in flight, and a shard being encoded
-        space.require_memory(self.budget + 2 * IMPORT_SHARD_BYTES, f"{self.loc.url}: the import",
-                             space.IMPORT_FIX)  # fmt: skip
+        # the writes in flight, and a shard being encoded (or the sink's encoded shards)
+        extra = 2 + (sink_aggregated.ENCODE_BUFFERS if encode_whole_shards else 0)
+        space.require_memory(self.budget + extra * IMPORT_SHARD_BYTES,
+                             f"{self.loc.url}: the import", space.IMPORT_FIX)  # fmt: skip
         self.staging = commit.Staging(self.loc, overwrite=overwrite)
         self.staging.check()
         self.staging.prepare()
