@@ -251,3 +251,33 @@ def test_shard_size_cap(tmp_path, monkeypatch, layout):
         tmp_path / "ck", {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)}
     )
     assert np.asarray(out["w"]).tobytes() == x.tobytes()
+
+
+@pytest.mark.parametrize("wanted", ["most-arrays", "one-array"])
+def test_a_chunk_missing_from_the_database_is_named(tmp_path, monkeypatch, wanted):
+    """A chunk key deleted from the database (its fingerprint table intact) would read as zeros:
+    it is refused, naming the atom, whether the arrays were listed all in one listing (a restore
+    of most of them) or one by one."""
+    import tensorstore as ts
+
+    from ucp_jax._src.format import listing
+
+    tree = _tree(12, width=64)
+    ucp.save(tmp_path / "ck", place(tree, mesh_of((2,))), step=1)
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path / 'ck'}/"}).result()
+    gone = sorted(k.decode() for k in kv.list().result() if b"/l003/" in k and b"/c" in k)[0]
+    kv.write(gone, None).result()  # deleted
+    batched: list[int] = []
+    real = listing.BatchListing.__init__
+
+    def counting(self, kv, paths):
+        batched.append(len(paths))
+        real(self, kv, paths)
+
+    monkeypatch.setattr(listing.BatchListing, "__init__", counting)
+    with pytest.raises(ucp.ChecksumError, match="'l003'.* is missing 1 chunk file"):
+        if wanted == "most-arrays":
+            ucp.restore(tmp_path / "ck", targets(tree, mesh_of((2,))))
+        else:
+            ucp.open(tmp_path / "ck").read("l003")
+    assert bool(batched) == (wanted == "most-arrays"), batched
