@@ -275,7 +275,7 @@ def test_a_chunk_missing_from_the_database_is_named(tmp_path, monkeypatch, wante
         real(self, kv, paths)
 
     monkeypatch.setattr(listing.BatchListing, "__init__", counting)
-    with pytest.raises(ucp.ChecksumError, match="'l003'.* is missing 1 chunk file"):
+    with pytest.raises(ucp.ChecksumError, match=r"'l003'.* is missing 1 chunk file"):
         if wanted == "most-arrays":
             ucp.restore(tmp_path / "ck", targets(tree, mesh_of((2,))))
         else:
