@@ -205,8 +205,11 @@ class Checkpoint:
         for (name, slot, shape, si), (kv, listed, meta) in zip(todo, started):
             where = f"{self.path}: atom {name!r} slot {slot!r}"
             try:
-                present = (batch.keys(si.path) if batch is not None
-                           else {k.decode() for k in listed.result()})  # fmt: skip
+                if listed is None:
+                    assert batch is not None
+                    present = batch.keys(si.path)
+                else:
+                    present = {k.decode() for k in listed.result()}
                 _check_metadata(meta.result(), shape, si, where)
                 missing = sorted(store.expected_chunk_keys(shape, si) - present)
                 if missing:
