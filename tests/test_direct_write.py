@@ -8,8 +8,10 @@ the fingerprints the writer took from the encoder must be those `ucp verify` rec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -46,8 +48,21 @@ def _state(dtype: str) -> dict[str, np.ndarray]:
 def _save(path: Path, state: dict, mesh_shape: tuple[int, ...], style: str, direct: bool,
           monkeypatch) -> int:  # fmt: skip
     """Save `state` placed on a mesh; return how many shards the encoder wrote."""
+    placed = jax.tree.map(
+        lambda x, t: jax.device_put(x, t.sharding),
+        state,
+        targets(state, mesh_of(mesh_shape), style),
+    )
+    with _encoded(monkeypatch, direct) as calls:
+        ucp.save(path, placed)
+    return len(calls)
+
+
+@contextlib.contextmanager
+def _encoded(monkeypatch, direct: bool) -> Iterator[list[str]]:
+    """Within: `UCP_DIRECT_WRITE` on or off, and the array paths of the shards encoded here."""
     monkeypatch.setenv("UCP_DIRECT_WRITE", "1" if direct else "0")
-    calls = []
+    calls: list[str] = []
     real = encode.encode_shard
 
     def counting(data: np.ndarray, info: SlotInfo, *rest) -> tuple[bytes | bytearray, str]:
@@ -55,15 +70,11 @@ def _save(path: Path, state: dict, mesh_shape: tuple[int, ...], style: str, dire
         return real(data, info, *rest)
 
     monkeypatch.setattr(encode, "encode_shard", counting)
-    placed = jax.tree.map(
-        lambda x, t: jax.device_put(x, t.sharding),
-        state,
-        targets(state, mesh_of(mesh_shape), style),
-    )
-    ucp.save(path, placed)
-    monkeypatch.setattr(encode, "encode_shard", real)
-    monkeypatch.delenv("UCP_DIRECT_WRITE")
-    return len(calls)
+    try:
+        yield calls
+    finally:
+        monkeypatch.setattr(encode, "encode_shard", real)
+        monkeypatch.delenv("UCP_DIRECT_WRITE")
 
 
 def _values(path: Path) -> dict[str, bytes]:
@@ -221,18 +232,13 @@ def _import(dst: Path, arrays: dict[str, np.ndarray], direct: bool, monkeypatch,
     from ucp_jax._src.frameworks.common import writer
     from ucp_jax._src.frameworks.common.writer import AtomWriter
 
-    monkeypatch.setenv("UCP_DIRECT_WRITE", "1" if direct else "0")
     monkeypatch.setattr(writer, "IMPORT_SHARD_BYTES", 128 << 10)
-    calls = []
-    real = encode.encode_shard
-
-    def counting(data: np.ndarray, info: SlotInfo, *rest) -> tuple[bytes | bytearray, str]:
-        calls.append(info.path)
-        return real(data, info, *rest)
-
-    monkeypatch.setattr(encode, "encode_shard", counting)
-    with AtomWriter(dst, layout="aggregated", max_inflight_bytes=budget,
-                    encode_whole_shards=True) as w:  # fmt: skip
+    with (
+        _encoded(monkeypatch, direct) as calls,
+        AtomWriter(
+            dst, layout="aggregated", max_inflight_bytes=budget, encode_whole_shards=True
+        ) as w,
+    ):
         for name, a in arrays.items():
             w.atom(name, a.shape)
             rows = box_rows if a.ndim > 1 else a.shape[0]  # a vector in one go
@@ -240,8 +246,6 @@ def _import(dst: Path, arrays: dict[str, np.ndarray], direct: bool, monkeypatch,
                 box = ((r, min(r + rows, a.shape[0])), *((0, d) for d in a.shape[1:]))
                 w.write(name, "fp32", box, a[r : r + rows].copy())
         w.commit(step=1, source={"framework": "test"})
-    monkeypatch.setattr(encode, "encode_shard", real)
-    monkeypatch.delenv("UCP_DIRECT_WRITE")
     return len(calls)
 
 
