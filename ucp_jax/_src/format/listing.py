@@ -2,7 +2,7 @@
 
 A restore checks, for every array it reads, that no chunk is missing (a missing chunk would read
 as zeros). Listing each array separately costs a walk of the database per array: 24 of the
-206 ms of restoring a 732-array tree here. Where most of a checkpoint's arrays are wanted, one
+206 ms of restoring a 274-array tree here. Where most of a checkpoint's arrays are wanted, one
 listing of the range that holds them all is cut into each array's keys instead.
 """
 
