@@ -161,12 +161,19 @@ def test_partial_shards_fall_back_in_the_same_transaction(tmp_path: Path, monkey
     [((), (), None), ((6,), (6,), None), ((8, 12), (8, 12), (2, 12)), ((8, 12), (8, 12), (4, 3)),
      ((4, 6, 10), (4, 6, 10), (2, 3, 5)), ((16, 4), (8, 4), (1, 4))],
 )  # fmt: skip
+@pytest.mark.parametrize("sealed_in_c", [True, False], ids=["seal_chunks", "python-loop"])
 def test_encode_shard_matches_tensorstore_and_fingerprint(
-    tmp_path: Path, dtype: str, shape, chunks, inner
+    tmp_path: Path, monkeypatch, dtype: str, shape, chunks, inner, sealed_in_c: bool
 ) -> None:
     """One shard per case, sharded and not, C-ordered and transposed views: the encoder's bytes
     equal TensorStore's for the same region, and its fingerprint equals
-    `integrity.fingerprint_range` over those bytes."""
+    `integrity.fingerprint_range` over those bytes; with the inner chunks' trailers written by
+    the C extension's `seal_chunks` and by the Python loop used without it."""
+    from ucp_jax._src.format import scatter_read
+
+    if sealed_in_c and not scatter_read.can_seal():
+        pytest.skip("the C extension is not built here")
+    monkeypatch.setattr(scatter_read, "can_seal", lambda: sealed_in_c)
     from ucp_jax._src.format import store
 
     rng = np.random.default_rng(1)

@@ -178,7 +178,7 @@ def encode_shard(
     dest = np.ndarray((*grid, *inner), le, value, 0, (*grid_strides, *inner_strides))
     split = data.reshape([x for g, i in zip(grid, inner) for x in (g, i)])
     np.copyto(dest, split.transpose([*range(0, 2 * nd, 2), *range(1, 2 * nd, 2)]))
-    if scatter_read.built():  # every trailer in one call, the GIL released
+    if scatter_read.can_seal():  # every trailer in one call, the GIL released
         trailers = scatter_read.seal_chunks(value, n, body_bytes, body_bytes + 4)
     else:
         out, parts = memoryview(value), []

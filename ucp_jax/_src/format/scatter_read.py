@@ -30,12 +30,21 @@ except ImportError:  # not built here (a source tree without a compiler): the bu
     _native = None
 
 
+def can_seal() -> bool:
+    """`seal_chunks` is here: the extension is built (a build older than it lacks it).
+
+    >>> isinstance(can_seal(), bool)
+    True
+    """
+    return built() and hasattr(_native, "seal_chunks")
+
+
 def seal_chunks(buf: Any, count: int, body: int, stride: int) -> bytes:
     """CRC32C trailers of `count` chunks of `body` bytes at `stride` in `buf`, written in place
-    after each chunk and returned one after another (see `_scatter_read.seal_chunks`; `built()`
+    after each chunk and returned one after another (see `_scatter_read.seal_chunks`; `can_seal()`
     must be true).
 
-    >>> b = bytearray(b"123456789" + bytes(4)); seal_chunks(b, 1, 9, 13).hex() if built() else "839206e3"
+    >>> b = bytearray(b"123456789" + bytes(4)); seal_chunks(b, 1, 9, 13).hex() if can_seal() else "839206e3"
     '839206e3'
     """
     return bytes(_native.seal_chunks(buf, count, body, stride))
