@@ -164,8 +164,8 @@ def scatter_read() -> bool:
 
 
 def direct_write() -> bool:
-    """Whether version-3 saves and imports encode whole shards themselves (`UCP_DIRECT_WRITE`, default on;
-    0: TensorStore encodes every chunk). See format/encode.py.
+    """Whether version-3 saves and imports encode whole shards themselves (`UCP_DIRECT_WRITE`,
+    default on; 0: TensorStore encodes every chunk). See format/encode.py.
 
     >>> isinstance(direct_write(), bool)
     True

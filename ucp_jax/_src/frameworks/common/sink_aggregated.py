@@ -60,13 +60,14 @@ class _Closed:
     """A transaction closed to new writes: committed once the shards it sent to be encoded are
     in it (`pending` of them are not yet)."""
 
-    __slots__ = ("creating", "fps", "pending", "staged", "touched", "txn")
+    __slots__ = ("creating", "pending", "raw", "staged", "touched", "txn")
 
-    def __init__(self, txn: Any) -> None:
+    def __init__(self, txn: Any, kv: Any) -> None:
         self.txn = txn
         self.touched: set[Shard] = set()
         self.staged = 0
-        self.fps: Fingerprints = {}  # of its raw shards
+        self.raw = encode.RawWriter(kv)  # its raw shards' writes (`raw.known`: their fingerprints)
+        self.raw.bind(txn)
         self.creating: list[Any] = []
         self.pending = 0
 
@@ -110,7 +111,7 @@ class AggregatedSink:
         self._encoding: collections.deque[tuple[Future[Any], SlotInfo, _Closed]] = (
             collections.deque()
         )
-        self._open = _Closed(self._txn)  # the open transaction's record (raw shards, pending)
+        self._open = _Closed(self._txn, self._kv)  # the open transaction's record
         self._closed: collections.deque[_Closed] = collections.deque()
         self._left: dict[Shard, int] = {}  # elements of a shard not written yet (when > 0)
         # (commit future, shards it wrote, bytes it holds, fingerprints of its raw shards) of the
@@ -120,7 +121,7 @@ class AggregatedSink:
         self._creating: list[Any] = []  # array creations of the open transaction
         self._infos: dict[str, SlotInfo] = {}
         # array path -> chunk key -> fingerprint taken after the chunk's last write landed
-        self._fps: dict[str, dict[str, str]] = {}
+        self._fps: Fingerprints = {}
         self._files = (os.path.join(self.local, f"{aggregate.PROCESS_PREFIX}0", "d")
                        if self.local is not None else None)  # fmt: skip
         self._seen: set[str] = set()  # data files already handed to the settler
@@ -176,7 +177,7 @@ class AggregatedSink:
             self._write_array(info, box, data, keep)
         self._dirty = True
         self._staged += data.nbytes
-        self._cover(info, box)
+        self._cover(info, box, shards)
         if self._staged >= self.budget // TXN_SHARE and (
             self._staged >= self.budget or not self._open_shards()
         ):
@@ -197,11 +198,8 @@ class AggregatedSink:
         """Hand the oldest encoded region's shards to its transaction (waiting for them)."""
         fut, info, rec = self._encoding.popleft()
         shards = fut.result()
-        kv = self._kv.with_transaction(rec.txn)
-        fps = rec.fps.setdefault(info.path, {})
-        for key, value, fp in shards:
-            kv.write(f"{info.path}/{key}", value)  # copied by TensorStore: the buffer is free
-            fps[key] = fp
+        rec.raw.put(info, shards)  # TensorStore has copied the values: their buffers are free
+        for _, value, _ in shards:
             self._pool.give(value)
         rec.pending -= 1
 
@@ -215,6 +213,7 @@ class AggregatedSink:
 
     @staticmethod
     def _shards(info: SlotInfo, box: Box) -> set[Shard]:
+        """The shards `box` of `info`'s array touches."""
         ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, info.chunks)]
         return {(info.path, idx) for idx in itertools.product(*ranges)}
 
@@ -230,13 +229,13 @@ class AggregatedSink:
         while self._copies and (self._copies[0][0].copy.done() or self._copying > self.budget):
             self._copied()
 
-    def _cover(self, info: SlotInfo, box: Box) -> None:
-        """Count the elements of each shard `box` writes (a shard is whole at zero left)."""
+    def _cover(self, info: SlotInfo, box: Box, shards: set[Shard]) -> None:
+        """Count the elements of each shard `box` writes (`shards`: those it touches; a shard
+        is whole at zero left)."""
         shape = self._shapes[info.path]
         chunks = info.chunks
-        ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, chunks)]
-        for idx in itertools.product(*ranges):
-            key = (info.path, idx)
+        for key in shards:
+            idx = key[1]
             lo_hi = [(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape)]
             left = self._left.get(key)
             if left is None:
@@ -276,7 +275,7 @@ class AggregatedSink:
         self._landing += self._staged
         self._txn, self._bound, self._touched, self._creating = ts.Transaction(), {}, set(), []
         self._staged, self._dirty, self._raw_open = 0, False, set()
-        self._open = _Closed(self._txn)
+        self._open = _Closed(self._txn, self._kv)
         self._pump()
 
     def _land(self, rec: _Closed) -> None:
@@ -289,7 +288,7 @@ class AggregatedSink:
             self._retire()
         for opening in rec.creating:
             opening.result()
-        self._committing.append((rec.txn.commit_async(), rec.touched, rec.staged, rec.fps))
+        self._committing.append((rec.txn.commit_async(), rec.touched, rec.staged, rec.raw.known))
         # The landing transactions hold their bytes until written (and encode them on the way):
         # bounded by count and by bytes, so that the next one's share still fits the budget.
         while len(self._committing) > MAX_COMMITTING or (
@@ -340,7 +339,7 @@ class AggregatedSink:
             if key not in raw_fps.get(path, {}):
                 by_array.setdefault(path, []).append(f"{path}/{key}")
         items = [(self._infos[p], keys) for p, keys in by_array.items()]
-        got = integrity.fingerprints_many(self.db.kv(), items) if items else {}
+        got = integrity.fingerprints_many(self._kv, items) if items else {}
         self._record(shards, raw_fps, got)
         for path in paths:
             with contextlib.suppress(OSError):
