@@ -8,6 +8,7 @@ bounds that do not fit the buffer must be an error before anything is read.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import crc32c
@@ -19,6 +20,21 @@ from ucp_jax._src.format import scatter_read
 pytestmark = pytest.mark.skipif(
     not scatter_read.built(), reason="the C extension is not built, or no CRC instruction here"
 )
+
+
+@pytest.fixture(autouse=True, params=["through the bounce buffer", "straight into place"])
+def read_way(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test both ways the extension reads a run of chunks: whole into a bounce buffer and
+    copied into place (short rows), or one iovec per row straight into place (long rows)."""
+    from ucp_jax._src.format import _scatter_read as native
+
+    if not hasattr(native, "bounce_below"):
+        pytest.skip("the built extension predates the bounce buffer: rebuild it")
+    old = native.bounce_below(1 << 62 if request.param.startswith("through") else 0)
+    try:
+        yield request.param
+    finally:
+        native.bounce_below(old)
 
 
 def _file(tmp_path: Path, chunks: list[np.ndarray], gap: int = 0) -> tuple[str, list[int]]:
