@@ -24,6 +24,7 @@ data file), located by format/ocdbt_index.py.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import threading
@@ -175,17 +176,7 @@ def shards_in(box: Box, chunks: Sequence[int]) -> Iterator[tuple[int, ...]]:
     >>> list(shards_in([(0, 3), (2, 4)], (2, 4)))
     [(0, 0), (1, 0)]
     """
-    ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, chunks)]
-    yield from _product(ranges)
-
-
-def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i, *rest)
+    return itertools.product(*(range(a // c, -(-b // c)) for (a, b), c in zip(box, chunks)))
 
 
 def meet(a: Box, b: Box) -> list[tuple[int, int]]:
@@ -354,7 +345,10 @@ def _read_sharded(
     todo: list[tuple[int, list[tuple[int, int]]]] = []  # (offset in the shard, inner box)
     step = math.prod(lay.inner) * lay.dtype.itemsize + 4
     data_end = ext.length - len(raw)
-    for idx in _product(meets):
+    took_all = whole is not None and all(
+        k == m.start and h == m.stop for m, k, h in zip(meets, *whole)
+    )  # the C reader took every inner chunk the box meets: nothing left to look at
+    for idx in () if took_all else itertools.product(*meets):
         if whole is not None and all(k <= j < h for j, k, h in zip(idx, *whole)):
             continue  # read by the C reader
         if table is None:
