@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import hashlib
 import math
 import os
 import threading
@@ -29,8 +28,8 @@ from .format import (
     store,
 )
 from .format.manifest import AtomInfo, Manifest
+from .format.zarr_json import check_zarr_json
 from .untrusted import paths
-from .untrusted.json import read_json
 from .util.dtypes import np_dtype
 
 
@@ -210,7 +209,7 @@ class Checkpoint:
                     present = batch.keys(si.path)
                 else:
                     present = {k.decode() for k in listed.result()}
-                _check_metadata(meta.result(), shape, si, where)
+                check_zarr_json(meta.result(), shape, si, where)
                 missing = sorted(store.expected_chunk_keys(shape, si) - present)
                 if missing:
                     raise ChecksumError(
@@ -402,59 +401,6 @@ def _index_box(index: Any, shape: tuple[int, ...]) -> list[tuple[int, int]]:
         else:
             return full
     return box
-
-
-def _check_metadata(meta: Any, shape: tuple[int, ...], si: Any, where: str) -> None:
-    """The array's zarr.json is the one committed (version 2), and agrees with the manifest."""
-    if meta.state != "value":
-        raise ChecksumError(f"{where}: zarr.json is missing; the checkpoint is damaged")
-    raw = bytes(meta.value)
-    if si.meta_sha256 is not None and hashlib.sha256(raw).hexdigest() != si.meta_sha256:
-        raise ChecksumError(
-            f"{where}: zarr.json is not the one committed (sha256 differs); it was edited or "
-            "damaged: restore an earlier checkpoint"
-        )
-    doc = read_json(raw, f"{where}: zarr.json", max_bytes=1 << 20, error=ChecksumError)
-    want = store.array_spec(store.Location.parse("/"), shape, si)["metadata"]
-    got = {k: doc.get(k) for k in want} if isinstance(doc, dict) else {}
-    codecs, data_type = got.get("codecs"), got.get("data_type")
-    if isinstance(codecs, list) and isinstance(data_type, str):
-        got["codecs"] = _one_byte_endian(codecs, data_type)
-    for field in want:
-        if got.get(field) != want[field]:
-            raise ChecksumError(
-                f"{where}: zarr.json says {field} {got.get(field)!r}, the manifest "
-                f"{want[field]!r}; the checkpoint is damaged: restore an earlier one"
-            )
-
-
-def _one_byte_endian(codecs: list[Any], data_type: str) -> list[Any]:
-    """`codecs` with the `bytes` codec's endian spelled out for a one-byte data type.
-
-    zarr3 leaves a one-byte type's endian unset and TensorStore writes `{"name": "bytes"}` for
-    int8, uint8 and bool, where the manifest's spec says little-endian: the same layout.
-
-    >>> _one_byte_endian([{"name": "bytes"}, {"name": "crc32c"}], "int8")[0]
-    {'name': 'bytes', 'configuration': {'endian': 'little'}}
-    """
-    if data_type not in ("int8", "uint8", "bool"):
-        return codecs
-    out: list[Any] = []
-    for c in codecs:
-        if isinstance(c, dict) and c == {"name": "bytes"}:
-            c = {"name": "bytes", "configuration": {"endian": "little"}}
-        elif isinstance(c, dict) and c.get("name") == "sharding_indexed":
-            conf = c.get("configuration")
-            if isinstance(conf, dict) and isinstance(conf.get("codecs"), list):
-                c = {
-                    **c,
-                    "configuration": {
-                        **conf,
-                        "codecs": _one_byte_endian(conf["codecs"], data_type),
-                    },
-                }
-        out.append(c)
-    return out
 
 
 def _check_file_sizes(folder: str, si: Any, keys: Sequence[str], where: str) -> None:

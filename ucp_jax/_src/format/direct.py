@@ -5,7 +5,7 @@ absl's portable CRC (what `perf` shows the PyPI wheel running on this x86 VM), d
 another buffer and copies that into the restore's: three passes over every byte where a plain read
 makes one, which kept warm restores at a third of the machine's read limit. For the arrays ucp
 writes itself (zarr3, raw little-endian bytes and a crc32c per chunk, inner chunks in a
-`sharding_indexed` shard; `checkpoint._check_metadata` has already proved the zarr.json is that),
+`sharding_indexed` shard; `zarr_json.check_zarr_json` has already proved the zarr.json is that),
 a restore from a local folder instead reads each shard directly: with the C extension
 (format/scatter_read.py), one call per shard reads its index and every inner chunk that lies
 wholly inside the target straight into its rows, each checked with the CPU's CRC instructions,

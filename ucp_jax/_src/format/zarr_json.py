@@ -1,0 +1,114 @@
+"""An array's zarr.json checked against the manifest before anything of the array is read.
+
+A checkpoint from elsewhere is untrusted: the zarr.json TensorStore would decode with must be the
+one committed (its sha256, format version 2) and say what the manifest says (shape, data type,
+chunk grid, codecs). A model's checkpoint holds hundreds of arrays whose zarr.json are byte for
+byte the same (every layer's matrices, and an optimizer slot beside each), so a verdict is kept
+per distinct (bytes, expected array): the same bytes checked against the same expectation are not
+parsed again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any
+
+from ..errors import ChecksumError
+from ..untrusted.json import read_json
+from . import store
+from .manifest import SlotInfo
+
+__all__ = ["check_zarr_json"]
+
+
+def check_zarr_json(meta: Any, shape: tuple[int, ...], si: SlotInfo, where: str) -> None:
+    """The array's zarr.json (`meta`, a TensorStore kvstore read result) is the one committed and
+    agrees with the manifest's `shape` and slot `si`.
+
+    Raises:
+        ChecksumError: it is missing, not the one committed, or says something else.
+
+    >>> import types
+    >>> si = SlotInfo("float32", "a", (4,))
+    >>> raw = store.array_spec(store.Location.parse("/"), (8,), si)["metadata"]
+    >>> import json
+    >>> ok = types.SimpleNamespace(state="value", value=json.dumps(raw).encode())
+    >>> check_zarr_json(ok, (8,), si, "here")
+    >>> check_zarr_json(ok, (16,), si, "here")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ucp_jax._src.errors.ChecksumError: here: zarr.json says shape [8], the manifest [16]; ...
+    """
+    if meta.state != "value":
+        raise ChecksumError(f"{where}: zarr.json is missing; the checkpoint is damaged")
+    inner = None if si.inner_chunks is None else tuple(si.inner_chunks)
+    problem = _problem(
+        bytes(meta.value), tuple(shape), si.dtype, tuple(si.chunks), inner, si.meta_sha256
+    )
+    if problem is not None:
+        raise ChecksumError(f"{where}: {problem}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _problem(
+    raw: bytes,
+    shape: tuple[int, ...],
+    dtype: str,
+    chunks: tuple[int, ...],
+    inner: tuple[int, ...] | None,
+    sha256: str | None,
+) -> str | None:
+    """What is wrong with zarr.json bytes `raw` for this expected array, or None (kept per
+    distinct arguments: a pure function of them)."""
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+        return (
+            "zarr.json is not the one committed (sha256 differs); it was edited or damaged: "
+            "restore an earlier checkpoint"
+        )
+    try:
+        doc = read_json(raw, "zarr.json", max_bytes=1 << 20, error=ChecksumError)
+    except ChecksumError as e:
+        return str(e)
+    si = SlotInfo(dtype, "", chunks, inner)
+    want = store.array_spec(store.Location.parse("/"), shape, si)["metadata"]
+    got = {k: doc.get(k) for k in want} if isinstance(doc, dict) else {}
+    codecs, data_type = got.get("codecs"), got.get("data_type")
+    if isinstance(codecs, list) and isinstance(data_type, str):
+        got["codecs"] = _one_byte_endian(codecs, data_type)
+    for field in want:
+        if got.get(field) != want[field]:
+            return (
+                f"zarr.json says {field} {got.get(field)!r}, the manifest {want[field]!r}; "
+                "the checkpoint is damaged: restore an earlier one"
+            )
+    return None
+
+
+def _one_byte_endian(codecs: list[Any], data_type: str) -> list[Any]:
+    """`codecs` with the `bytes` codec's endian spelled out for a one-byte data type.
+
+    zarr3 leaves a one-byte type's endian unset and TensorStore writes `{"name": "bytes"}` for
+    int8, uint8 and bool, where the manifest's spec says little-endian: the same layout.
+
+    >>> _one_byte_endian([{"name": "bytes"}, {"name": "crc32c"}], "int8")[0]
+    {'name': 'bytes', 'configuration': {'endian': 'little'}}
+    """
+    if data_type not in ("int8", "uint8", "bool"):
+        return codecs
+    out: list[Any] = []
+    for c in codecs:
+        if isinstance(c, dict) and c == {"name": "bytes"}:
+            c = {"name": "bytes", "configuration": {"endian": "little"}}
+        elif isinstance(c, dict) and c.get("name") == "sharding_indexed":
+            conf = c.get("configuration")
+            if isinstance(conf, dict) and isinstance(conf.get("codecs"), list):
+                c = {
+                    **c,
+                    "configuration": {
+                        **conf,
+                        "codecs": _one_byte_endian(conf["codecs"], data_type),
+                    },
+                }
+        out.append(c)
+    return out
