@@ -4,13 +4,12 @@ A checkpoint from elsewhere is untrusted: the zarr.json TensorStore would decode
 one committed (its sha256, format version 2) and say what the manifest says (shape, data type,
 chunk grid, codecs). A model's checkpoint holds hundreds of arrays whose zarr.json are byte for
 byte the same (every layer's matrices, and an optimizer slot beside each), so a verdict is kept
-per distinct (bytes, expected array): the same bytes checked against the same expectation are not
-parsed again.
+per distinct (sha256 of the bytes, expected array): the same bytes checked against the same
+expectation are not parsed again.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from typing import Any
 
@@ -42,35 +41,38 @@ def check_zarr_json(meta: Any, shape: tuple[int, ...], si: SlotInfo, where: str)
     """
     if meta.state != "value":
         raise ChecksumError(f"{where}: zarr.json is missing; the checkpoint is damaged")
+    raw = bytes(meta.value)
+    digest = hashlib.sha256(raw).hexdigest()
+    if si.meta_sha256 is not None and digest != si.meta_sha256:
+        raise ChecksumError(
+            f"{where}: zarr.json is not the one committed (sha256 differs); it was edited or "
+            "damaged: restore an earlier checkpoint"
+        )
     inner = None if si.inner_chunks is None else tuple(si.inner_chunks)
-    problem = _problem(
-        bytes(meta.value), tuple(shape), si.dtype, tuple(si.chunks), inner, si.meta_sha256
-    )
+    key = (digest, tuple(shape), si.dtype, tuple(si.chunks), inner)
+    problem = _VERDICTS.get(key, _UNSEEN)
+    if problem is _UNSEEN:
+        problem = _problem(raw, SlotInfo(si.dtype, "", key[3], inner), key[1])
+        if len(_VERDICTS) >= _KEEP:  # a hostile checkpoint's many distinct files: bounded
+            _VERDICTS.clear()
+        _VERDICTS[key] = problem
     if problem is not None:
         raise ChecksumError(f"{where}: {problem}")
 
 
-@functools.lru_cache(maxsize=1024)
-def _problem(
-    raw: bytes,
-    shape: tuple[int, ...],
-    dtype: str,
-    chunks: tuple[int, ...],
-    inner: tuple[int, ...] | None,
-    sha256: str | None,
-) -> str | None:
-    """What is wrong with zarr.json bytes `raw` for this expected array, or None (kept per
-    distinct arguments: a pure function of them)."""
-    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
-        return (
-            "zarr.json is not the one committed (sha256 differs); it was edited or damaged: "
-            "restore an earlier checkpoint"
-        )
+# (sha256 of the bytes, shape, dtype, chunks, inner chunks) -> what is wrong, or None: the
+# digest, not the bytes (up to 1 MiB each in a hostile checkpoint), is what is kept
+_VERDICTS: dict[tuple[Any, ...], str | None] = {}
+_UNSEEN: Any = object()
+_KEEP = 1024
+
+
+def _problem(raw: bytes, si: SlotInfo, shape: tuple[int, ...]) -> str | None:
+    """What is wrong with zarr.json bytes `raw` for an array of `shape` stored as `si`, or None."""
     try:
         doc = read_json(raw, "zarr.json", max_bytes=1 << 20, error=ChecksumError)
     except ChecksumError as e:
         return str(e)
-    si = SlotInfo(dtype, "", chunks, inner)
     want = store.array_spec(store.Location.parse("/"), shape, si)["metadata"]
     got = {k: doc.get(k) for k in want} if isinstance(doc, dict) else {}
     codecs, data_type = got.get("codecs"), got.get("data_type")
