@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -161,19 +162,29 @@ def test_partial_shards_fall_back_in_the_same_transaction(tmp_path: Path, monkey
     [((), (), None), ((6,), (6,), None), ((8, 12), (8, 12), (2, 12)), ((8, 12), (8, 12), (4, 3)),
      ((4, 6, 10), (4, 6, 10), (2, 3, 5)), ((16, 4), (8, 4), (1, 4))],
 )  # fmt: skip
-@pytest.mark.parametrize("sealed_in_c", [True, False], ids=["seal_chunks", "python-loop"])
+@pytest.mark.parametrize("in_c", [True, False], ids=["c-extension", "numpy-python"])
+@pytest.mark.parametrize("layout", ["transposed", "c-order", "inside-larger"])
 def test_encode_shard_matches_tensorstore_and_fingerprint(
-    tmp_path: Path, monkeypatch, dtype: str, shape, chunks, inner, sealed_in_c: bool
+    tmp_path: Path, monkeypatch, dtype: str, shape, chunks, inner, in_c: bool, layout: str
 ) -> None:
-    """One shard per case, sharded and not, C-ordered and transposed views: the encoder's bytes
-    equal TensorStore's for the same region, and its fingerprint equals
-    `integrity.fingerprint_range` over those bytes; with the inner chunks' trailers written by
-    the C extension's `seal_chunks` and by the Python loop used without it."""
+    """One shard per case, sharded and not; the data a transposed view, C-ordered, or a view
+    inside a larger array: the encoder's bytes equal TensorStore's for the same region, and its
+    fingerprint equals `integrity.fingerprint_range` over those bytes. Both ways: the inner
+    chunks gathered (`gather_chunks`, wherever the last axis is contiguous) and their trailers
+    written (`seal_chunks`) by the C extension, or by numpy's copy and the Python loop."""
     from ucp_jax._src.format import scatter_read
 
-    if sealed_in_c and not scatter_read.can_seal():
+    if in_c and not (scatter_read.can_seal() and hasattr(scatter_read._native, "gather_chunks")):
         pytest.skip("the C extension is not built here")
-    monkeypatch.setattr(scatter_read, "can_seal", lambda: sealed_in_c)
+    monkeypatch.setattr(scatter_read, "can_seal", lambda: in_c)
+    gathered: list[bool] = []
+    real_gather = scatter_read.gather_chunks
+
+    def gather(*args: Any) -> bool:
+        gathered.append(in_c and real_gather(*args))
+        return gathered[-1]
+
+    monkeypatch.setattr(scatter_read, "gather_chunks", gather)
     from ucp_jax._src.format import store
 
     rng = np.random.default_rng(1)
@@ -181,6 +192,12 @@ def test_encode_shard_matches_tensorstore_and_fingerprint(
     full = rng.standard_normal(tuple(reversed(shape))).astype(dt).T  # a non-C-contiguous view
     if dtype == "bool":
         full = full > 0
+    if layout == "c-order":
+        full = full.copy(order="C")
+    elif layout == "inside-larger" and shape:
+        big = np.zeros(tuple(d + 3 for d in shape), full.dtype)
+        big[tuple(slice(1, 1 + d) for d in shape)] = full
+        full = big[tuple(slice(1, 1 + d) for d in shape)]
     info = SlotInfo(dtype if dtype != "bf16" else "bfloat16", "x/fp32", tuple(chunks),
                     None if inner is None else tuple(inner))  # fmt: skip
     loc = store.Location.parse(str(tmp_path))
@@ -195,6 +212,8 @@ def test_encode_shard_matches_tensorstore_and_fingerprint(
             assert fp == integrity.fingerprint_range(fd, 0, len(value), info)
         finally:
             os.close(fd)
+    if in_c and inner is not None and layout != "transposed":
+        assert all(gathered) and gathered, "the C gather was not used on a contiguous last axis"
 
 
 def test_encode_shard_refuses_a_partial_shard() -> None:

@@ -307,3 +307,27 @@ def test_read_shard_places_checks_and_lists_like_the_format_says(
             assert got == (False, None, None)
         finally:
             os.close(fd)
+
+
+def test_gather_chunks_refuses_what_does_not_fit() -> None:
+    """The encoder's gather checks its arguments before copying: a value buffer too small for
+    the chunks, a source span outside its buffer, an inner chunk that does not divide the shard,
+    a last axis that is not contiguous."""
+    from ucp_jax._src.format import _scatter_read as native
+
+    if not hasattr(native, "gather_chunks"):
+        pytest.skip("the built extension predates gather_chunks: rebuild it")
+    src = np.arange(32, dtype=np.float32)
+    i64 = lambda *v: np.asarray(v, np.int64)  # noqa: E731
+    ok = bytearray(4 * 8 * 4)
+    native.gather_chunks(src, 0, i64(32, 4), i64(4, 8), i64(2, 4), 4, ok, 32)
+    want = src.reshape(2, 2, 2, 4).transpose(0, 2, 1, 3).reshape(-1)  # (2, 4) chunks, C order
+    assert np.frombuffer(ok, np.float32).tolist() == want.tolist()
+    with pytest.raises(ValueError, match="do not fit"):
+        native.gather_chunks(src, 0, i64(32, 4), i64(4, 8), i64(2, 4), 4, bytearray(100), 32)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.gather_chunks(src, 8, i64(32, 4), i64(4, 8), i64(2, 4), 4, bytearray(128), 32)
+    with pytest.raises(ValueError, match="bad shape"):
+        native.gather_chunks(src, 0, i64(32, 4), i64(4, 8), i64(3, 4), 4, bytearray(128), 32)
+    with pytest.raises(ValueError, match="mismatched"):
+        native.gather_chunks(src, 0, i64(4, 32), i64(8, 4), i64(2, 2), 4, bytearray(128), 16)

@@ -793,6 +793,81 @@ static PyObject *seal_chunks(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* gather_chunks(src, base, strides, shape, inner, itemsize, dst, stride): a shard's elements laid
+ * out as zarr3's sharding_indexed stores them: the shard (`shape`, its elements at byte `base` of
+ * `src` with byte `strides`, the last one `itemsize`) cut into inner chunks of `inner`, chunk k
+ * (row-major over the chunk grid) at byte k * stride of `dst`, its elements in C order. The copy
+ * walks the source in its own order, one row at a time, each row's pieces to their chunks: numpy's
+ * copy walks the destination's order, chunk by chunk, so that every source row it reads starts a
+ * new stream (a page further on), which ran at 1.2-3 GB/s against 11-28 GB/s for a plain copy. The
+ * GIL is released. The trailers are left to seal_chunks. */
+static PyObject *gather_chunks(PyObject *self, PyObject *args) {
+    PyObject *src_o, *strides_o, *shape_o, *inner_o, *dst_o;
+    long long base, itemsize, stride;
+    if (!PyArg_ParseTuple(args, "OLOOOLOL", &src_o, &base, &strides_o, &shape_o, &inner_o, &itemsize, &dst_o,
+                          &stride))
+        return NULL;
+    Py_buffer src = {0}, st = {0}, sh = {0}, in = {0}, dst = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(src_o, &src, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (int64_view(strides_o, &st, "strides") < 0 || int64_view(shape_o, &sh, "shape") < 0 ||
+        int64_view(inner_o, &in, "inner") < 0)
+        goto done;
+    int nd = (int)(sh.len / 8);
+    const int64_t *S = st.buf, *N = sh.buf, *I = in.buf;
+    if (nd < 1 || nd > MAX_AXES || st.len != sh.len || in.len != sh.len || itemsize <= 0 || S[nd - 1] != itemsize ||
+        base < 0 || stride <= 0) {
+        PyErr_SetString(PyExc_ValueError, "gather_chunks: mismatched arguments");
+        goto done;
+    }
+    int64_t grid[MAX_AXES], count = 1, elems = 1, lo = base, hi = base + itemsize;
+    for (int a = 0; a < nd; a++) {
+        if (N[a] <= 0 || I[a] <= 0 || N[a] % I[a] || N[a] > INT64_MAX / 16 / itemsize ||
+            (S[a] < 0 ? -S[a] : S[a]) > INT64_MAX / 16 / N[a]) {
+            PyErr_SetString(PyExc_ValueError, "gather_chunks: bad shape, inner chunk or stride");
+            goto done;
+        }
+        grid[a] = N[a] / I[a];
+        count *= grid[a];
+        elems *= I[a];
+        if (S[a] < 0) lo += (N[a] - 1) * S[a];
+        else hi += (N[a] - 1) * S[a];
+    }
+    int64_t body = elems * itemsize;
+    if (lo < 0 || hi > (int64_t)src.len || stride < body || count > (int64_t)dst.len / stride) {
+        PyErr_SetString(PyExc_ValueError, "gather_chunks: the shard or its chunks do not fit the buffers");
+        goto done;
+    }
+    const unsigned char *sp = src.buf;
+    unsigned char *dp = dst.buf;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t idx[MAX_AXES] = {0}, piece = I[nd - 1] * itemsize, rows = 1;
+    for (int a = 0; a + 1 < nd; a++) rows *= N[a];
+    for (int64_t r = 0; r < rows; r++) {
+        /* source row idx[0..nd-2]: its chunk grid row, and its row inside those chunks */
+        int64_t off = base, flat = 0, within = 0;
+        for (int a = 0; a + 1 < nd; a++) {
+            off += idx[a] * S[a];
+            flat = flat * grid[a] + idx[a] / I[a];
+            within = within * I[a] + idx[a] % I[a];
+        }
+        unsigned char *to = dp + flat * grid[nd - 1] * stride + within * piece;
+        const unsigned char *from = sp + off;
+        for (int64_t j = 0; j < grid[nd - 1]; j++) memcpy(to + j * stride, from + j * piece, (size_t)piece);
+        for (int a = nd - 2; a >= 0; a--) { /* next source row, C order */
+            if (++idx[a] < N[a]) break;
+            idx[a] = 0;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release_all((Py_buffer *[]){&src, &dst, &st, &sh, &in}, 5);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"read_chunks", read_chunks, METH_VARARGS, "Read chunks into scattered rows, each checked by its CRC32C."},
     {"crc32c", crc32c_of, METH_O, "The CRC32C of a contiguous buffer (the same function read_chunks checks with)."},
@@ -800,6 +875,7 @@ static PyMethodDef methods[] = {
     {"read_shard", read_shard, METH_VARARGS, "One shard: its index, then whole inner chunks into place, checked."},
     {"read_at", read_at, METH_VARARGS, "The same number of bytes from each of many offsets of a file."},
     {"seal_chunks", seal_chunks, METH_VARARGS, "CRC32C trailers of chunks laid out at a stride, written in place."},
+    {"gather_chunks", gather_chunks, METH_VARARGS, "A shard's elements laid out as its inner chunks, walking the source in order."},
     {"bounce_below", set_bounce_below, METH_O, "Chunks in pieces shorter than n bytes go through a bounce buffer."},
     {NULL, NULL, 0, NULL},
 };

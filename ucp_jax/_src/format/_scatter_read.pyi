@@ -16,6 +16,17 @@ def hardware() -> bool: ...
 def read_at(fd: int, offsets: Any, length: int, out: Any, /) -> bool: ...
 def seal_chunks(buf: Any, count: int, body: int, stride: int, /) -> bytes: ...
 def bounce_below(n: int, /) -> int: ...
+def gather_chunks(
+    src: Any,
+    base: int,
+    strides: Any,
+    shape: Any,
+    inner: Any,
+    itemsize: int,
+    dst: Any,
+    stride: int,
+    /,
+) -> None: ...
 def read_shard(
     fd: int,
     shard_offset: int,

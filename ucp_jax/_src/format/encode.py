@@ -170,14 +170,16 @@ def encode_shard(
     # seen in place, each chunk followed by room for its crc32c; TensorStore takes a bytearray.
     size = n * (body_bytes + 4) + 16 * n + 4
     value = bytearray(size) if pool is None else pool.take(size)
-    le = data.dtype.newbyteorder("<") if data.dtype.byteorder == ">" else data.dtype
-    nd = len(inner)
-    item = data.dtype.itemsize
-    inner_strides = [item * math.prod(inner[k + 1 :]) for k in range(nd)]
-    grid_strides = [(body_bytes + 4) * math.prod(grid[k + 1 :]) for k in range(nd)]
-    dest = np.ndarray((*grid, *inner), le, value, 0, (*grid_strides, *inner_strides))
-    split = data.reshape([x for g, i in zip(grid, inner) for x in (g, i)])
-    np.copyto(dest, split.transpose([*range(0, 2 * nd, 2), *range(1, 2 * nd, 2)]))
+    # (The C extension walks `data` in its own order instead: numpy's copy walks the value's.)
+    if not scatter_read.gather_chunks(data, inner, value, body_bytes + 4):
+        le = data.dtype.newbyteorder("<") if data.dtype.byteorder == ">" else data.dtype
+        nd = len(inner)
+        item = data.dtype.itemsize
+        inner_strides = [item * math.prod(inner[k + 1 :]) for k in range(nd)]
+        grid_strides = [(body_bytes + 4) * math.prod(grid[k + 1 :]) for k in range(nd)]
+        dest = np.ndarray((*grid, *inner), le, value, 0, (*grid_strides, *inner_strides))
+        split = data.reshape([x for g, i in zip(grid, inner) for x in (g, i)])
+        np.copyto(dest, split.transpose([*range(0, 2 * nd, 2), *range(1, 2 * nd, 2)]))
     if scatter_read.can_seal():  # every trailer in one call, the GIL released
         trailers = scatter_read.seal_chunks(value, n, body_bytes, body_bytes + 4)
     else:

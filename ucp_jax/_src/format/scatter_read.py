@@ -50,6 +50,38 @@ def seal_chunks(buf: Any, count: int, body: int, stride: int) -> bytes:
     return bytes(_native.seal_chunks(buf, count, body, stride))
 
 
+def gather_chunks(data: np.ndarray, inner: Sequence[int], out: Any, stride: int) -> bool:
+    """Lay `data` (one shard) out in `out` as its inner chunks of shape `inner`, chunk k at byte
+    k * stride (C order inside each), walking `data` in its own order (see
+    `_scatter_read.gather_chunks`). False, with nothing written, where the extension lacks it or
+    `data` is not a view of plain memory with a contiguous last axis: the caller copies another way.
+
+    >>> d = np.arange(8, dtype=np.int16).reshape(2, 4); out = bytearray(16)
+    >>> gather_chunks(d, (2, 2), out, 8) and np.frombuffer(out, np.int16).tolist()
+    [0, 1, 4, 5, 2, 3, 6, 7]
+    """
+    if not (built() and hasattr(_native, "gather_chunks")) or data.ndim == 0:
+        return False
+    if data.strides[-1] != data.itemsize or data.dtype.byteorder == ">":
+        return False
+    root = data
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not root.flags.c_contiguous:
+        return False
+    lo, hi = _byte_bounds(data)
+    rlo, rhi = _byte_bounds(root)
+    if not (rlo <= lo and hi <= rhi):
+        return False
+    base = data.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    i64 = lambda v: np.asarray(v, np.int64)  # noqa: E731
+    flat = root.reshape(-1).view(np.uint8)
+    _native.gather_chunks(
+        flat, base, i64(data.strides), i64(data.shape), i64(inner), data.itemsize, out, stride
+    )
+    return True
+
+
 def built() -> bool:
     """The extension is built and runs its CRC32C on the CPU's CRC instruction.
 
