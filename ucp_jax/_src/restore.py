@@ -229,6 +229,8 @@ def _check_memory(ckpt: Checkpoint, resolved: list[ResolvedLeaf], budget: int) -
                  for a in ckpt.atoms.values() for s in a.slots.values()), default=0)  # fmt: skip
     held = host + min(accel, budget)
     need = held + min(held, max(BLOCKS_IN_FLIGHT * READ_BLOCK, _READS_IN_FLIGHT * chunk))
+    if ckpt.direct_reads():
+        need += read_batches.buffer_bytes()  # the reading threads' own buffers
     have = allocatable()
     if have is not None and need > have[0]:
         mib = 1 << 20

@@ -60,7 +60,8 @@
 #ifndef BOUNCE_ROW_BYTES
 #define BOUNCE_ROW_BYTES 4096
 #endif
-#define BOUNCE_BYTES ((1 << 20) + 64) /* an inner chunk holds at most 1 MiB (format/store.py) */
+/* an inner chunk holds at most 1 MiB (format/store.py); scatter_read.BOUNCE_BYTES says the same */
+#define BOUNCE_BYTES ((1 << 20) + 64)
 static int64_t bounce_below = BOUNCE_ROW_BYTES; /* bounce_below(n) sets it (tests take both ways) */
 
 /* ------------------------------------------------------------------------------ CRC32C */

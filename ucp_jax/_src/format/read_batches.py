@@ -42,6 +42,16 @@ def _executor() -> ThreadPoolExecutor:
 BATCH_BYTES = 8 << 20  # shard reads handed to a thread together: fewer wake-ups per byte
 
 
+def buffer_bytes() -> int:
+    """Host memory the reading threads hold besides the restored arrays: their bounce buffers
+    (the C extension reads short rows through one each, kept while the thread lives).
+
+    >>> buffer_bytes() in (0, _THREADS * scatter_read.BOUNCE_BYTES)
+    True
+    """
+    return _THREADS * scatter_read.BOUNCE_BYTES if scatter_read.enabled() else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class _Piece:
     """What the shard reads of one region share: see `Batcher.submit`; `place` is dst's

@@ -30,6 +30,9 @@ except ImportError:  # not built here (a source tree without a compiler): the bu
     _native = None
 
 
+BOUNCE_BYTES = (1 << 20) + 64  # each reading thread's bounce buffer in the extension (its C twin)
+
+
 def can_seal() -> bool:
     """`seal_chunks` is here: the extension is built (a build older than it lacks it).
 
