@@ -373,11 +373,12 @@ static int64_t read_run(int fd, const Shape *s, unsigned char *dst, const int64_
 static int64_t read_runs(int fd, const Shape *s, unsigned char *dst, const int64_t *fo, const int64_t *dd,
                          int64_t n, uint32_t *trailers, int *err) {
     int64_t chunk_len = s->rows * s->row_bytes + 4, k0 = 0, bad = -1;
+    int short_rows = contiguous_bytes(s) < bounce_below; /* the same for every chunk */
     while (k0 < n && bad < 0) {
         int64_t k1 = k0 + 1;
         while (k1 < n && fo[k1] == fo[k1 - 1] + chunk_len && (k1 - k0 + 1) * chunk_len <= RUN_BYTES) k1++;
         unsigned char *buf = NULL;
-        if (contiguous_bytes(s) < bounce_below && (k1 - k0) * chunk_len <= BOUNCE_BYTES) buf = bounce_buffer();
+        if (short_rows && (k1 - k0) * chunk_len <= BOUNCE_BYTES) buf = bounce_buffer();
         bad = buf ? read_run_bounced(fd, s, dst, fo, dd, k0, k1, trailers + k0, err, buf)
                   : read_run(fd, s, dst, fo, dd, k0, k1, trailers + k0, err);
         k0 = k1;

@@ -67,14 +67,8 @@ def gather_chunks(data: np.ndarray, inner: Sequence[int], out: Any, stride: int)
         return False
     if data.strides[-1] != data.itemsize or data.dtype.byteorder == ">":
         return False
-    root = data
-    while isinstance(root.base, np.ndarray):
-        root = root.base
-    if not root.flags.c_contiguous:
-        return False
-    lo, hi = _byte_bounds(data)
-    rlo, rhi = _byte_bounds(root)
-    if not (rlo <= lo and hi <= rhi):
+    root = _root(data, writable=False)  # the source is read only: it may be a jax buffer's view
+    if root is None:
         return False
     base = data.__array_interface__["data"][0] - root.__array_interface__["data"][0]
     i64 = lambda v: np.asarray(v, np.int64)  # noqa: E731
@@ -102,12 +96,13 @@ def _byte_bounds(a: np.ndarray) -> tuple[int, int]:
     return lo, hi + a.itemsize
 
 
-def _root(a: np.ndarray) -> np.ndarray | None:
-    """The C-contiguous, writable array whose memory `a` views, or None."""
+def _root(a: np.ndarray, *, writable: bool = True) -> np.ndarray | None:
+    """The C-contiguous array (writable, unless `writable` is False) whose memory `a` views, or
+    None."""
     root = a
     while isinstance(root.base, np.ndarray):
         root = root.base
-    if not (root.flags.c_contiguous and root.flags.writeable):
+    if not (root.flags.c_contiguous and (root.flags.writeable or not writable)):
         return None
     lo, hi = _byte_bounds(a)
     rlo, rhi = _byte_bounds(root)

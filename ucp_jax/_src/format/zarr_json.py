@@ -48,11 +48,12 @@ def check_zarr_json(meta: Any, shape: tuple[int, ...], si: SlotInfo, where: str)
             f"{where}: zarr.json is not the one committed (sha256 differs); it was edited or "
             "damaged: restore an earlier checkpoint"
         )
+    shape, chunks = tuple(shape), tuple(si.chunks)
     inner = None if si.inner_chunks is None else tuple(si.inner_chunks)
-    key = (digest, tuple(shape), si.dtype, tuple(si.chunks), inner)
+    key = (digest, shape, si.dtype, chunks, inner)
     problem = _VERDICTS.get(key, _UNSEEN)
     if problem is _UNSEEN:
-        problem = _problem(raw, SlotInfo(si.dtype, "", key[3], inner), key[1])
+        problem = _problem(raw, SlotInfo(si.dtype, "", chunks, inner), shape)
         if len(_VERDICTS) >= _KEEP:  # a hostile checkpoint's many distinct files: bounded
             _VERDICTS.clear()
         _VERDICTS[key] = problem
