@@ -30,6 +30,7 @@ from harness import (
     Spread,
     child_cpu_seconds,
     child_env,
+    dir_bytes,
     interleaved,
     markdown_table,
     run_measured,
@@ -120,6 +121,32 @@ def build(workdir: str, layers: int, dp: int, stage: int) -> str:
     return tag
 
 
+def compile_bytecode(checkout: str) -> None:
+    """Compile a checkout's modules, as installing a wheel does: without it (an editable install
+    under PYTHONDONTWRITEBYTECODE) every `ucp` process compiles them from source first."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(checkout, "ucp_jax")],
+                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+def write_limit(nbytes: int, folder: str, repeats: int = 3) -> list[float]:
+    """Seconds to pwrite `nbytes` in 64 MiB files and fsync them, on every core: the import's
+    output bytes made durable with plain system calls, in this process (the roofline's write
+    limit; the import can beat it: it drops its written pages as they land, and new page-cache
+    pages cost more than reused ones on a VM)."""
+    import numpy as np
+    from roofline_limits import write_fsync
+
+    block = np.random.default_rng(0).integers(0, 255, 64 * MiB, dtype=np.uint8)
+    shards = [block] * (nbytes // block.size) + [block[: nbytes % block.size]]
+    out = []
+    for _ in range(repeats):
+        shutil.rmtree(folder, ignore_errors=True)
+        sync()
+        out.append(write_fsync(shards, folder, os.cpu_count() or 1)[0])
+    shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 def compare(ds_out: str, ucp_out: str, sample: int = 6) -> int:
     """Check a few params, all slots, are bit-identical between the two conversions."""
     import numpy as np
@@ -168,6 +195,9 @@ def main() -> None:
     ucp_out = os.path.join(args.workdir, "ucp_universal")
     for d in (os.path.dirname(ds_out), ucp_out):
         shutil.rmtree(d, ignore_errors=True)
+    compile_bytecode(os.path.dirname(os.path.dirname(HERE)))
+    if args.baseline:
+        compile_bytecode(os.path.abspath(args.baseline))
     sync()
     ds_cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
               "--input_folder", tag, "--output_folder", ds_out]  # fmt: skip
@@ -204,6 +234,9 @@ def main() -> None:
         for name, r in runs.items()
     }  # fmt: skip
     checked = compare(ds_out, ucp_out)
+    written, _ = dir_bytes(ucp_out)
+    limit_runs = write_limit(written, os.path.join(args.workdir, "write_limit"))
+    limit = Spread.of(limit_runs)
     n_atoms = len(os.listdir(os.path.join(ds_out, "zero"))) - 1
     total_state = sum(optim.values())
     a, b = results["ds_to_universal"], results["ucp convert deepspeed"]
@@ -224,6 +257,9 @@ def main() -> None:
         ("until the output is on disk (command + sync)",
          f"{a['durable_s']:.1f} s vs {b['durable_s']:.1f} s: {a['durable_s'] / b['durable_s']:.1f}x"),
         ("ucp peak RSS / largest rank file", f"{b['peak_rss_bytes'] / largest:.2f}"),
+        ("its output's bytes written with plain pwrite + fsync (median (range))",
+         f"{written / 2**30:.2f} GiB in {limit.median:.2f} s ({limit.min:.2f}-{limit.max:.2f}); "
+         f"ucp convert takes {b['wall_s'] / limit.median:.2f}x that, process start included"),
     ]  # fmt: skip
     if args.baseline:
         c = results["ucp convert deepspeed (baseline)"]
@@ -236,7 +272,8 @@ def main() -> None:
     print()
     print(markdown_table(["", ""], rows))
     if args.json:
-        write_json(args.json, {"results": results, "largest_rank_file": largest, "rows": rows})
+        write_json(args.json, {"results": results, "largest_rank_file": largest, "rows": rows,
+                               "write_limit_s": limit_runs, "written_bytes": written})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -80,6 +80,37 @@ def test_atoms_equal_ds_to_universal(name, ds_ckpts, imported):  # noqa: F811
     assert ucp_main(["verify", imported[name]]) == 0
 
 
+@pytest.mark.parametrize("budget", [4 << 10, 64 << 10])
+def test_small_inflight_budget_equals_ds_to_universal(budget, ds_ckpts, tmp_path):  # noqa: F811
+    """Many small transactions (a budget of a few KiB, far below the default) write the same
+    atoms as DeepSpeed's own conversion."""
+    name = "z2_fp32_dp3"
+    out = import_deepspeed(ds_ckpts.zero(name), tmp_path / "o", max_inflight_bytes=budget,
+                           progress=False)  # fmt: skip
+    ref = ds_universal_tensors(ds_ckpts.universal(name))
+    ck = ucp.open(out)
+    assert sorted(ck.atoms) == sorted(ref)
+    for atom, slots in ref.items():
+        for slot, want in slots.items():
+            assert ck.read(atom, slot).tobytes() == want.tobytes(), (atom, slot)
+    assert ucp_main(["verify", out]) == 0
+
+
+def test_default_inflight_budget(monkeypatch):
+    """256 MiB where the process can allocate 1 GiB, else 64 MiB; UCP_IMPORT_INFLIGHT_BYTES wins."""
+    from ucp_jax._src.frameworks.deepspeed import common
+
+    monkeypatch.delenv("UCP_IMPORT_INFLIGHT_BYTES", raising=False)
+    monkeypatch.setattr(common, "allocatable", lambda: (8 << 30, "test"))
+    assert common.default_inflight_bytes() == common.DEEPSPEED_INFLIGHT_BYTES == 256 << 20
+    monkeypatch.setattr(common, "allocatable", lambda: None)
+    assert common.default_inflight_bytes() == 256 << 20
+    monkeypatch.setattr(common, "allocatable", lambda: (700 << 20, "test"))
+    assert common.default_inflight_bytes() == 64 << 20
+    monkeypatch.setenv("UCP_IMPORT_INFLIGHT_BYTES", str(32 << 20))
+    assert common.default_inflight_bytes() == 32 << 20
+
+
 def test_universal_folder_import_equals_zero_import(ds_ckpts, imported, tmp_path):  # noqa: F811
     for name in ("z1_fp32", "z3_bf16", "z2_fp32_dp3"):
         out = import_deepspeed_universal(ds_ckpts.universal(name), tmp_path / name, progress=False)

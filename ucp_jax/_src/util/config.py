@@ -52,14 +52,15 @@ def save_layout() -> str:
     return raw
 
 
-def import_inflight_bytes() -> int:
+def import_inflight_bytes(default: int = 64 * MIB) -> int:
     """Bytes an importer keeps in flight, reads ahead and writes (`UCP_IMPORT_INFLIGHT_BYTES`,
-    default 64 MiB: imports stream whole rank files and want a small resident set).
+    else `default`: 64 MiB, as imports stream whole source files and want a small resident set;
+    an importer may ask for more where it pays, see `import_deepspeed`).
 
     >>> import_inflight_bytes() > 0
     True
     """
-    return int(_number("UCP_IMPORT_INFLIGHT_BYTES", 64 * MIB, int, "bytes"))
+    return int(_number("UCP_IMPORT_INFLIGHT_BYTES", default, int, "bytes"))
 
 
 def barrier_timeout_s() -> float:

@@ -40,6 +40,7 @@ from .common import (
     DeepSpeedFormatError,
     DeepSpeedRun,
     deepspeed_source,
+    default_inflight_bytes,
     param_groups,
     read_step,
     resolve_folder,
@@ -282,7 +283,8 @@ def import_deepspeed(
         overwrite: replace an existing checkpoint at `dst`.
         progress: show a progress bar (default: when stderr is a terminal).
         max_inflight_bytes: bound on bytes read ahead and written in flight (default:
-            `UCP_IMPORT_INFLIGHT_BYTES`, 64 MiB).
+            `UCP_IMPORT_INFLIGHT_BYTES`, else 256 MiB where the process can allocate 1 GiB,
+            else 64 MiB).
         hf_config: the model's `config.json` (or its folder); default: the one beside the
             checkpoint, if it describes a Llama / Mistral / Qwen2 / Mixtral model (another one is
             recorded as skipped in the manifest's source); False: name atoms as the torch
@@ -300,6 +302,8 @@ def import_deepspeed(
 
     >>> ucp.torch.import_deepspeed("ds_ckpt", "/tmp/ucp/step_3")  # doctest: +SKIP
     """
+    if max_inflight_bytes is None:
+        max_inflight_bytes = default_inflight_bytes()
     folder, found_tag = resolve_folder(src, tag)
     cfg, cfg_path, skipped = find_hf_config(os.fspath(src), folder, hf_config)
     lay = _scan(folder)
