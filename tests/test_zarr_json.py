@@ -67,3 +67,28 @@ def test_many_distinct_files_keep_the_memo_bounded() -> None:
         with pytest.raises(ChecksumError):
             zarr_json.check_zarr_json(_meta(b'{"k": %d}' % k), (8,), si, "hostile")
     assert len(zarr_json._VERDICTS) <= zarr_json._KEEP
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float32", "bfloat16", "float16", "float64", "int8", "uint8", "int32", "bool"]
+)
+@pytest.mark.parametrize(
+    ("shape", "chunks", "inner"),
+    [((), (), None), ((7,), (4,), None), ((16, 32), (8, 16), (4, 8)), ((3, 5, 6), (3, 5, 6), None),
+     ((2048, 768), (256, 768), (32, 96))],
+)  # fmt: skip
+def test_zarr_json_bytes_are_what_tensorstore_writes(
+    tmp_path: Path, dtype: str, shape: tuple[int, ...], chunks: tuple[int, ...],
+    inner: tuple[int, ...] | None,
+) -> None:  # fmt: skip
+    """The bytes a writer puts under an array's key are those TensorStore writes when it creates
+    the array on disk, and TensorStore opens and reads the array written with them."""
+    si = SlotInfo(dtype, "a", chunks, inner)
+    want = _written_by_tensorstore(tmp_path / "ts", shape, si)
+    got = zarr_json.zarr_json_bytes(shape, si)
+    assert got == want
+    (tmp_path / "ours" / "a").mkdir(parents=True)
+    (tmp_path / "ours" / "a" / "zarr.json").write_bytes(got)
+    loc = store.Location.parse(str(tmp_path / "ours"))
+    arr = ts.open(store.array_spec(loc, shape, si), open=True).result()
+    assert tuple(arr.shape) == shape and str(arr.dtype.numpy_dtype) == dtype

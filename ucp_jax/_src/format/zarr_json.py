@@ -1,4 +1,5 @@
-"""An array's zarr.json checked against the manifest before anything of the array is read.
+"""An array's zarr.json: checked against the manifest before anything of the array is read, and
+written by a writer that creates many arrays at once.
 
 A checkpoint from elsewhere is untrusted: the zarr.json TensorStore would decode with must be the
 one committed (its sha256, format version 2) and say what the manifest says (shape, data type,
@@ -6,10 +7,17 @@ chunk grid, codecs). A model's checkpoint holds hundreds of arrays whose zarr.js
 byte the same (every layer's matrices, and an optimizer slot beside each), so a verdict is kept
 per distinct (sha256 of the bytes, expected array): the same bytes checked against the same
 expectation are not parsed again.
+
+The same repetition makes creating arrays cheap: `zarr_json_bytes` asks TensorStore once per
+distinct (shape, dtype, chunks, inner chunks) for the zarr.json it writes when it creates such an
+array (on an in-memory store), and a writer puts those bytes under each array's key in its open
+transaction, a few microseconds each instead of a `tensorstore.open(create=True)` (about 0.1 ms of
+the writing thread each).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -18,7 +26,32 @@ from ..untrusted.json import read_json
 from . import store
 from .manifest import SlotInfo
 
-__all__ = ["check_zarr_json"]
+__all__ = ["check_zarr_json", "zarr_json_bytes"]
+
+
+def zarr_json_bytes(shape: tuple[int, ...], si: SlotInfo) -> bytes:
+    """The zarr.json TensorStore writes when it creates an array of `shape` stored as `si`.
+
+    >>> import types
+    >>> si = SlotInfo("float32", "a", (4,))
+    >>> created = types.SimpleNamespace(state="value", value=zarr_json_bytes((8,), si))
+    >>> check_zarr_json(created, (8,), si, "here")
+    """
+    inner = None if si.inner_chunks is None else tuple(si.inner_chunks)
+    return _created(tuple(int(d) for d in shape), si.dtype, tuple(si.chunks), inner)
+
+
+@functools.lru_cache(maxsize=256)
+def _created(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
+             inner: tuple[int, ...] | None) -> bytes:  # fmt: skip
+    import tensorstore as ts
+
+    mem = store.Location.parse("memory://")
+    spec = store.array_spec(mem, shape, SlotInfo(dtype, "a", chunks, inner))
+    ctx = ts.Context()  # its own memory store: nothing shared with another call
+    ts.open(spec, create=True, context=ctx).result()
+    got = ts.KvStore.open(spec["kvstore"], context=ctx).result().read("zarr.json").result()
+    return bytes(got.value)
 
 
 def check_zarr_json(meta: Any, shape: tuple[int, ...], si: SlotInfo, where: str) -> None:

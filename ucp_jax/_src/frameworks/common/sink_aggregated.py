@@ -38,7 +38,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ...format import aggregate, encode, integrity, process_tables, store
+from ...format import aggregate, encode, integrity, process_tables, store, zarr_json
 from ...format.manifest import SlotInfo
 from ...mapping.boxes import Box, to_slices
 from .write_order import WriteOrder
@@ -131,28 +131,32 @@ class AggregatedSink:
     # ---------------------------------------------------------------------------- arrays
 
     def create(self, items: Sequence[tuple[tuple[int, ...], SlotInfo]]) -> None:
-        """Create arrays (shape, slot info) in the open transaction, concurrently.
+        """Create arrays (shape, slot info) in the open transaction.
 
-        Their metadata is written in the background (each creation first looks the array up in
-        the database: a read an importer that declares atoms one by one would otherwise wait
-        for, per atom); the transaction waits for it before it commits. Writes go through
-        handles that assume the metadata, so they need not wait.
+        Each array's zarr.json (the bytes TensorStore writes for such an array, asked once per
+        distinct kind: `zarr_json.zarr_json_bytes`) is written as a value of the open
+        transaction: a model's hundreds of arrays cost microseconds each, not a
+        `tensorstore.open(create=True)` each on this thread. The destination is this import's
+        own fresh database, so nothing is there to collide with. Array handles, for writes that
+        go through TensorStore (partial shards), are opened on first use (`array`).
         """
-        futs = []
+        kv = self._kv.with_transaction(self._txn)
         for shape, info in items:
-            spec = store.array_spec(self.db, shape, info)
-            opening = ts.open(spec, create=True, context=self.db.ctx, transaction=self._txn)
-            self._creating.append(opening)
-            futs.append((shape, info, store.open_array_async(self.db, shape, info, write=True)))
-        for shape, info, base in futs:
-            self._base[info.path] = base.result()
+            self._creating.append(kv.write(f"{info.path}/zarr.json",
+                                           zarr_json.zarr_json_bytes(shape, info)))  # fmt: skip
             self._shapes[info.path] = tuple(shape)
             self._infos[info.path] = info
             self._dirty = True
 
     def array(self, info: SlotInfo) -> Any:
-        """A created slot's array (it reads what has landed: see `flush`)."""
-        return self._base[info.path]
+        """A created slot's array (it reads what has landed: see `flush`); opened on first use,
+        trusting the metadata written (no read)."""
+        arr = self._base.get(info.path)
+        if arr is None:
+            arr = self._base[info.path] = store.open_array(
+                self.db, self._shapes[info.path], info, write=True
+            )
+        return arr
 
     # ---------------------------------------------------------------------------- writing
 
@@ -220,7 +224,7 @@ class AggregatedSink:
     def _write_array(self, info: SlotInfo, box: Box, data: Any, keep: Any) -> None:
         arr = self._bound.get(info.path)
         if arr is None:
-            arr = self._bound[info.path] = self._base[info.path].with_transaction(self._txn)
+            arr = self._bound[info.path] = self.array(info).with_transaction(self._txn)
         self._order.before(info.path, box)
         fut = arr[to_slices(box)].write(data)
         self._order.issued(info.path, box, fut.copy)
