@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .format import aggregate, commit, encode, ocdbt_index, process_tables, store
+from .format import aggregate, commit, encode, ocdbt_index, process_tables, store, zarr_json
 from .format.integrity import keys_in_box
 from .format.manifest import PER_ARRAY_VERSION, Manifest, SlotInfo, source_header
 from .mapping.binding import LeafBinding, WriteTask, bind_state, describe_leaf
@@ -271,15 +271,17 @@ class SaveJob:
         db = aggregate.process_db(self.staging.target, me, ctx)
         if me == 0:
             self.staging.prepare()
+            # Each array's zarr.json as TensorStore writes it (asked once per distinct kind), as
+            # values of one transaction: microseconds an array, not a tensorstore.open each.
             txn = ts.Transaction(atomic=True)
-            futs = [_create(db, shape, info, txn) for shape, info in self.slots.values()]
+            kv = db.kv().with_transaction(txn)
+            futs = [kv.write(f"{info.path}/zarr.json", zarr_json.zarr_json_bytes(shape, info))
+                    for shape, info in self.slots.values()]  # fmt: skip
             for f in futs:
-                f.result()
+                f.result()  # recorded in the transaction
             txn.commit_async().result()
         barrier(self.tag + "-created")
-        # Opening for writing trusts the manifest's metadata: no read, nothing to wait for.
-        arrays = {k: store.open_array(db, shape, info, write=True)
-                  for k, (shape, info) in self.slots.items()}  # fmt: skip
+        arrays = _Handles(db, self.slots)  # opened where a write goes through TensorStore
         written: dict[SlotInfo, set[str]] = {}
         in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
         # Whole shards are encoded here (hardware CRC32C) and written as raw values in the same
@@ -415,6 +417,20 @@ def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:
             first = first or e
     if first is not None and raise_first:
         raise first
+
+
+class _Handles(dict[tuple[str, str], Any]):
+    """The slots' arrays for TensorStore's array writes, each opened on first use; opening for
+    writing trusts the manifest's metadata (no read, nothing to wait for)."""
+
+    def __init__(self, db: store.Location, slots: dict[tuple[str, str], Any]) -> None:
+        super().__init__()
+        self.db, self.slots = db, slots
+
+    def __missing__(self, key: tuple[str, str]) -> Any:
+        shape, info = self.slots[key]
+        arr = self[key] = store.open_array(self.db, shape, info, write=True)
+        return arr
 
 
 def _create(loc: store.Location, shape: tuple[int, ...], info: SlotInfo, txn: Any = None) -> Any:
