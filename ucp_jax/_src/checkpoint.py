@@ -169,8 +169,10 @@ class Checkpoint:
             MismatchError: no such atom or slot.
             ChecksumError: a chunk file is missing or the stored bytes are corrupt.
         """
-        with self._diagnosed():
-            self._open_arrays(keys, leaf)
+        keys = [k for k in keys if k not in self._checked_slots]
+        if keys:  # (checked ones cost nothing: a restore asks again per piece and per table)
+            with self._diagnosed():
+                self._open_arrays(keys, leaf)
 
     def _open_arrays(self, keys: Sequence[tuple[str, str]], leaf: str | None) -> None:
         todo = []
@@ -194,13 +196,17 @@ class Checkpoint:
             total = sum(len(a.slots) for a in self.atoms.values())
             if listing.worth_batching(len(todo), total):
                 batch = listing.BatchListing(self.data.kv(), [si.path for *_, si in todo])
+        root = self.data.kv() if batch else None  # one kvstore for every zarr.json read
         for _name, _slot, _shape, si in todo:
             if self.data.local_path is not None:
                 folder = paths.refuse_symlinks(self.data.local_path, si.path, "array folder")
                 if os.path.isdir(folder):  # else: no chunk file, no zarr.json, said below
                     paths.check_tree(folder, "array folder")
+            if root is not None:
+                started.append((root, None, root.read(f"{si.path}/zarr.json")))
+                continue
             kv = self.data.child(si.path).kv()
-            started.append((kv, None if batch else kv.list(), kv.read("zarr.json")))
+            started.append((kv, kv.list(), kv.read("zarr.json")))
         for (name, slot, shape, si), (kv, listed, meta) in zip(todo, started):
             where = f"{self.path}: atom {name!r} slot {slot!r}"
             try:
