@@ -190,7 +190,7 @@ class Checkpoint:
                 )
             shape, si = info.slot_shape(slot), info.slots[slot]
             todo.append((name, slot, shape, si))
-        started = []
+        started: list[tuple[Any, Any, Any]] = []  # (kvstore, its listing or None, zarr.json)
         batch = None  # version 3, most arrays wanted: one listing of the database for all
         if todo and self.manifest.version >= aggregate.AGGREGATED_VERSION:
             total = sum(len(a.slots) for a in self.atoms.values())
