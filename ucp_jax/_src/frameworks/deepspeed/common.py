@@ -23,9 +23,10 @@ from ...util.hostmem import allocatable
 OSD = "optimizer_state_dict"
 UC_INFO = "universal_checkpoint_info"
 # `import_deepspeed`'s bytes in flight by default: four writing transactions of 64 MiB rather than
-# of 16 MiB (the other importers' 64 MiB) keep the disk busier while the next shards are encoded:
-# 0.87x the wall time and 0.91x the CPU of the 1.5 GiB benchmark import, peak RSS about 0.55x its
-# largest rank file instead of 0.4x (docs/performance.md).
+# of 16 MiB (the other importers' 64 MiB) keep the disk busier while the next shards are encoded.
+# The 1.5 GiB benchmark import: 0.87x the wall time in one process, 0.95x as a fresh `ucp convert`
+# (which also faults in the larger window's memory); peak RSS about 0.58x its largest rank file
+# instead of 0.4x (docs/performance.md).
 DEEPSPEED_INFLIGHT_BYTES = 256 << 20
 
 
