@@ -175,10 +175,9 @@ class Checkpoint:
                 self._open_arrays(keys, leaf)
 
     def _open_arrays(self, keys: Sequence[tuple[str, str]], leaf: str | None) -> None:
+        """`open_arrays` of slots not checked yet."""
         todo = []
         for name, slot in dict.fromkeys(keys):
-            if (name, slot) in self._checked_slots:
-                continue
             info = self.atom(name, leaf=leaf)
             if slot not in info.slots:
                 who = f"leaf {leaf!r} needs" if leaf else "wanted"
@@ -191,12 +190,13 @@ class Checkpoint:
             shape, si = info.slot_shape(slot), info.slots[slot]
             todo.append((name, slot, shape, si))
         started: list[tuple[Any, Any, Any]] = []  # (kvstore, its listing or None, zarr.json)
-        batch = None  # version 3, most arrays wanted: one listing of the database for all
+        batch = root = None  # version 3, most arrays wanted: one listing of the database for
+        # all, and its one kvstore for every zarr.json read
         if todo and self.manifest.version >= aggregate.AGGREGATED_VERSION:
             total = sum(len(a.slots) for a in self.atoms.values())
             if listing.worth_batching(len(todo), total):
-                batch = listing.BatchListing(self.data.kv(), [si.path for *_, si in todo])
-        root = self.data.kv() if batch else None  # one kvstore for every zarr.json read
+                root = self.data.kv()
+                batch = listing.BatchListing(root, [si.path for *_, si in todo])
         for _name, _slot, _shape, si in todo:
             if self.data.local_path is not None:
                 folder = paths.refuse_symlinks(self.data.local_path, si.path, "array folder")

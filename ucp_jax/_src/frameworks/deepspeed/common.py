@@ -72,7 +72,8 @@ def default_inflight_bytes() -> int:
     """
     have = allocatable()
     room = have is None or have[0] >= 4 * DEEPSPEED_INFLIGHT_BYTES
-    return config.import_inflight_bytes(DEEPSPEED_INFLIGHT_BYTES if room else config.MIB * 64)
+    return config.import_inflight_bytes(DEEPSPEED_INFLIGHT_BYTES) if room else (
+        config.import_inflight_bytes())  # fmt: skip
 
 
 def read_step(state: dict[str, Any]) -> Any:
