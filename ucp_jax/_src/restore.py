@@ -23,7 +23,7 @@ from .mapping.rules import CompiledRules, Rule
 from .placement import Placer
 from .resolve import ResolvedLeaf, resolve_leaf
 from .util import config
-from .util.buffers import aligned_empty
+from .util.buffers import aligned_empties
 from .util.gcpause import gc_paused
 from .util.inflight import InflightWindow
 
@@ -271,7 +271,9 @@ def _read_all(
             out[j] = _place(r, got, placer)
 
     for i, r in enumerate(resolved):
-        issued = [_issue(ckpt, r, g, stats, batcher) for g in r.groups]
+        # a leaf's host regions: one huge-page mapping where together they fill one
+        outs = aligned_empties([box_shape(g.box) for g in r.groups], r.binding.dtype)
+        issued = [_issue(ckpt, r, g, out, stats, batcher) for g, out in zip(r.groups, outs)]
         nbytes = sum(box_size(g.box) for g in r.groups) * r.binding.dtype.itemsize
         for j, iss in window.push((i, issued), nbytes):
             retire(j, iss)
@@ -288,10 +290,12 @@ def _issue(
     ckpt: Checkpoint,
     r: ResolvedLeaf,
     g: ReadGroup,
+    out: np.ndarray,
     stats: ReadStats,
     batcher: read_batches.Batcher | None,
 ) -> tuple[np.ndarray, list[tuple[Any, Any, Any]]]:
-    """Start filling the region `g.box` of leaf `r.binding`: (host buffer, pending pieces).
+    """Start filling the region `g.box` of leaf `r.binding` into `out` (an uninitialised buffer
+    of its shape): (out, pending pieces).
 
     A piece stored with the leaf's dtype is read by TensorStore directly into its place in the
     buffer (through a view in the atom's axis order); others are read and converted on finish.
@@ -299,7 +303,6 @@ def _issue(
     """
     b = r.binding
     stats.bytes_needed += box_size(g.box) * b.dtype.itemsize
-    out = aligned_empty(box_shape(g.box), b.dtype)
     pending: list[tuple[Any, Any, Any]] = []
     for p in g.pieces:
         rel = relative_slices(p.leaf_box, g.box)

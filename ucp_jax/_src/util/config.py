@@ -153,6 +153,17 @@ def direct_read() -> bool:
     return _switch("UCP_DIRECT_READ")
 
 
+def huge_pages() -> bool:
+    """Whether large host buffers that restores fill are mapped with transparent huge pages
+    (`UCP_HUGE_PAGES`, default on where the kernel offers them; 0: 4 KiB pages). See
+    util/buffers.py.
+
+    >>> isinstance(huge_pages(), bool)
+    True
+    """
+    return _switch("UCP_HUGE_PAGES")
+
+
 def scatter_read() -> bool:
     """Whether direct reads put whole chunks straight into scattered rows of their target
     (`UCP_SCATTER_READ`, default on, where the C extension is built; 0: through a per-thread
