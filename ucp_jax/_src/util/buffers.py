@@ -3,9 +3,9 @@
 A buffer a restore fills is fresh memory: every 4 KiB page of it faults in on first write (a
 trap, a page allocated, zeroed and charged), and on a 2-core VM that cost more than the copy
 itself (92k faults, over half the CPU of a 0.38 GB restore). A large buffer is therefore its own
-anonymous mapping that starts on a huge-page boundary, its whole 2 MiB pages advised to be
-transparent huge pages (`MADV_HUGEPAGE`): one fault per 2 MiB; the part past the last whole huge
-page keeps 4 KiB pages, so nothing is allocated beyond the buffer. Below one huge page, where the
+anonymous mapping on a huge-page boundary, its whole 2 MiB pages advised to be transparent huge
+pages (`MADV_HUGEPAGE`): one fault per 2 MiB; the part past the last whole huge page keeps 4 KiB
+pages, so nothing is allocated beyond the buffer. Below one huge page, where the
 kernel offers no transparent huge pages, or with `UCP_HUGE_PAGES=0`, it is an ordinary allocation.
 """
 
@@ -57,20 +57,26 @@ def _huge_pages_on() -> bool:
 
 
 def _huge_mapping(nbytes: int, *, prefault: bool = False) -> np.ndarray:
-    """`nbytes` of a fresh anonymous mapping that start on a huge-page boundary, its whole huge
-    pages advised to be transparent huge pages; with `prefault` every page is populated."""
-    # a huge page more than needed, so that the buffer can start on a huge-page boundary (the
-    # kernel aligns only some mappings); the pages around the buffer are never touched
-    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+    """`nbytes` of a fresh anonymous mapping whose whole huge pages are advised to be transparent
+    huge pages; with `prefault` every page is populated.
+
+    The mapping's length is a multiple of HUGE_PAGE, which Linux 6.7 and later place on a huge
+    page boundary; elsewhere the advice covers the whole huge pages inside the buffer. Past the
+    buffer's end nothing is advised, so nothing is allocated there.
+    """
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                    prot=mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
     whole = np.frombuffer(mm, np.uint8)
-    off = -whole.ctypes.data % HUGE_PAGE
-    mm.madvise(mmap.MADV_HUGEPAGE, off, huge_page_bytes(nbytes))
+    first = -whole.ctypes.data % HUGE_PAGE  # 0 where the kernel aligned the mapping
+    advised = huge_page_bytes(max(0, nbytes - first))
+    if advised:
+        mm.madvise(mmap.MADV_HUGEPAGE, first, advised)
     if prefault:
         # before Linux 5.14 there is no populate: the pages fault in as they are filled
         with contextlib.suppress(OSError):
-            mm.madvise(_MADV_POPULATE_WRITE, off, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    return whole[off : off + nbytes]
+            mm.madvise(_MADV_POPULATE_WRITE, 0, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    return whole[:nbytes]
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, *, prefault: bool = False) -> np.ndarray:
