@@ -5,7 +5,8 @@ same bytes on the same disk with the same thread count:
 
 * limits (benchmarks/roofline_limits.py): memcpy; a plain parallel pwrite+fsync of the state's
   unique shards; a plain parallel read of those files into fresh host buffers (warm, and cold
-  where the kernel lets this process drop caches); placing host shards on the target devices
+  where the kernel lets this process drop caches; warm also into buffers on transparent huge
+  pages, as ucp's restore buffers are); placing host shards on the target devices
   (`jax.device_put`, and into the `pinned_host` memory kind where the device has it);
 * ucp save, ucp restore onto the same mesh and onto another (a reshard), Orbax
   `StandardCheckpointer` save and same-mesh restore.
@@ -200,6 +201,11 @@ def run_case(name: str, spec: dict[str, Any], dtype_name: str, args: argparse.Na
             rec("limit_write", {"seconds": t})
             settle()
             rec("limit_read_warm", {"seconds": lim.read_back(paths, shards, threads)})
+            settle()
+            rec(
+                "limit_read_warm_huge",
+                {"seconds": lim.read_back(paths, shards, threads, huge=True)},
+            )
             if cold_ok and lim.drop_caches():
                 settle()
                 rec("limit_read_cold", {"seconds": lim.read_back(paths, shards, threads)})
@@ -305,6 +311,10 @@ def summarize(name: str, dt: str, nbytes: int, leaves: int, res: dict, threads: 
                 row["fraction_paired_each"] = paired
                 row["fraction_paired"] = statistics.median(paired)
             row["amplification"] = med(xs, "amplification")[0]
+            if f"limit_read_{cache}_huge" in res:  # the plain read into huge-page buffers
+                huge = med(res[f"limit_read_{cache}_huge"])[0]
+                row["limit_huge_seconds"] = huge + pl
+                row["fraction_huge"] = (huge + pl) / s
         if "limit_seconds" in row:
             row["fraction"] = row["limit_seconds"] / s
         if "peak_above_start" in xs[0]:
@@ -314,8 +324,8 @@ def summarize(name: str, dt: str, nbytes: int, leaves: int, res: dict, threads: 
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| state | dtype | operation | median s (min-max) | GB/s | of limit | of the limit beside it (min-max) | peak RAM / state | read ampl. |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| state | dtype | operation | median s (min-max) | GB/s | of limit | of the limit beside it (min-max) | of the read into huge pages + place | peak RAM / state | read ampl. |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         for op, x in r["ops"].items():
             frac = f"{x['fraction']:.0%}" if "fraction" in x else ""
@@ -323,10 +333,11 @@ def table(results: list[dict]) -> str:
             amp = f"{x['amplification']:.2f}" if "amplification" in x else ""
             pe = x.get("fraction_paired_each")
             pair = f"{x['fraction_paired']:.0%} ({min(pe):.0%}-{max(pe):.0%})" if pe else ""
+            huge = f"{x['fraction_huge']:.0%}" if "fraction_huge" in x else ""
             lines.append(
                 f"| {r['state']} ({r['leaves']} leaves, {r['bytes'] / GB:.2f} GB) | {r['dtype']} | "
                 f"{op} | {x['seconds']:.3f} ({x['min']:.3f}-{x['max']:.3f}) | {x['gbps']:.2f} | "
-                f"{frac} | {pair} | {peak} | {amp} |"
+                f"{frac} | {pair} | {huge} | {peak} | {amp} |"
             )
     return "\n".join(lines)
 
@@ -336,11 +347,15 @@ def ratios(results: list[dict]) -> str:
     for r in results:
         o = r["ops"]
         if "orbax_save" in o:
+            fh = o["ucp_restore_reshard_warm"].get("fraction_huge")
+            huge = "" if fh is None else f" ({fh:.0%} of the read into huge-page buffers)"
             lines.append(
                 f"{r['state']}/{r['dtype']}: ucp save / Orbax save time = "
                 f"{o['ucp_save']['seconds'] / o['orbax_save']['seconds']:.2f}; ucp reshard restore "
                 f"/ Orbax same-mesh restore (warm) = "
                 f"{o['ucp_restore_reshard_warm']['seconds'] / o['orbax_restore_same_warm']['seconds']:.2f}"
+                f"; ucp reshard restore (warm) at {o['ucp_restore_reshard_warm']['fraction']:.0%} "
+                f"of read + place{huge}"
             )
     return "\n".join(lines)
 
