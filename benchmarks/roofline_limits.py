@@ -106,7 +106,8 @@ def fresh_buffer(shape: tuple[int, ...], dtype: np.dtype, huge: bool = False) ->
     if not huge:
         return np.empty(shape, dtype)
     count = int(np.prod(shape))
-    mm = mmap.mmap(-1, -(-count * dtype.itemsize // (2 << 20)) * (2 << 20))
+    size = -(-count * dtype.itemsize // (2 << 20)) * (2 << 20)
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shared memory
     with contextlib.suppress(AttributeError, OSError):
         mm.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(mm, dtype, count=count).reshape(shape)
