@@ -101,11 +101,11 @@ def write_fsync(shards: Sequence[np.ndarray], folder: str, threads: int) -> tupl
 
 
 def fresh_buffer(shape: tuple[int, ...], dtype: np.dtype, huge: bool = False) -> np.ndarray:
-    """An uninitialised host array; with `huge`, an anonymous mapping advised to be backed by
-    transparent huge pages (one page fault per 2 MiB instead of per 4 KiB)."""
-    if not huge:
-        return np.empty(shape, dtype)
+    """An uninitialised host array; with `huge` and 2 MiB or more, an anonymous mapping advised
+    to be backed by transparent huge pages (one page fault per 2 MiB instead of per 4 KiB)."""
     count = int(np.prod(shape))
+    if not huge or count * dtype.itemsize < 2 << 20:  # a huge page for less would zero more
+        return np.empty(shape, dtype)
     size = -(-count * dtype.itemsize // (2 << 20)) * (2 << 20)
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shared memory
     with contextlib.suppress(AttributeError, OSError):
