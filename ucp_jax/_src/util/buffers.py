@@ -5,8 +5,8 @@ trap, a page allocated, zeroed and charged), and on a 2-core VM that cost more t
 itself (92k faults, over half the CPU of a 0.38 GB restore). A large buffer is therefore its own
 anonymous mapping on a huge-page boundary, its whole 2 MiB pages advised to be transparent huge
 pages (`MADV_HUGEPAGE`): one fault per 2 MiB; the part past the last whole huge page keeps 4 KiB
-pages, so nothing is allocated beyond the buffer. Below one huge page, where the
-kernel offers no transparent huge pages, or with `UCP_HUGE_PAGES=0`, it is an ordinary allocation.
+pages, so nothing is allocated beyond the buffer. Below one huge page, where the kernel offers no
+transparent huge pages, or with `UCP_HUGE_PAGES=0`, it is an ordinary allocation.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, *, prefault: bool = F
     of copying: one copy of the restored bytes fewer, and no second allocation. A large buffer
     is mapped on transparent huge pages where the kernel offers them (see the module's doc).
     With `prefault`, a buffer of PREFAULT_MIN bytes or more is a fresh anonymous mapping with its
-    pages populated up front (page aligned), which is faster to fill than pages faulted in one
-    by one.
+    pages populated up front (page aligned; on huge pages where it is large enough), which is
+    faster to fill than pages faulted in one by one.
 
     >>> a = aligned_empty((3, 5), np.dtype(np.float32))
     >>> a.shape, a.ctypes.data % ALIGN
