@@ -131,3 +131,40 @@ def test_restored_arrays_live_in_the_buffers(
         # its own allocations of 4 MiB or more too: switched off, the flag proves nothing)
         shards = [s.data.unsafe_buffer_pointer() for s in w.addressable_shards]
         assert all("hg" in mapping_of(p)["flags"] for p in shards)
+
+
+def test_packs_bounds() -> None:
+    mib = 1 << 20
+    assert buffers.packs([mib] * 20) == [(0, 8), (8, 16), (16, 20)]  # at most PACK_BYTES each
+    assert buffers.packs([mib, 3 * mib, mib]) == []  # no run fills a huge page
+    assert buffers.packs([HUGE - 1, HUGE - 1, 0]) == [(0, 3)]
+    for sizes in ([mib] * 20, [300_000] * 100, [mib, 5 * mib, mib, mib, 3 * mib, 700_000] * 3):
+        runs = buffers.packs(sizes)
+        assert all(b - a > 1 for a, b in runs)
+        assert all(HUGE <= sum(sizes[a:b]) <= buffers.PACK_BYTES for a, b in runs)
+        assert all(sizes[k] < HUGE for a, b in runs for k in range(a, b))
+        assert all(b0 <= a1 for (_, b0), (a1, _) in itertools.pairwise(runs))
+
+
+@needs_thp
+def test_small_leaves_of_a_restore_share_a_mapping(tmp_path) -> None:
+    """Leaves each under a huge page are restored (bit-exact) onto shards that share advised
+    mappings of at most PACK_BYTES; a leaf of its own size gets its own."""
+    devs = np.array(jax.devices()[:8])
+    sh = NamedSharding(Mesh(devs.reshape(2, 4), ("a", "b")), P("a", "b"))
+    tree = {f"s{i}": jax.device_put(jnp.full((256, 512), i, jnp.float32), sh) for i in range(6)}
+    tree["big"] = jax.device_put(jnp.ones((1024, 2048), jnp.float32), sh)
+    ucp.save(tmp_path / "c", tree, step=1)
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for k, v in tree.items()}
+    got, _ = ucp.restore(tmp_path / "c", target)
+    for k, v in tree.items():
+        assert np.asarray(got[k]).tobytes() == np.asarray(v).tobytes(), k
+    starts = {k: {mapping_of(s.data.unsafe_buffer_pointer())["start"]
+                  for s in got[k].addressable_shards} for k in tree}  # fmt: skip
+    small = set().union(*(starts[f"s{i}"] for i in range(6)))
+    assert starts["big"].isdisjoint(small)
+    # one mapping (the advice splits it: its huge-page part, then its 4 KiB tail)
+    vmas = sorted((m for m in mappings() if m["start"] in small), key=lambda m: m["start"])
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(vmas)), vmas
+    assert len(vmas) <= 2 and "hg" in vmas[0]["flags"], vmas
+    assert vmas[-1]["end"] - vmas[0]["start"] <= buffers.PACK_BYTES, vmas

@@ -22,8 +22,7 @@ from .mapping.keys import rewrap
 from .mapping.rules import CompiledRules, Rule
 from .placement import Placer
 from .resolve import ResolvedLeaf, resolve_leaf
-from .util import config
-from .util.buffers import aligned_empties
+from .util import buffers, config
 from .util.gcpause import gc_paused
 from .util.inflight import InflightWindow
 
@@ -270,9 +269,19 @@ def _read_all(
         else:
             out[j] = _place(r, got, placer)
 
+    # a leaf's host regions: one huge-page mapping where together they fill one; consecutive
+    # leaves too small for one share a mapping (util/buffers.packs), made at the first of them
+    shapes = [[box_shape(g.box) for g in r.groups] for r in resolved]
+    pack_of = {k: run for run in buffers.packs([buffers.aligned_bytes(sh, r.binding.dtype)
+                                                for sh, r in zip(shapes, resolved)])
+               for k in range(*run)}  # fmt: skip
+    carved: dict[int, list[np.ndarray]] = {}
     for i, r in enumerate(resolved):
-        # a leaf's host regions: one huge-page mapping where together they fill one
-        outs = aligned_empties([box_shape(g.box) for g in r.groups], r.binding.dtype)
+        if i in pack_of and i not in carved:
+            run = range(*pack_of[i])
+            leaves = [(shapes[k], resolved[k].binding.dtype) for k in run]
+            carved.update(zip(run, buffers.aligned_empties_packed(leaves)))
+        outs = carved.pop(i, None) or buffers.aligned_empties(shapes[i], r.binding.dtype)
         issued = [_issue(ckpt, r, g, out, stats, batcher) for g, out in zip(r.groups, outs)]
         nbytes = sum(box_size(g.box) for g in r.groups) * r.binding.dtype.itemsize
         for j, iss in window.push((i, issued), nbytes):

@@ -5,8 +5,10 @@ trap, a page allocated, zeroed and charged), and on a 2-core VM that cost more t
 itself (92k faults, over half the CPU of a 0.38 GB restore). A large buffer is therefore its own
 anonymous mapping on a huge-page boundary, its whole 2 MiB pages advised to be transparent huge
 pages (`MADV_HUGEPAGE`): one fault per 2 MiB; the part past the last whole huge page keeps 4 KiB
-pages, so nothing is allocated beyond the buffer. Below one huge page, where the kernel offers no
-transparent huge pages, or with `UCP_HUGE_PAGES=0`, it is an ordinary allocation.
+pages, so nothing is allocated beyond the buffer. A leaf's shards share one such mapping, and so
+do consecutive leaves each smaller than a huge page (at most PACK_BYTES together). Below one huge
+page, where the kernel offers no transparent huge pages, or with `UCP_HUGE_PAGES=0`, it is an
+ordinary allocation.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from . import config
 ALIGN = 64  # XLA:CPU places host buffers aligned to this without a copy
 PREFAULT_MIN = 1 << 20  # with prefault, buffers this big are mapped with their pages populated
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages): a PMD-mapped transparent huge page
+PACK_BYTES = 8 << 20  # the most that small leaves sharing one huge-page mapping hold together
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault in a range's pages, writable, in one call
 
 
@@ -108,6 +111,26 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, *, prefault: bool = F
     return raw[off : off + n].view(dtype).reshape(shape)
 
 
+def aligned_bytes(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> int:
+    """Bytes that arrays of `shapes` take carved one after another, each on an ALIGN boundary.
+
+    >>> aligned_bytes([(3, 5), (256, 1024)], np.dtype(np.float32))
+    1048640
+    """
+    return sum(-(-math.prod(s) * dtype.itemsize // ALIGN) * ALIGN for s in shapes)
+
+
+def _carve(
+    whole: np.ndarray, shapes: Sequence[tuple[int, ...]], dtype: np.dtype
+) -> list[np.ndarray]:
+    out, at = [], 0
+    for s in shapes:
+        n = math.prod(s) * dtype.itemsize
+        out.append(whole[at : at + n].view(dtype).reshape(s))
+        at += -(-n // ALIGN) * ALIGN
+    return out
+
+
 def aligned_empties(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> list[np.ndarray]:
     """Uninitialised arrays of `shapes`, each as `aligned_empty` gives it, carved from one
     huge-page mapping where together they fill at least one huge page: a leaf's shards on this
@@ -117,13 +140,52 @@ def aligned_empties(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> list[
     >>> a.shape, b.shape, a.ctypes.data % ALIGN, b.ctypes.data % ALIGN
     ((3, 5), (256, 1024), 0, 0)
     """
-    sizes = [math.prod(s) * dtype.itemsize for s in shapes]
-    starts, end = [], 0
-    for n in sizes:
-        starts.append(end)
-        end += -(-n // ALIGN) * ALIGN
+    end = aligned_bytes(shapes, dtype)
     if len(shapes) < 2 or not huge_page_bytes(end) or not _huge_pages_on():
         return [aligned_empty(tuple(s), dtype) for s in shapes]
-    whole = _huge_mapping(end)
-    return [whole[o : o + n].view(dtype).reshape(s)
-            for o, n, s in zip(starts, sizes, shapes)]  # fmt: skip
+    return _carve(_huge_mapping(end), shapes, dtype)
+
+
+def aligned_empties_packed(
+    leaves: Sequence[tuple[Sequence[tuple[int, ...]], np.dtype]],
+) -> list[list[np.ndarray]]:
+    """`aligned_empties` of each (shapes, dtype), all carved from one huge-page mapping where
+    together they fill at least one: consecutive small leaves (`packs`), which then keep that
+    mapping, at most PACK_BYTES, alive until the last of them is freed.
+
+    >>> [[x.shape for x in xs] for xs in aligned_empties_packed(
+    ...     [([(512, 512)], np.dtype(np.float32)), ([(4,), (2, 2)], np.dtype(np.int8))])]
+    [[(512, 512)], [(4,), (2, 2)]]
+    """
+    total = sum(aligned_bytes(shapes, dtype) for shapes, dtype in leaves)
+    if not huge_page_bytes(total) or not _huge_pages_on():
+        return [aligned_empties(shapes, dtype) for shapes, dtype in leaves]
+    whole, at, out = _huge_mapping(total), 0, []
+    for shapes, dtype in leaves:
+        n = aligned_bytes(shapes, dtype)
+        out.append(_carve(whole[at : at + n], shapes, dtype))
+        at += n
+    return out
+
+
+def packs(sizes: Sequence[int], most: int = PACK_BYTES) -> list[tuple[int, int]]:
+    """Runs [start, end) of consecutive items, each smaller than a huge page, that together fill
+    at least one and hold at most `most` bytes: small leaves to carve from one huge-page mapping
+    (`aligned_empties_packed`). Items not in a run get buffers of their own.
+
+    >>> packs([1 << 20, 1 << 20, 5 << 20, 1 << 20, 1 << 20, 1 << 20, 100])
+    [(0, 2), (3, 7)]
+    """
+    out, start, total = [], 0, 0
+    for i, n in enumerate([*sizes, None]):
+        if n is not None and n < HUGE_PAGE and total + n <= most:
+            total += n
+            continue
+        if total >= HUGE_PAGE and i - start > 1:
+            out.append((start, i))
+        start, total = i, 0
+        if n is not None and n < HUGE_PAGE:
+            total = n
+        else:
+            start = i + 1
+    return out
