@@ -140,10 +140,7 @@ def aligned_empties(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> list[
     >>> a.shape, b.shape, a.ctypes.data % ALIGN, b.ctypes.data % ALIGN
     ((3, 5), (256, 1024), 0, 0)
     """
-    end = aligned_bytes(shapes, dtype)
-    if len(shapes) < 2 or not huge_page_bytes(end) or not _huge_pages_on():
-        return [aligned_empty(tuple(s), dtype) for s in shapes]
-    return _carve(_huge_mapping(end), shapes, dtype)
+    return aligned_empties_packed([(shapes, dtype)])[0]
 
 
 def aligned_empties_packed(
@@ -158,8 +155,8 @@ def aligned_empties_packed(
     [[(512, 512)], [(4,), (2, 2)]]
     """
     total = sum(aligned_bytes(shapes, dtype) for shapes, dtype in leaves)
-    if not huge_page_bytes(total) or not _huge_pages_on():
-        return [aligned_empties(shapes, dtype) for shapes, dtype in leaves]
+    if not huge_page_bytes(total) or not _huge_pages_on():  # ordinary buffers, each alone
+        return [[aligned_empty(tuple(s), dtype) for s in shapes] for shapes, dtype in leaves]
     whole, at, out = _huge_mapping(total), 0, []
     for shapes, dtype in leaves:
         n = aligned_bytes(shapes, dtype)
