@@ -24,6 +24,7 @@ from .mapping.rules import CompiledRules, Rule
 from .placement import host_staging
 from .save_plan import SavePlan
 from .util import config
+from .util.dtypes import zarr_dtype
 from .util.inflight import InflightWindow
 from .util.sync import barrier
 
@@ -85,6 +86,7 @@ class SaveJob:
         for b in bindings:
             if isinstance(b.value, jax.ShapeDtypeStruct):
                 raise TypeError(f"save: leaf {b.name!r} is a ShapeDtypeStruct; save real arrays")
+            zarr_json.check_storable(zarr_dtype(b.dtype), f"save: leaf {b.name!r}")
         shard_bytes = store.AGGREGATED_SHARD_BYTES if self.aggregated else store.MAX_SHARD_BYTES
         plan = SavePlan(self.budget, max_shard_bytes=shard_bytes)
         for b in bindings:

@@ -94,6 +94,42 @@ def check_zarr_json(meta: Any, shape: tuple[int, ...], si: SlotInfo, where: str)
         raise ChecksumError(f"{where}: {problem}")
 
 
+# The zarr3 data types TensorStore stores (others, such as uint4 or float8_e4m3, it refuses).
+STORABLE_TYPES = frozenset(
+    ["bool", "float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
+    + ["int2", "int4", "float4_e2m1fn", "float8_e8m0fnu"]
+    + [f"{u}int{b}" for u in ("", "u") for b in (8, 16, 32, 64)]
+    + [f"float8_{k}" for k in ("e3m4", "e4m3fn", "e4m3fnuz", "e4m3b11fnuz", "e5m2", "e5m2fnuz")]
+)
+
+
+def check_storable(data_type: str, where: str) -> None:
+    """Refuse a data type zarr3 (TensorStore) cannot store, before anything is written.
+
+    Raises:
+        TypeError: `data_type` is not in STORABLE_TYPES; the message starts with `where`.
+
+    >>> check_storable("float8_e4m3fn", "save: leaf 'w'")
+    >>> check_storable("uint4", "save: leaf 'w'")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: save: leaf 'w' has dtype uint4, which zarr3 (TensorStore) cannot store; ...
+    """
+    if data_type not in STORABLE_TYPES:
+        raise TypeError(
+            f"{where} has dtype {data_type}, which zarr3 (TensorStore) cannot store; the types it "
+            f"stores: {', '.join(sorted(STORABLE_TYPES))}. Cast it to one of them (e.g. uint4 to "
+            "uint8) first"
+        )
+
+
+# The zarr3 data types of one byte or less an element (numpy/ml_dtypes hold each in one byte),
+# whose `bytes` codec TensorStore writes without an endian.
+ONE_BYTE_TYPES = frozenset(
+    ["bool", "int2", "int4", "int8", "uint8", "float4_e2m1fn", "float8_e8m0fnu"]
+    + [f"float8_{k}" for k in ("e3m4", "e4m3fn", "e4m3fnuz", "e4m3b11fnuz", "e5m2", "e5m2fnuz")]
+)
+
 # (sha256 of the bytes, shape, dtype, chunks, inner chunks) -> what is wrong, or None: the
 # digest, not the bytes (up to 1 MiB each in a hostile checkpoint), is what is kept
 _VERDICTS: dict[tuple[Any, ...], str | None] = {}
@@ -125,12 +161,13 @@ def _one_byte_endian(codecs: list[Any], data_type: str) -> list[Any]:
     """`codecs` with the `bytes` codec's endian spelled out for a one-byte data type.
 
     zarr3 leaves a one-byte type's endian unset and TensorStore writes `{"name": "bytes"}` for
-    int8, uint8 and bool, where the manifest's spec says little-endian: the same layout.
+    every type of one byte (or less) an element, where the manifest's spec says little-endian:
+    the same layout.
 
-    >>> _one_byte_endian([{"name": "bytes"}, {"name": "crc32c"}], "int8")[0]
+    >>> _one_byte_endian([{"name": "bytes"}, {"name": "crc32c"}], "float8_e4m3fn")[0]
     {'name': 'bytes', 'configuration': {'endian': 'little'}}
     """
-    if data_type not in ("int8", "uint8", "bool"):
+    if data_type not in ONE_BYTE_TYPES:
         return codecs
     out: list[Any] = []
     for c in codecs:

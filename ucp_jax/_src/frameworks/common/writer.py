@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 
 from ...errors import MismatchError, UnsafePathError
-from ...format import commit, space, store
+from ...format import commit, space, store, zarr_json
 from ...format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
 from ...mapping.boxes import Box, box_shape
 from ...mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_to_json
 from ...untrusted.paths import check_component
 from ...util import config
-from ...util.dtypes import dtype_name
+from ...util.dtypes import dtype_name, zarr_dtype
 from . import sink_aggregated
 from .sink_aggregated import AggregatedSink
 from .sink_per_array import PerArraySink
@@ -245,6 +245,7 @@ class AtomWriter:
         check_component(slot, f"import: atom {atom!r}: slot")
         shape = a["shape"] if slot_shape is None else tuple(int(d) for d in slot_shape)
         dt = np.dtype(dtype)
+        zarr_json.check_storable(zarr_dtype(dt), f"import: atom {atom!r} slot {slot!r}")
         own = None if shape == a["shape"] else shape
         chunks, inner = import_chunks(shape, dt.itemsize, None if own else a.get("grid"))
         return shape, SlotInfo(dtype_name(dt), f"{atom_dir(atom)}/{slot}", chunks, inner, own)
