@@ -88,7 +88,11 @@ class SaveJob:
                 raise TypeError(f"save: leaf {b.name!r} is a ShapeDtypeStruct; save real arrays")
             zarr_json.check_storable(zarr_dtype(b.dtype), f"save: leaf {b.name!r}")
         shard_bytes = store.AGGREGATED_SHARD_BYTES if self.aggregated else store.MAX_SHARD_BYTES
-        plan = SavePlan(self.budget, max_shard_bytes=shard_bytes)
+        plan = SavePlan(
+            self.budget,
+            max_shard_bytes=shard_bytes,
+            whole_shards_apart=self.aggregated and encode.available(),
+        )
         for b in bindings:
             plan.add(b)
         self.atoms, self.tasks, self.merged, self.slots = (

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from .errors import MismatchError
-from .format import store
+from .format import encode, store
 from .format.manifest import AtomInfo, SlotInfo, atom_dir
 from .mapping.binding import LeafBinding, WriteTask, plan_writes
 from .mapping.merge import MERGE_BYTES, MergedWrite, merge_plan
@@ -37,6 +37,7 @@ class SavePlan:
         budget: int,
         mesh_info: Callable[[Any], Any] | None = None,
         max_shard_bytes: int = store.AGGREGATED_SHARD_BYTES,
+        whole_shards_apart: bool = False,
     ) -> None:
         """A plan with no leaves yet.
 
@@ -46,10 +47,15 @@ class SavePlan:
                 concrete mesh (a simulated mesh passes its own).
             max_shard_bytes: the most bytes of one stored shard (`store.choose_chunks`; the
                 default is that of format version 3, the default layout).
+            whole_shards_apart: the save encodes and writes each region that covers whole
+                stored shards on its own (format version 3, `encode.available()`): a leaf whose
+                regions all do is not merged (the merge would only copy it once more, into
+                fresh memory, with one write per stored shard either way).
         """
         self.budget = budget
         self.max_shard_bytes = max_shard_bytes
         self.mesh_info = mesh_info
+        self.whole_shards_apart = whole_shards_apart
         self.atoms: dict[str, dict[str, Any]] = {}
         self.tasks: list[WriteTask] = []
         self.merged: dict[int, MergedWrite] = {}
@@ -97,9 +103,22 @@ class SavePlan:
             entry["slots"][b.slot] = info_
             self.slots[(atom, b.slot)] = (shape, info_)
         group = merge_plan(b, tasks, min(MERGE_BYTES, self.budget // 4))
+        if group is not None and self.whole_shards_apart and self._whole(b, tasks):
+            group = None
         if group is not None:
             self.merged.update((id(t), group) for t in tasks)
         self.tasks.extend(tasks)
+
+    def _whole(self, b: LeafBinding, tasks: list[WriteTask]) -> bool:
+        """Every piece of every task's region covers whole stored shards of its atom slot."""
+        for t in tasks:
+            for p in b.pieces(t.box):
+                if p.atom is None:
+                    continue
+                shape, info = self.slots[(p.atom, b.slot)]
+                if not encode.covers_whole_shards(shape, info, p.atom_box):
+                    return False
+        return True
 
     def atom_infos(self) -> dict[str, AtomInfo]:
         """The manifest's record of every atom planned."""
