@@ -1,7 +1,9 @@
 """A leaf's small local regions written as one box: filled region by region, written when full.
 
 Many small shards of one leaf (many local devices, small arrays) then cost one TensorStore write of
-their bounding box instead of one write (and its Python overhead) each.
+their bounding box instead of one write (and its Python overhead) each. A version-3 save that
+encodes whole stored shards itself writes one value per stored shard either way, so it merges no
+leaf whose regions are all whole stored shards (`SavePlan(whole_shards_apart=...)`).
 """
 
 from __future__ import annotations
