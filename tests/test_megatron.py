@@ -23,7 +23,7 @@ from mcore.fixtures import (  # noqa: E402, F401
 
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main as ucp_main  # noqa: E402
-from ucp_jax._src.frameworks.common.writer import to_numpy  # noqa: E402
+from ucp_jax._src.frameworks.common.torch_arrays import to_numpy  # noqa: E402
 from ucp_jax._src.frameworks.dcp.read import import_dcp  # noqa: E402
 from ucp_jax._src.frameworks.megatron.common import MegatronFormatError  # noqa: E402
 from ucp_jax._src.frameworks.megatron.export import MegatronExportError, export_megatron  # noqa: E402

@@ -20,7 +20,7 @@ from ds.fixtures import CASES, STEPS, ds_ckpts  # noqa: E402, F401
 
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main as ucp_main  # noqa: E402
-from ucp_jax._src.frameworks.common.writer import to_numpy  # noqa: E402
+from ucp_jax._src.frameworks.common.torch_arrays import to_numpy  # noqa: E402
 from ucp_jax._src.frameworks.deepspeed.universal import import_deepspeed_universal  # noqa: E402
 from ucp_jax._src.frameworks.deepspeed.zero import DeepSpeedFormatError, import_deepspeed  # noqa: E402
 from ucp_jax._src.untrusted.unpickle import load  # noqa: E402

@@ -177,6 +177,43 @@ def test_dcp_single_process(tmp_path):
     assert ck.manifest.source["dcp"]["objects"]["optim.param_groups.0.lr"] == 1e-3
 
 
+def _bits(t: torch.Tensor) -> bytes:
+    """A tensor's bytes (any dtype, float8s included)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("layout", ["aggregated", "per-array"])
+def test_dcp_float8_and_bfloat16_import_and_export_bit_exact(tmp_path, monkeypatch, layout):
+    """torch.distributed.checkpoint holding float8 and bfloat16 tensors: imported atoms hold their
+    bits, and torch's own dcp.load reads the export back bit for bit (torch's .numpy() and
+    from_numpy take neither type: they cross as same-width integer views)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ucp_jax.torch import export_dcp
+
+    monkeypatch.setenv("UCP_LAYOUT", layout)
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "e4m3": torch.randn(16, 8, generator=g).to(torch.float8_e4m3fn),
+        "e5m2": torch.randn(24, generator=g).to(torch.float8_e5m2),
+        "bf16": torch.randn(4, 6, generator=g).to(torch.bfloat16),
+        "f32": torch.randn(3, generator=g),
+    }
+    with pytest.warns(UserWarning):
+        dcp.save({"model": sd, "step": 7}, checkpoint_id=tmp_path / "d", no_dist=True)
+    ck = ucp.open(import_dcp(tmp_path / "d", tmp_path / "u", progress=False))
+    for k, t in sd.items():
+        a = ck.read(k)
+        assert a.dtype.name == str(t.dtype).removeprefix("torch."), k
+        assert a.tobytes() == _bits(t), k
+    export_dcp(tmp_path / "u", tmp_path / "e")
+    back = {"model": {k: torch.zeros_like(t) for k, t in sd.items()}}
+    with pytest.warns(UserWarning):
+        dcp.load(back, checkpoint_id=tmp_path / "e", no_dist=True)
+    for k, t in sd.items():
+        assert back["model"][k].dtype == t.dtype and _bits(back["model"][k]) == _bits(t), k
+
+
 def test_dcp_fsdp2_sharded(tmp_path):
     """A real FSDP2 run on 2 ranks (chunked DTensors) imports equal to its full state dict."""
     torchrun(2, [str(tmp_path)], str(tmp_path), script="fsdp_dcp.py")

@@ -20,21 +20,7 @@ from ...format.manifest import PARAM_SLOT
 from ...llama_config import LlamaConfig
 from . import llama_names as N
 from .dcp_write import LazyTensor
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    from ...util.dtypes import np_dtype
-
-    dt = np.dtype(np_dtype(name))
-    return torch.bfloat16 if dt.name == "bfloat16" else torch.from_numpy(np.empty(0, dt)).dtype
-
-
-def to_torch(a: np.ndarray) -> torch.Tensor:
-    a = np.asarray(a)
-    a = a if a.flags.c_contiguous else a.copy()  # (ascontiguousarray makes 0-d arrays 1-d)
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+from .torch_arrays import to_torch, torch_dtype
 
 
 def _region(cfg: LlamaConfig, row: N.TorchName) -> tuple[slice, ...] | None:

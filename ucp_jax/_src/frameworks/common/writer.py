@@ -29,6 +29,7 @@ from ...util.dtypes import dtype_name, zarr_dtype
 from . import sink_aggregated
 from .sink_aggregated import AggregatedSink
 from .sink_per_array import PerArraySink
+from .torch_arrays import to_numpy
 
 
 def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Box, int]]:
@@ -403,18 +404,6 @@ class AtomWriter:
         with contextlib.suppress(Exception):
             self._sink.abort()
         self.staging.abandon()  # its own staging folder only, and the path's lock released
-
-
-def to_numpy(t: Any) -> np.ndarray:
-    """A CPU torch tensor as a numpy array without copying (bfloat16 via ml_dtypes)."""
-    import torch
-
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
 
 
 def write_rows(w: AtomWriter, name: str, slot: str, m: Any) -> None:

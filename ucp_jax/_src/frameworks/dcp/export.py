@@ -26,6 +26,7 @@ from ...format.manifest import PARAM_SLOT
 from ...llama_config import config_from_checkpoint
 from ..common import llama_export as X
 from ..common.dcp_write import LazyTensor, write_dcp
+from ..common.torch_arrays import to_torch, torch_dtype
 
 NAMES = ("atoms", "hf", "torchtitan")
 
@@ -43,9 +44,9 @@ def _atom_entries(ck: Checkpoint, model: str, optim: str, optimizer: bool) -> di
             key = f"{model}{name}" if slot == PARAM_SLOT else f"{optim}state.{name}.{slot}"
 
             def load(name: str = name, slot: str = slot) -> Any:
-                return X.to_torch(ck.read(name, slot))
+                return to_torch(ck.read(name, slot))
 
-            out[key] = LazyTensor(tuple(info.slot_shape(slot)), X.torch_dtype(s.dtype), load)
+            out[key] = LazyTensor(tuple(info.slot_shape(slot)), torch_dtype(s.dtype), load)
     return out
 
 

@@ -28,7 +28,8 @@ from ...untrusted.limits import ucp_errors
 from ...untrusted.unpickle import loads
 from ..common.dcp_files import DCPFormatError, check_tensor, read_blob, read_chunk, read_metadata
 from ..common.progress import Progress
-from ..common.writer import AtomWriter, to_numpy
+from ..common.torch_arrays import to_numpy
+from ..common.writer import AtomWriter
 
 _OPTIM = re.compile(r"^(?:optim|optimizer)\.state\.(?P<param>.+)\.(?P<field>[A-Za-z_][\w]*)$")
 

@@ -32,18 +32,12 @@ from ...format.manifest import PARAM_SLOT, STEP_SLOT
 from ...mapping.patterns import Partitioned, VocabPadded, chain_from_json
 from ...untrusted.paths import check_component, join_inside
 from ..common.progress import Progress
+from ..common.torch_arrays import to_torch
 
 DS_VERSION = "0.19.8"  # written when the source was not DeepSpeed; DeepSpeed checks >= 0.3.17
 MOMENT_SLOTS = ("exp_avg", "exp_avg_sq")
 EMPTY_GROUPS = 64  # DeepSpeed zips these with its own param groups: extra empty ones are ignored
 _EXPERT_RE = re.compile(r"^(?P<pre>.*\.deepspeed_experts\.)(?P<e>\d+)(?P<post>\..*)$")
-
-
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    a = np.ascontiguousarray(a)
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 def _count(ck: Checkpoint) -> float | None:
@@ -220,7 +214,7 @@ def _write_params(
         for slot in (PARAM_SLOT, *MOMENT_SLOTS):
             if slot not in info.slots:
                 continue
-            parts = [_tensor(ck.read(a, slot)).float() for a in rows]
+            parts = [to_torch(ck.read(a, slot)).float() for a in rows]
             t = torch.stack(parts) if torch_name in stacks else parts[0]
             _save({**extra, "param": t}, os.path.join(pdir, f"{slot}.pt"))
         step = float(np.asarray(ck.read(atom, STEP_SLOT))) if STEP_SLOT in info.slots else count
