@@ -177,6 +177,33 @@ def test_lazy_loader_reads_tensors_like_torch(tmp_path):
     np.testing.assert_array_equal(got["a"].reshape(-1).narrow(0, 5, 4).numpy(), [5, 6, 7, 8])
 
 
+def test_lazy_loader_reads_float8_tensors_like_torch(tmp_path):
+    """float8 tensors have no typed storage class: torch writes an untyped storage and the dtype
+    (`_rebuild_tensor_v3`); offsets and strides count float8 elements."""
+    g = torch.Generator().manual_seed(0)
+    obj = {
+        "e4m3": torch.randn(4, 6, generator=g).to(torch.float8_e4m3fn),
+        "e5m2_view": torch.randn(8, generator=g).to(torch.float8_e5m2)[2:7],
+        "e4m3_t": torch.randn(3, 4, generator=g).to(torch.float8_e4m3fn).t(),
+        "bf": torch.randn(2, generator=g).to(torch.bfloat16),
+    }
+    torch.save(obj, tmp_path / "f8.pt")
+    got = load_lazy(tmp_path / "f8.pt")
+    for k, t in obj.items():
+        a = got[k].numpy()
+        assert a.dtype.name == str(t.dtype).removeprefix("torch.") and a.shape == tuple(t.shape)
+        width = torch.uint8 if t.element_size() == 1 else torch.int16
+        assert a.tobytes() == t.contiguous().view(width).numpy().tobytes(), k
+
+
+def test_lazy_loader_refuses_a_v3_tensor_of_unknown_dtype(tmp_path):
+    """A v3 rebuild of a dtype numpy cannot hold (torch.complex32) is refused, not guessed: its
+    dtype global is not on the allow-list, and `_rebuild_tensor_v3` names only allowed dtypes."""
+    torch.save({"c": torch.zeros(2, dtype=torch.complex32)}, tmp_path / "c.pt")
+    with pytest.raises(UnsafePickleError):
+        load_lazy(tmp_path / "c.pt")
+
+
 def test_lazy_tensors_mapped_read_like_torch(tmp_path):
     """`mapped()` views a large contiguous tensor in the file (read-only, no copy), equal to
     torch's values, narrowed and reshaped too; the mapping ends with the array; small and

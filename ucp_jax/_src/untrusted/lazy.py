@@ -28,6 +28,13 @@ _STORAGE_DTYPES = {
 }  # fmt: skip
 
 
+# torch dtypes a tensor may have here (numpy / ml_dtypes hold each with the same bits)
+_TENSOR_DTYPES = (
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+    "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+)  # fmt: skip
+
+
 class LazyTensor:
     """A tensor of a torch file, not read yet: file, byte offset, dtype, shape, strides (elements).
 
@@ -198,6 +205,21 @@ def _rebuild_tensor(storage: _Storage, storage_offset: int, size: Any, stride: A
     return LazyTensor(storage.path, off, storage.dtype, tuple(size), tuple(stride))
 
 
+def _rebuild_tensor_v3(storage: _Storage, storage_offset: int, size: Any, stride: Any,
+                       _requires_grad: Any, _hooks: Any, dtype: Any, *_: Any) -> LazyTensor:  # fmt: skip
+    """What torch writes for a dtype without a typed storage class (the float8s): an untyped
+    storage and the dtype; offsets and strides count elements of that dtype."""
+    import numpy as np
+
+    from ..util.dtypes import np_dtype
+
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+    if name not in _TENSOR_DTYPES:
+        raise UnsafePickleError(f"{storage.path}: a tensor of unknown dtype {dtype!r}")
+    typed = _Storage(storage.path, storage.offset, np.dtype(np_dtype(name)), storage.nbytes)
+    return _rebuild_tensor(typed, storage_offset, size, stride)
+
+
 def _rebuild_parameter(data: Any, *_: Any) -> Any:
     return data
 
@@ -223,6 +245,7 @@ def _lazy_globals() -> dict[str, Any]:
         "torch.serialization._get_layout": str,
         "torch._utils._rebuild_tensor": _rebuild_tensor,
         "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+        "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
         "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
         "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
@@ -230,8 +253,8 @@ def _lazy_globals() -> dict[str, Any]:
     })  # fmt: skip
     for name, dt in _STORAGE_DTYPES.items():
         out[f"torch.{name}"] = _StorageType(dt)
-    for dt in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-               "uint8", "bool"):  # fmt: skip
+    out["torch.storage.UntypedStorage"] = _StorageType("uint8")  # with _rebuild_tensor_v3
+    for dt in _TENSOR_DTYPES:
         out[f"torch.{dt}"] = f"torch.{dt}"
     return out
 
