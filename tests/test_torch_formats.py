@@ -214,6 +214,21 @@ def test_dcp_float8_and_bfloat16_import_and_export_bit_exact(tmp_path, monkeypat
         assert back["model"][k].dtype == t.dtype and _bits(back["model"][k]) == _bits(t), k
 
 
+def test_safetensors_float8_import_bit_exact(tmp_path):
+    """A safetensors file (the library's own writer) of F8_E4M3, F8_E5M2 and BF16 tensors: the
+    imported atoms hold their bits and restore (their zarr.json has no endian, as int8's)."""
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "e4m3": torch.randn(16, 8, generator=g).to(torch.float8_e4m3fn),
+        "e5m2": torch.randn(24, generator=g).to(torch.float8_e5m2),
+        "bf16": torch.randn(4, 6, generator=g).to(torch.bfloat16),
+    }
+    st.save_file(sd, tmp_path / "m.safetensors")
+    ck = ucp.open(import_safetensors(tmp_path / "m.safetensors", tmp_path / "u"))
+    for k, t in sd.items():
+        assert ck.read(k).tobytes() == _bits(t), k
+
+
 def test_dcp_fsdp2_sharded(tmp_path):
     """A real FSDP2 run on 2 ranks (chunked DTensors) imports equal to its full state dict."""
     torchrun(2, [str(tmp_path)], str(tmp_path), script="fsdp_dcp.py")
