@@ -208,3 +208,20 @@ def test_failed_save_lets_issued_writes_land_first(tmp_path, monkeypatch):
     assert drained and sum(len(fs) for fs in drained) == 3  # the three writes issued before
     assert all(f.commit.done() for fs in drained for f in fs)
     assert ucp.list_checkpoints(tmp_path) == []
+
+
+def test_a_leaf_whose_atom_name_cannot_be_stored_is_named_with_the_rule_that_fixes_it(tmp_path):
+    """A leaf path longer than a file name (nested module names add up) is refused before
+    anything is written, naming the leaf and a rule; that rule then saves and restores it."""
+    long = "blocks." + "a" * 150 + ".mlp." + "b" * 150
+    params = {long: jnp.arange(4.0), "b": jnp.ones(3)}
+    with pytest.raises(ucp.UnsafePathError, match=r"save: leaf 'blocks\.aaa.*ucp\.Renamed"):
+        ucp.save(tmp_path / "ck", params, step=1)
+    assert not (tmp_path / "ck").exists()
+    ucp.save(tmp_path / "ck", params, step=1, rules=[(r"blocks\..*", ucp.Renamed("mlp"))])
+    assert sorted(ucp.open(tmp_path / "ck").atoms) == ["b", "mlp"]
+    want = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in params.items()
+    }
+    got, _ = ucp.restore(tmp_path / "ck", want)
+    assert_tree_bitexact(jax.device_get(got), jax.device_get(params))

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from .errors import MismatchError
+from .errors import MismatchError, UnsafePathError
 from .format import encode, store
 from .format.manifest import AtomInfo, SlotInfo, atom_dir
 from .mapping.binding import LeafBinding, WriteTask, plan_writes
@@ -99,7 +99,15 @@ class SavePlan:
                     store.choose_chunks(shape, b.dtype.itemsize, bounds, self.max_shard_bytes),
                 )
             chunks, inner = self._grids[key][1]
-            info_ = SlotInfo(dtype_name(b.dtype), f"{atom_dir(atom)}/{b.slot}", chunks, inner)
+            try:
+                folder = atom_dir(atom)
+            except UnsafePathError as e:
+                raise UnsafePathError(
+                    f"save: leaf {b.name[:80]!r} maps to an atom that cannot be stored: {e}; "
+                    "give it a shorter or plainer atom name with a rule, e.g. "
+                    "rules=[(r'<its path>', ucp.Renamed('<name>'))]"
+                ) from e
+            info_ = SlotInfo(dtype_name(b.dtype), f"{folder}/{b.slot}", chunks, inner)
             entry["slots"][b.slot] = info_
             self.slots[(atom, b.slot)] = (shape, info_)
         group = merge_plan(b, tasks, min(MERGE_BYTES, self.budget // 4))
