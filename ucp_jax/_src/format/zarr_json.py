@@ -94,12 +94,16 @@ def check_zarr_json(meta: Any, shape: tuple[int, ...], si: SlotInfo, where: str)
         raise ChecksumError(f"{where}: {problem}")
 
 
-# The zarr3 data types TensorStore stores (others, such as uint4 or float8_e4m3, it refuses).
-STORABLE_TYPES = frozenset(
-    ["bool", "float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
-    + ["int2", "int4", "float4_e2m1fn", "float8_e8m0fnu"]
-    + [f"{u}int{b}" for u in ("", "u") for b in (8, 16, 32, 64)]
+# The zarr3 data types of one byte or less an element (numpy/ml_dtypes hold each in one byte),
+# whose `bytes` codec TensorStore writes without an endian.
+ONE_BYTE_TYPES = frozenset(
+    ["bool", "int2", "int4", "int8", "uint8", "float4_e2m1fn", "float8_e8m0fnu"]
     + [f"float8_{k}" for k in ("e3m4", "e4m3fn", "e4m3fnuz", "e4m3b11fnuz", "e5m2", "e5m2fnuz")]
+)
+# The zarr3 data types TensorStore stores (others, such as uint4 or float8_e4m3, it refuses).
+STORABLE_TYPES = ONE_BYTE_TYPES | frozenset(
+    ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
+    + [f"{u}int{b}" for u in ("", "u") for b in (16, 32, 64)]
 )
 
 
@@ -122,13 +126,6 @@ def check_storable(data_type: str, where: str) -> None:
             "uint8) first"
         )
 
-
-# The zarr3 data types of one byte or less an element (numpy/ml_dtypes hold each in one byte),
-# whose `bytes` codec TensorStore writes without an endian.
-ONE_BYTE_TYPES = frozenset(
-    ["bool", "int2", "int4", "int8", "uint8", "float4_e2m1fn", "float8_e8m0fnu"]
-    + [f"float8_{k}" for k in ("e3m4", "e4m3fn", "e4m3fnuz", "e4m3b11fnuz", "e5m2", "e5m2fnuz")]
-)
 
 # (sha256 of the bytes, shape, dtype, chunks, inner chunks) -> what is wrong, or None: the
 # digest, not the bytes (up to 1 MiB each in a hostile checkpoint), is what is kept

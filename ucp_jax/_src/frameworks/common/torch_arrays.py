@@ -7,6 +7,7 @@ integer of their width, without a copy.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ _SAME_BITS = {
 _CARRIER = {1: np.uint8, 2: np.int16}
 
 
+@functools.cache
 def _pairs() -> dict[Any, str]:
     """torch dtype -> numpy name, for the _SAME_BITS types this torch has."""
     import torch
