@@ -140,9 +140,19 @@ def _add_torch_commands(sub: Any) -> None:
     p.add_argument(
         "--preset", default=None, help="map names/layouts onto a model (e.g. llama-demo)"
     )
-    p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as stored)")
-    p = kinds.add_parser("hf", help="a Hugging Face Llama/Mistral/Qwen2 folder (config.json)")
-    p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as stored)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="store weights as float32, bfloat16, float16 or float64 (fp32, bf16, fp16; default: as stored)",
+    )
+    p = kinds.add_parser(
+        "hf", help="a Hugging Face Llama/Mistral/Qwen2/Mixtral folder (config.json)"
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="store weights as float32, bfloat16 or float16 (fp32, bf16, fp16; default: as stored)",
+    )
     p = kinds.add_parser("dcp", help="a torch.distributed.checkpoint folder (e.g. FSDP2)")
     p.add_argument("--model-prefix", default="model.", help="prefix stripped from model entries")
     p = kinds.add_parser(
@@ -183,7 +193,11 @@ def _add_torch_commands(sub: Any) -> None:
                    help="ep_size of the MoE job that loads it (default: the source run's, else 1)")  # fmt: skip
     p = ekinds.add_parser("hf", help="a Hugging Face model folder (from_pretrained loads it)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per shard (default 5GB)")
-    p.add_argument("--dtype", default=None, help="write weights in this dtype (default: as stored)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="write weights as float32, bfloat16 or float16 (fp32, bf16, fp16; default: as stored)",
+    )
     p = ekinds.add_parser(
         "megatron", help="a Megatron-Core torch_dist folder (any TP/PP/EP loads it)"
     )

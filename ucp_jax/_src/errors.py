@@ -119,3 +119,7 @@ def check_device_count(what: str, needed: int, devices: list[Any]) -> None:
 class HostMemoryError(UcpError, MemoryError):
     """A restore or a conversion needs more host memory than this process can allocate (its
     address-space or cgroup limit, or the machine's memory); nothing was read."""
+
+
+class ArgumentError(UcpError, ValueError):
+    """An argument asks for what the operation cannot do (a dtype a model cannot take, ...)."""

@@ -33,6 +33,17 @@ FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "gpt")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("default", "linear", "llama3")
 MAX_CONFIG_BYTES = 1 << 20
+# what transformers' config classes take for a field that config.json leaves out ("heads": the
+# number of attention heads): a missing field means the same model here as in transformers
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"num_key_value_heads": "heads", "rms_norm_eps": 1e-6, "rope_theta": 1e4},
+    "mistral": {"num_key_value_heads": 8, "rms_norm_eps": 1e-6, "rope_theta": 1e4,
+                "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "rms_norm_eps": 1e-6, "rope_theta": 1e4,
+              "sliding_window": 4096, "max_window_layers": 28},
+    "mixtral": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                "sliding_window": None},
+}  # fmt: skip
 
 
 class HFConfigError(UcpError, ValueError):
@@ -147,12 +158,29 @@ class LlamaConfig:
         out["rope_parameters"] = rope
         out.pop("rope_scaling", None)
         out["rope_theta"] = self.rope_theta
-        if self.model_type in ("mistral", "mixtral"):
-            out["sliding_window"] = self.sliding_window
+        out.update(self._window_fields())
         if self.n_experts:
             out.update(num_local_experts=self.n_experts, num_experts_per_tok=self.top_k,
                        router_aux_loss_coef=self.router_aux_loss_coef)  # fmt: skip
         return out
+
+    def _window_fields(self) -> dict[str, Any]:
+        """The config.json fields that give transformers this sliding window (all layers, or none)."""
+        w = self.sliding_window
+        if self.model_type in ("mistral", "mixtral", "gpt"):
+            return {"sliding_window": w}
+        if self.model_type == "qwen2":
+            kind = "full_attention" if w is None else "sliding_attention"
+            return {"use_sliding_window": w is not None, "sliding_window": w,
+                    "max_window_layers": self.n_layers if w is None else 0,
+                    "layer_types": [kind] * self.n_layers}  # fmt: skip
+        if w is not None:
+            raise HFConfigError(
+                f"LlamaConfig(model_type={self.model_type!r}, sliding_window={w}): transformers' "
+                f"{self.model_type} has no sliding window, so its config.json cannot say this "
+                "model; use model_type='mistral' (the same weights) or sliding_window=None"
+            )
+        return {}
 
 
 _ARCH = {
@@ -220,7 +248,9 @@ def _get(cfg: Mapping[str, Any], key: str, kind: type, where: str, default: Any 
     return v
 
 
-def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, tuple[tuple[str, Any], ...]]:
+def _rope(
+    cfg: Mapping[str, Any], where: str, default_theta: float = 1e4
+) -> tuple[float, tuple[tuple[str, Any], ...]]:
     """(rope_theta, scaling) from transformers v5 ``rope_parameters`` or v4 ``rope_theta``/``rope_scaling``."""
     params = cfg.get("rope_parameters")
     if params is None:
@@ -229,7 +259,8 @@ def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, tuple[tuple[str, A
             raise HFConfigError(f"{where}: rope_scaling must be an object or null")
     if not isinstance(params, dict):
         raise HFConfigError(f"{where}: rope_parameters must be an object, found {params!r:.60}")
-    merged = {"rope_theta": cfg.get("rope_theta", 10000.0), **params}
+    theta_v4 = cfg.get("rope_theta")
+    merged = {"rope_theta": default_theta if theta_v4 is None else theta_v4, **params}
     theta = _get(merged, "rope_theta", float, where)
     kind = merged.get("rope_type", merged.get("type", "default"))
     if kind not in ROPE_TYPES:
@@ -273,6 +304,11 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
             feature (named in the message).
     """
     mt = cfg.get("model_type")
+    if mt is None:
+        raise HFConfigError(
+            f"{where}: field 'model_type' is missing; expected one of {list(FAMILIES)} (the "
+            "family the weights belong to, as transformers' config classes write it)"
+        )
     if mt not in FAMILIES:
         raise HFConfigError(
             f"{where}: unsupported model_type {mt!r}; supported: {list(FAMILIES)} (for another "
@@ -280,8 +316,9 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
         )
     if mt == "gpt":
         return _gpt_config(cfg, where)
+    defaults = HF_DEFAULTS[mt]
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers maps both names to SiLU
         raise HFConfigError(f"{where}: unsupported feature hidden_act={act!r} (only 'silu')")
     if cfg.get("mlp_bias"):
         raise HFConfigError(f"{where}: unsupported feature mlp_bias=true (no MLP biases)")
@@ -290,9 +327,12 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
             f"{where}: unsupported feature attention_bias=true for llama (q/k/v/o biases); only "
             "qwen2's q/k/v biases are modelled"
         )
+    n_layers = _get(cfg, "num_hidden_layers", int, where)
     window = None
     if mt in ("mistral", "mixtral"):
-        window = _get(cfg, "sliding_window", int, where, None)
+        window = _get(cfg, "sliding_window", int, where, defaults["sliding_window"])
+    elif mt == "qwen2":
+        window = _qwen2_window(cfg, n_layers, where)
     experts, top_k, aux = 0, 2, 0.02
     if mt == "mixtral":  # transformers' MixtralConfig defaults
         experts = _get(cfg, "num_local_experts", int, where, 8)
@@ -302,30 +342,67 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
             raise HFConfigError(
                 f"{where}: num_experts_per_tok={top_k} exceeds num_local_experts={experts}"
             )
-    if mt == "qwen2" and (
-        cfg.get("use_sliding_window")
-        or any(t != "full_attention" for t in cfg.get("layer_types") or [])
-    ):
-        raise HFConfigError(f"{where}: unsupported feature sliding-window layers for qwen2")
     d = _get(cfg, "hidden_size", int, where)
     nh = _get(cfg, "num_attention_heads", int, where)
-    nkv = _get(cfg, "num_key_value_heads", int, where, nh) or nh
+    kv_default = defaults["num_key_value_heads"]
+    if "num_key_value_heads" in cfg and cfg["num_key_value_heads"] is None:
+        nkv = nh  # null: as many as the query heads (transformers' __post_init__)
+    else:
+        nkv = _get(
+            cfg, "num_key_value_heads", int, where, nh if kv_default == "heads" else kv_default
+        )
     hd = _get(cfg, "head_dim", int, where, None) or d // nh
     if nh % nkv:
         raise HFConfigError(
             f"{where}: num_key_value_heads={nkv} does not divide num_attention_heads={nh}"
-        )
-    theta, scaling = _rope(cfg, where)
+            + ("" if "num_key_value_heads" in cfg else
+               f" (the field is missing: transformers takes {mt}'s default {nkv}); set it")
+        )  # fmt: skip
+    theta, scaling = _rope(cfg, where, defaults["rope_theta"])
     tie = _get(cfg, "tie_word_embeddings", bool, where, False)
     return LlamaConfig(
         model_type=mt, vocab_size=_get(cfg, "vocab_size", int, where), d_model=d, n_heads=nh,
-        n_kv_heads=nkv, head_dim=hd, n_layers=_get(cfg, "num_hidden_layers", int, where),
+        n_kv_heads=nkv, head_dim=hd, n_layers=n_layers,
         d_ff=_get(cfg, "intermediate_size", int, where),
-        norm_eps=_get(cfg, "rms_norm_eps", float, where, 1e-6), rope_theta=theta,
-        rope_scaling=scaling, qkv_bias=mt == "qwen2", tie_embeddings=bool(tie),
+        norm_eps=_get(cfg, "rms_norm_eps", float, where, defaults["rms_norm_eps"]),
+        rope_theta=theta, rope_scaling=scaling, qkv_bias=mt == "qwen2", tie_embeddings=bool(tie),
         sliding_window=window, n_experts=experts, top_k=top_k, router_aux_loss_coef=aux,
         hf=json.dumps(dict(cfg), sort_keys=True),
     )  # fmt: skip
+
+
+def _qwen2_window(cfg: Mapping[str, Any], n_layers: int, where: str) -> int | None:
+    """The sliding window of a Qwen2 config when every layer has it, None when no layer has it.
+
+    transformers' Qwen2Config: ``sliding_window`` counts only with ``use_sliding_window``; layer
+    ``i`` slides when ``i >= max_window_layers``, unless ``layer_types`` names each layer's kind.
+    """
+    defaults = HF_DEFAULTS["qwen2"]
+    use = _get(cfg, "use_sliding_window", bool, where, False)
+    window = _get(cfg, "sliding_window", int, where, defaults["sliding_window"]) if use else None
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        first = cfg.get("max_window_layers", defaults["max_window_layers"])
+        if not isinstance(first, int) or isinstance(first, bool):
+            raise HFConfigError(
+                f"{where}: field 'max_window_layers' must be an int, found {first!r:.60}"
+            )
+        kinds = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(n_layers)]  # fmt: skip
+    if not isinstance(kinds, list) or len(kinds) != n_layers:
+        raise HFConfigError(
+            f"{where}: layer_types must list one kind per layer ({n_layers}), found {kinds!r:.80}"
+        )
+    found = set(kinds)
+    if found == {"full_attention"}:
+        return None
+    if found == {"sliding_attention"} and window is not None:
+        return window
+    raise HFConfigError(
+        f"{where}: unsupported feature sliding-window layers for qwen2 (layer kinds "
+        f"{sorted(map(str, found))}, sliding_window={window}); the JAX model gives every layer "
+        "the same attention"
+    )
 
 
 def _choice(cfg: Mapping[str, Any], key: str, options: dict[Any, Any], where: str) -> Any:
@@ -364,6 +441,7 @@ def _gpt_config(cfg: Mapping[str, Any], where: str) -> LlamaConfig:
         norm_eps=_get(cfg, "rms_norm_eps", float, where, 1e-5), rope_theta=theta,
         rope_scaling=scaling, qkv_bias=flags["add_qkv_bias"],
         tie_embeddings=flags["tie_word_embeddings"], n_experts=experts, top_k=top_k,
+        sliding_window=_get(cfg, "sliding_window", int, where, None),
         router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.02)), norm=norm,
         activation=act, gated_mlp=flags["gated_mlp"], linear_bias=flags["add_bias_linear"],
         positions=pos, max_positions=max_pos, hf=json.dumps(dict(cfg), sort_keys=True),

@@ -27,8 +27,9 @@ from ...format.manifest import PARAM_SLOT
 from ...llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
 from ...untrusted.paths import check_component
 from ...untrusted.safetensors import DTYPES, INDEX
+from ..common.model_dtype import model_float
 from ..common.progress import Progress
-from .read import hf_mapping, hf_shapes
+from .read import GENERATION, hf_mapping, hf_shapes
 from .safetensors import AtomFrom
 
 DEFAULT_MAX_SHARD = "5GB"
@@ -205,6 +206,7 @@ def write_folder(
     max_shard_size: int | str = DEFAULT_MAX_SHARD,
     overwrite: bool = False,
     progress: bool | None = None,
+    generation_config: Mapping[str, Any] | None = None,
 ) -> str:
     """Write ``config.json``, the shards and the index of ``tensors`` into ``dst`` (atomically).
 
@@ -216,6 +218,7 @@ def write_folder(
         max_shard_size: bytes per shard at most (a larger single tensor gets a shard of its own).
         overwrite: replace ``dst`` if it exists.
         progress: show a progress bar (default: when stderr is a terminal).
+        generation_config: written as ``generation_config.json`` (None: no such file).
 
     Returns:
         ``dst``.
@@ -251,6 +254,9 @@ def write_folder(
                 json.dump(index_doc, f, indent=2)
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(dict(config_json), f, indent=2, sort_keys=True)
+            if generation_config is not None:
+                with open(os.path.join(tmp, GENERATION), "w") as f:
+                    json.dump(dict(generation_config), f, indent=2, sort_keys=True)
     finally:
         bar.stop()
     return dst
@@ -276,26 +282,34 @@ def export_hf(
             ``extra["hf_config"]`` (recorded by ``import_hf``, or by ``ucp.save(extra=ucp_extra(cfg))``).
         mapping: atom template -> :class:`AtomFrom` for your own model (then ``config`` is written
             as ``config.json`` unchanged); default: the Llama-family mapping of ``config``.
-        dtype: cast the weights (e.g. "bfloat16"); default: as stored.
+        dtype: cast the weights: "float32", "bfloat16" or "float16" ("fp32", "bf16", "fp16");
+            default: as stored.
         max_shard_size: bytes per shard, or "5GB" / "500MB"...
         overwrite: replace ``dst`` if it exists.
         progress: show a progress bar (default: when stderr is a terminal).
 
     Returns:
-        ``dst``; ``transformers.AutoModelForCausalLM.from_pretrained(dst)`` loads it.
+        ``dst``; ``transformers.AutoModelForCausalLM.from_pretrained(dst)`` loads it. The
+        ``generation_config.json`` that ``import_hf`` found (end tokens, sampling) is written back.
 
     Raises:
         HFConfigError: no config given or recorded, or an unsupported one.
         MismatchError: the atoms do not match the mapping / config.
+        ArgumentError: ``dtype`` is not a floating dtype transformers loads.
 
     >>> ucp.torch.export_hf("/tmp/ucp/llama_step100", "llama-ft/", max_shard_size="2GB")  # doctest: +SKIP
     """
+    dtype = model_float(dtype, f"export_hf(dtype=...) to {dst}")
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    extra = ck.manifest.extra if isinstance(ck.manifest.extra, dict) else {}
+    generation = extra.get("hf_generation_config")
+    generation = generation if isinstance(generation, dict) else None
     if mapping is not None:
         cfg_json = dict(config.to_hf() if isinstance(config, LlamaConfig) else config or {})
         tensors = plan_tensors(ck, mapping, dtype)
         return write_folder(ck, tensors, cfg_json, dst, max_shard_size=max_shard_size,
-                            overwrite=overwrite, progress=progress)  # fmt: skip
+                            overwrite=overwrite, progress=progress,
+                            generation_config=generation)  # fmt: skip
     if config is None:
         cfg = config_from_checkpoint(ck)
     elif isinstance(config, LlamaConfig):
@@ -318,7 +332,8 @@ def export_hf(
     if len(dtypes) == 1:
         cfg_json["dtype"] = cfg_json["torch_dtype"] = dtypes.pop()
     return write_folder(ck, tensors, cfg_json, dst, max_shard_size=max_shard_size,
-                        overwrite=overwrite, progress=progress)  # fmt: skip
+                        overwrite=overwrite, progress=progress,
+                        generation_config=generation)  # fmt: skip
 
 
 __all__ = ["export_hf", "parse_size"]

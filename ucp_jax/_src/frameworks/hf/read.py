@@ -19,16 +19,26 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import MismatchError
-from ...llama_config import LlamaConfig, config_from_hf, read_config_json
+from ...errors import MismatchError, NotACheckpointError
+from ...llama_config import (
+    MAX_CONFIG_BYTES,
+    HFConfigError,
+    LlamaConfig,
+    config_from_hf,
+    read_config_json,
+)
+from ...untrusted.json import read_json
 from ...untrusted.limits import ucp_errors
 from ...untrusted.paths import join_inside
-from ...untrusted.safetensors import SafetensorsError, SafetensorsFile, open_tensors
+from ...untrusted.safetensors import INDEX, SafetensorsError, SafetensorsFile, open_tensors
 from ..common.hf_names import expand, hf_mapping, hf_shapes
+from ..common.model_dtype import model_float
 from ..common.writer import AtomWriter
 from .safetensors import write_concatenated
 
 CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+GENERATION = "generation_config.json"  # written back by export_hf
 RELEASE_BYTES = 128 << 20  # source pages read since the last release, before they are dropped
 
 
@@ -65,7 +75,7 @@ def load_config(src: str) -> tuple[LlamaConfig, str]:
 def _check_tensors(
     tensors: Mapping[str, SafetensorsFile], config: LlamaConfig, where: str
 ) -> np.dtype:
-    """Names, shapes and one floating dtype, before anything is written; returns the dtype."""
+    """Names, shapes and floating dtypes, before anything is written; returns the most used dtype."""
     want = hf_shapes(config)
     names = set(tensors)
     missing = [n for n in want if n not in names]
@@ -76,16 +86,19 @@ def _check_tensors(
             f"are missing, which {config.model_type} with {config.n_layers} layers needs "
             f"(config.json); a shard is missing or the config does not match the weights"
         )
+    tied_head = config.tie_embeddings and "lm_head.weight" in names
+    if tied_head:
+        _check_tied_head(tensors)
     extra = sorted(
         n for n in names - set(want)
-        if not n.endswith("rotary_emb.inv_freq") and not (config.tie_embeddings and n == "lm_head.weight")
+        if not n.endswith("rotary_emb.inv_freq") and not (tied_head and n == "lm_head.weight")
     )  # fmt: skip
     if extra:
         raise SafetensorsError(
             f"{tensors[extra[0]].path}: tensor(s) {extra[:4]} are not part of a {config.model_type} "
             f"model as config.json describes it; the config and the weights disagree"
         )
-    dtypes: dict[np.dtype, str] = {}
+    counts: dict[np.dtype, int] = {}
     for n in want:
         sf = tensors[n]
         shape, dt = sf.shape(n), sf.dtype(n)
@@ -98,14 +111,59 @@ def _check_tensors(
             raise SafetensorsError(
                 f"{sf.path}: tensor {n!r} has dtype {dt.name}, expected a floating dtype"
             )
-        dtypes.setdefault(dt, f"{n!r} in {os.path.basename(sf.path)}")
-        if len(dtypes) > 1:
-            first = next(iter(dtypes))
-            raise SafetensorsError(
-                f"{sf.path}: tensor {n!r} is {dt.name}, but {dtypes[first]} is {first.name}; every "
-                "weight of a model must have one dtype (the shard is damaged or from another model)"
+        counts[dt] = counts.get(dt, 0) + 1  # mixed (bf16 weights, fp32 norms) as transformers
+    return max(counts, key=lambda d: counts[d])
+
+
+def _check_tied_head(tensors: Mapping[str, SafetensorsFile]) -> None:
+    """A tied model's file may repeat the embedding as ``lm_head.weight``, but only unchanged."""
+    emb, head = "model.embed_tokens.weight", "lm_head.weight"
+    a, b = tensors[emb], tensors[head]
+    same = a.shape(emb) == b.shape(head) and a.dtype(emb) == b.dtype(head)
+    if same:
+        x, y = a.array(emb), b.array(head)
+        same = np.array_equal(x.view(np.uint8), y.view(np.uint8))
+    if not same:
+        raise SafetensorsError(
+            f"{b.path}: config.json ties the output projection to the embedding "
+            f"(tie_word_embeddings=true), but {head!r} differs from {emb!r}; importing would drop "
+            f"{head!r}. If the model uses its own {head!r}, set tie_word_embeddings to false in "
+            "config.json; if it is tied, remove the stale tensor"
+        )
+
+
+def _weights(src: str) -> dict[str, SafetensorsFile]:
+    """The model's tensors, from the files transformers loads: the index, else model.safetensors.
+
+    Other ``*.safetensors`` beside them (adapters, consolidated copies) are not the model's.
+    """
+    for name in (INDEX, WEIGHTS):
+        if os.path.isfile(os.path.join(src, name)):
+            return open_tensors(join_inside(src, name, "model weights"))
+    if os.path.isdir(src) and not any(f.endswith(".safetensors") for f in os.listdir(src)):
+        pickled = sorted(f for f in os.listdir(src) if f.startswith("pytorch_model") and
+                         (f.endswith(".bin") or f.endswith(".bin.index.json")))  # fmt: skip
+        if pickled:
+            raise NotACheckpointError(
+                f"{src}: the weights are in {pickled[:3]} (torch pickles), which ucp does not "
+                f"unpickle for an import; convert them to safetensors first, e.g. with "
+                "transformers: AutoModelForCausalLM.from_pretrained(src).save_pretrained(out)"
             )
-    return next(iter(dtypes))
+    return open_tensors(src)
+
+
+def _generation_config(src: str) -> dict[str, Any] | None:
+    """``generation_config.json`` (end tokens, sampling defaults), if the folder has one."""
+    path = os.path.join(src, GENERATION)
+    if not os.path.isfile(path):
+        return None
+    with open(join_inside(src, GENERATION, "generation config"), "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    doc: dict[str, Any] = read_json(
+        raw, f"{path} (generation config)", max_bytes=MAX_CONFIG_BYTES, expect=dict,
+        error=HFConfigError,
+    )  # fmt: skip
+    return doc
 
 
 @ucp_errors(SafetensorsError, "import_hf")
@@ -120,9 +178,12 @@ def import_hf(
     """Import a Hugging Face Llama / Mistral / Qwen2 / Mixtral folder as ``ucp_jax.models.llama`` atoms.
 
     Args:
-        src: a folder with ``config.json`` and ``model.safetensors`` (or sharded with an index).
+        src: a folder with ``config.json`` and ``model.safetensors`` (or sharded with an index);
+            its ``generation_config.json``, if any, is kept for :func:`export_hf`.
         dst: where to write the universal checkpoint.
-        dtype: store the weights in this dtype (default: as stored, e.g. bf16).
+        dtype: store the weights in this dtype: "float32", "bfloat16" or "float16" ("fp32",
+            "bf16", "fp16"); default: as stored (a tensor fused with one of another dtype, as
+            q with k and v, is stored as float32).
         overwrite: replace an existing checkpoint at ``dst``.
         step: training step to record.
 
@@ -131,16 +192,19 @@ def import_hf(
 
     Raises:
         HFConfigError: config.json is missing, malformed, or describes an unsupported feature.
-        SafetensorsError: a shard is missing, malformed, or holds tensors of another dtype.
+        SafetensorsError: a shard is missing or malformed, a tensor is not floating, or a tied
+            model's ``lm_head.weight`` differs from its embedding.
+        ArgumentError: ``dtype`` is not a floating dtype a model loads.
         MismatchError: a tensor's shape disagrees with config.json.
 
     >>> ucp.torch.import_hf("llama-tiny/", "/tmp/ucp/llama")  # doctest: +SKIP
     """
     src = os.fspath(src)
+    want = model_float(dtype, f"import_hf(dtype=...) of {src}")
     config, _ = load_config(src)
-    tensors = open_tensors(src)
+    tensors = _weights(src)
     stored = _check_tensors(tensors, config, src)
-    want = None if dtype is None else np.dtype(dtype)
+    generation = _generation_config(src)
     plan = expand(hf_mapping(config), config.n_layers)
     read: list[str] = []
     nread = 0
@@ -162,7 +226,10 @@ def import_hf(
             "huggingface": {"path": os.path.abspath(src), "files": files,
                             "model_type": config.model_type, "dtype": stored.name},
         }  # fmt: skip
-        return w.commit(step=step, source=source, extra={"hf_config": config.to_hf()})
+        extra: dict[str, Any] = {"hf_config": config.to_hf()}
+        if generation is not None:
+            extra["hf_generation_config"] = generation
+        return w.commit(step=step, source=source, extra=extra)
 
 
 __all__ = ["hf_mapping", "hf_shapes", "import_hf", "load_config"]

@@ -25,6 +25,7 @@ from ...mapping.patterns import FusedMark
 from ...untrusted.limits import ucp_errors
 from ...untrusted.safetensors import SafetensorsError, open_tensors
 from ..common.hf_names import AtomFrom
+from ..common.model_dtype import MODEL_FLOATS, model_float
 from ..common.writer import AtomWriter
 
 # ---------------------------------------------------------------------------------- presets
@@ -131,7 +132,7 @@ def import_safetensors(
         spec_map: Mapping[str, AtomFrom] | None = PRESETS[preset]
     else:
         spec_map = preset
-    want = None if dtype is None else np.dtype(dtype)
+    want = model_float(dtype, f"import_safetensors(dtype=...) of {src}", (*MODEL_FLOATS, "float64"))
     with AtomWriter(dst, overwrite=overwrite) as w:
         if spec_map is None:
             for name, sf in tensors.items():
@@ -175,7 +176,10 @@ def write_concatenated(
     w: AtomWriter, atom: str, arrays: list[np.ndarray], axis: int, want: np.dtype | None
 ) -> None:
     """Declare `atom` as `arrays` concatenated along `axis` (a fused atom when there are several:
-    QKV, gate/up) and write each at its offset, cast to `want` (None: as stored)."""
+    QKV, gate/up) and write each at its offset, cast to `want` (None: as stored; float32 when
+    the arrays' dtypes differ)."""
+    if want is None and len({a.dtype for a in arrays}) > 1:  # no common dtype for bf16 and f16
+        want = np.dtype(np.float64 if any(a.dtype.itemsize > 4 for a in arrays) else np.float32)
     shape = list(arrays[0].shape)
     shape[axis] = sum(a.shape[axis] for a in arrays)
     fused = [FusedMark(tuple(a.shape[axis] for a in arrays), axis)] if len(arrays) > 1 else []
