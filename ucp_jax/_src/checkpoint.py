@@ -357,56 +357,94 @@ class Checkpoint:
         Args:
             name: atom name, e.g. 'blocks.0.attn.qkv.weight'.
             slot: 'fp32', 'exp_avg', 'exp_avg_sq', 'step', another optax field, or 'value'.
-            index: numpy-style basic index (ints, slices, Ellipsis).
+            index: numpy basic index (ints, negative ones too, slices of any step, ``...``,
+                ``None``), with numpy's meaning; only the box it spans is read.
 
         Raises:
             MismatchError: no such atom or slot.
+            IndexError: an index out of range, or not a basic one (the checkpoint is fine).
             ChecksumError: the stored bytes are corrupt.
 
         >>> ckpt = ucp.open("/tmp/ckpt/step_10")  # doctest: +SKIP
         >>> ckpt.read("layers.0.kernel", "exp_avg", np.s_[:4])  # doctest: +SKIP
         """
         arr = self.array(name, slot)
+        shape = tuple(arr.shape)
+        box, local = basic_index(index, shape, f"{self.path}: atom {name!r} slot {slot!r}")
         with self._diagnosed():
             try:
-                region = arr[index]
-                where = [(name, slot, _index_box(index, tuple(arr.shape)))]
+                region = arr[tuple(slice(a, b) for a, b in box)] if shape else arr
+                where = [(name, slot, box)]
                 self.check_sizes(where)
                 out = np.asarray(region.read().result())
                 self.check_fingerprints(where)
-                return out
             except ValueError as e:
                 if isinstance(e, UcpError):
                     raise
                 raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
+        return out[local]
 
 
-def _index_box(index: Any, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    """The box (start, stop per axis) a basic numpy index reads; the whole array otherwise.
+def basic_index(
+    index: Any, shape: tuple[int, ...], where: str
+) -> tuple[list[tuple[int, int]], tuple[Any, ...]]:
+    """The box a numpy basic index reads, and the index that takes its result from that box.
 
-    >>> _index_box((slice(2, 5), 3), (8, 8))
-    [(2, 5), (3, 4)]
+    Ints (negative ones from the end), slices (any step, clipped as numpy clips them),
+    ``...`` and ``None``, with numpy's meaning; the box is what storage reads.
+
+    Raises:
+        IndexError: an int out of range, too many indices, or an index that is not basic.
+
+    >>> basic_index((slice(2, 5), -1), (8, 8), "x")
+    ([(2, 5), (7, 8)], (slice(0, None, 1), 0))
+    >>> basic_index(np.s_[::-2], (5,), "x")
+    ([(0, 5)], (slice(None, None, -2),))
     """
-    full = [(0, n) for n in shape]
     items = index if isinstance(index, tuple) else (index,)
     if sum(i is Ellipsis for i in items) > 1:
-        return full
-    if Ellipsis in items:
-        k = items.index(Ellipsis)
-        used = sum(i is not None for i in items) - 1
-        items = items[:k] + (slice(None),) * (len(shape) - used) + items[k + 1 :]
-    items = tuple(i for i in items if i is not None)
-    box = []
-    for axis, n in enumerate(shape):
-        i = items[axis] if axis < len(items) else slice(None)
-        if isinstance(i, int | np.integer) and not isinstance(i, bool) and -n <= i < n:
-            box.append((int(i) % n, int(i) % n + 1))
+        raise IndexError(f"{where}: an index can only have a single ellipsis ('...')")
+    used = sum(i is not None and i is not Ellipsis for i in items)
+    if used > len(shape):
+        raise IndexError(
+            f"{where}: too many indices: the array has {len(shape)} dimensions, {used} were indexed"
+        )
+    k = next((j for j, i in enumerate(items) if i is Ellipsis), len(items))
+    items = items[:k] + (slice(None),) * (len(shape) - used) + items[k + 1 :]
+    box: list[tuple[int, int]] = []
+    local: list[Any] = []
+    axis = 0
+    for i in items:
+        if i is None:
+            local.append(None)
+            continue
+        n = shape[axis]
+        if isinstance(i, int | np.integer) and not isinstance(i, bool | np.bool_):
+            j = int(i) + n if i < 0 else int(i)
+            if not 0 <= j < n:
+                raise IndexError(
+                    f"{where}: index {int(i)} is out of bounds for axis {axis} with size {n}"
+                )
+            box.append((j, j + 1))
+            local.append(0)
         elif isinstance(i, slice):
             r = range(*i.indices(n))
-            box.append((min(r), max(r) + 1) if len(r) else (0, 0))
+            if not r:
+                box.append((0, 0))
+                local.append(slice(0, 0))
+            elif r.step > 0:
+                box.append((r[0], r[-1] + 1))
+                local.append(slice(0, None, r.step))
+            else:
+                box.append((r[-1], r[0] + 1))
+                local.append(slice(None, None, r.step))
         else:
-            return full
-    return box
+            raise IndexError(
+                f"{where}: {type(i).__name__} index {i!r:.60}: only basic indices (ints, slices, "
+                "..., None) read a region; read the region and index the result for the rest"
+            )
+        axis += 1
+    return box, tuple(local)
 
 
 def _check_file_sizes(folder: str, si: Any, keys: Sequence[str], where: str) -> None:

@@ -44,6 +44,15 @@ def resolve_leaf(
             leaf=b.name,
             kind="target",
         )
+    if b.sharding is not None and jax.dtypes.canonicalize_dtype(b.dtype) != b.dtype:
+        raise MismatchError(
+            f"restore: target leaf {b.name!r} is {b.dtype.name} on devices, but JAX's 64-bit "
+            f"types are off: it would be made {jax.dtypes.canonicalize_dtype(b.dtype).name} and "
+            "lose values; enable them (jax.config.update('jax_enable_x64', True)), or pass a "
+            "numpy target, or a 32-bit target with cast=True",
+            leaf=b.name,
+            kind="dtype",
+        )
     saved_impl = (ckpt.manifest.leaves.get(b.name) or {}).get("key_impl")
     if b.key_impl is not None and saved_impl is not None and saved_impl != b.key_impl:
         raise MismatchError(

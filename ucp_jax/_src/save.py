@@ -41,6 +41,36 @@ MAX_COMMITTING = 4
 _SAVE_COUNTER = itertools.count()
 
 
+def _step_value(step: Any) -> int | None:
+    """The step to record: an int, a numpy integer or an integer array of one value (a
+    ``TrainState.step``); a float or text is refused rather than rounded."""
+    if step is None:
+        return None
+    a = np.asarray(step)
+    if a.shape != () or a.dtype.kind not in "iu":
+        raise TypeError(
+            f"save: step must be an integer (an int, or an integer array of one value), found "
+            f"{step!r:.60} ({type(step).__name__}); pass int(step) if you mean it"
+        )
+    return int(a)
+
+
+def _check_leaves_live(params: Any, opt_state: Any) -> None:
+    """Refuse traced leaves (a save inside jit) and deleted ones (donated) before anything."""
+    for path, x in jax.tree_util.tree_flatten_with_path((params, opt_state))[0]:
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                f"save: leaf {jax.tree_util.keystr(path)} is a traced value: ucp.save runs "
+                "outside jit, grad or vmap; save the arrays the jitted step returns"
+            )
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(
+                f"save: leaf {jax.tree_util.keystr(path)} was deleted (donated to a jitted step "
+                "with donate_argnums?); save the state the step returned, or save before "
+                "calling the step"
+            )
+
+
 class SaveJob:
     """One save: the plan (computed identically on every process) and this process's share."""
 
@@ -79,6 +109,8 @@ class SaveJob:
             json.dumps(extra)
         except TypeError as e:
             raise TypeError(f"save: extra must be JSON-serialisable ({e}); pass plain data") from e
+        step = _step_value(step)
+        _check_leaves_live(params, opt_state)
         compiled = CompiledRules(rules)
         pbind, obind = bind_state(params, opt_state, compiled)
         bindings = pbind + obind
@@ -101,7 +133,7 @@ class SaveJob:
         self._staging: dict[Any, Any] = {}  # device -> the sharding its copies to host go to
         atoms = plan.atom_infos()
         self.manifest = Manifest(
-            step=None if step is None else int(step),
+            step=step,
             atoms=atoms,
             leaves={b.name: describe_leaf(b) for b in bindings},
             rules=compiled.to_json(),
@@ -158,10 +190,12 @@ class SaveJob:
         """Copy this process's whole share to host memory (async saves: the source may change)."""
         datas = [self._to_host_async(self._device_data(t)) for t in self.tasks]
         out = []
-        for t, d in zip(self.tasks, datas):
+        for d in datas:
             h = np.asarray(d)
-            if t.device is not None and not h.flags.owndata:
-                h = h.copy()  # never alias a device buffer the trainer may donate
+            if not h.flags.owndata:
+                # never alias a device buffer the trainer may donate, nor a numpy leaf it may
+                # change in place once the async save has returned
+                h = h.copy()
             out.append(h)
         return out
 

@@ -58,16 +58,28 @@ def _spec_for(specs: SpecSource, names: list[str], tree: Any) -> list[PartitionS
         return [specs(n, x) for n, (_, _, x) in zip(names, named_leaves(tree))]
     if isinstance(specs, PartitionSpec):
         return [specs] * len(names)
-    flat = jax.tree_util.tree_leaves(
-        jax.tree_util.tree_map(
-            lambda s, x: s,
-            specs,
-            tree,
-            is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
-        ),
-        is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
-    )
-    return [PartitionSpec() if s is None else s for s in flat]
+
+    def is_spec(s: Any) -> bool:
+        return isinstance(s, PartitionSpec) or s is None
+
+    def spread(s: Any, sub: Any) -> list[PartitionSpec]:  # a spec for a whole subtree
+        return [PartitionSpec() if s is None else s] * len(jax.tree_util.tree_leaves(sub))
+
+    try:  # a tree of specs like params, or a prefix of it ({"enc": P("data"), ...})
+        spread_tree = jax.tree_util.tree_map(spread, specs, tree, is_leaf=is_spec)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"targets: specs must be one PartitionSpec, a callable (name, leaf) -> spec, or a "
+            f"tree of PartitionSpec shaped like params or like a prefix of it; it does not "
+            f"match params: {str(e)[:300]}"
+        ) from e
+    flat = jax.tree_util.tree_leaves(spread_tree, is_leaf=is_spec)
+    if len(flat) != len(names):
+        raise ValueError(
+            f"targets: specs give {len(flat)} PartitionSpecs for {len(names)} leaves of params; "
+            "give one per leaf, or one per subtree"
+        )
+    return flat
 
 
 def targets(
@@ -85,13 +97,18 @@ def targets(
         params: pytree of arrays or ShapeDtypeStructs (e.g. `jax.eval_shape(init)`), shapes of the
             *target* layout.
         mesh: the target mesh.
-        specs: a pytree of PartitionSpec matching `params` (e.g. `nnx.get_partition_spec(state)`),
-            one PartitionSpec for all, or a callable `(leaf name, leaf) -> PartitionSpec`;
-            None replicates everything.
+        specs: a pytree of PartitionSpec matching `params` (e.g. `nnx.get_partition_spec(state)`)
+            or a prefix of it (one spec per subtree), one PartitionSpec for all, or a callable
+            `(leaf name, leaf) -> PartitionSpec`; None replicates everything.
         opt_state: the optax state's structure (e.g. `jax.eval_shape(optimizer.init, params)`).
 
     Returns:
-        (params targets, opt_state targets or None): pytrees of jax.ShapeDtypeStruct with shardings.
+        (params targets, opt_state targets or None): pytrees of jax.ShapeDtypeStruct with
+        shardings; Python numbers (a Linen ``TrainState.step``) stay numbers, restored as such.
+
+    Raises:
+        ValueError: ``specs`` does not match ``params``, or a spec does not fit its leaf (the
+            leaf is named).
 
     >>> mesh = make_mesh(data=-1)
     >>> p, _ = targets({"w": np.zeros((8, 4))}, mesh, PartitionSpec("data"))
@@ -101,21 +118,35 @@ def targets(
     specs = PartitionSpec() if specs is None else specs
     leaves = named_leaves(params)
     names = [n for n, _, _ in leaves]
-    by_name = {}
-    out = []
+    by_name: dict[str, Any] = {}
+    out: list[Any] = []
     for name, (_, _, x), spec in zip(names, leaves, _spec_for(specs, names, params)):
-        t = jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, spec))
+        if isinstance(x, bool | int | float | complex):  # a Python number (a Linen step=0)
+            by_name[name] = x  # restored as a number of its type, not onto devices
+            out.append(x)
+            continue
+        try:
+            sharding = NamedSharding(mesh, spec)
+            sharding.shard_shape(np.shape(x))
+            t = jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+        except (ValueError, IndexError) as e:
+            raise ValueError(
+                f"targets: leaf {name!r} of shape {np.shape(x)} cannot take {spec} on mesh "
+                f"{dict(mesh.shape)}: {str(e)[:200]}; give it a spec that fits its rank and "
+                "divides its dimensions"
+            ) from e
         by_name[name] = t
         out.append(t)
     ptargets = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), out)
     if opt_state is None:
         return ptargets, None
     shapes = [np.shape(x) for _, _, x in leaves]
-    opt = []
+    opt: list[Any] = []
     for o in classify_opt_state(opt_state, jax.tree_util.tree_structure(params), names, shapes):
-        if o.param is not None:
-            sharding = by_name[o.param].sharding
-        else:
-            sharding = NamedSharding(mesh, PartitionSpec())
-        opt.append(jax.ShapeDtypeStruct(np.shape(o.leaf), o.leaf.dtype, sharding=sharding))
+        if isinstance(o.leaf, bool | int | float | complex):
+            opt.append(o.leaf)
+            continue
+        mirrored = getattr(by_name.get(o.param), "sharding", None) if o.param is not None else None
+        opt.append(jax.ShapeDtypeStruct(np.shape(o.leaf), o.leaf.dtype,
+                                        sharding=mirrored or NamedSharding(mesh, PartitionSpec())))  # fmt: skip
     return ptargets, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(opt_state), opt)

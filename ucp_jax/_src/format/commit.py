@@ -111,7 +111,10 @@ class Staging:
             self._token = writers.Token(final)
 
     def check(self) -> None:
-        """Refuse to clobber an existing checkpoint unless asked (any process may call it)."""
+        """Refuse to clobber an existing checkpoint unless asked, or anything that is not one
+        (any process may call it)."""
+        if self.final.local_path is not None:
+            _check_local_folder(self.final.local_path, self.overwrite)
         marker = None if self.overwrite else self.final.read(COMMIT)
         if marker is not None:
             with contextlib.suppress(Exception):  # (the refusal below is what matters)
@@ -192,6 +195,9 @@ class Staging:
             return
         final = self.final.local_path
         assert self.target.local_path is not None
+        if not self.overwrite and os.path.isdir(final):
+            with contextlib.suppress(OSError):  # an empty folder made for the save: it goes
+                os.rmdir(final)
         if os.path.exists(final):
             if not self.overwrite:
                 raise FileExistsError(f"{final} appeared during the save; not replacing it")
@@ -208,6 +214,49 @@ class Staging:
         else:
             os.rename(self.target.local_path, final)
         fsync_dir(os.path.dirname(final))
+
+
+# what a checkpoint folder holds at its top (format versions 2 and 3): a folder with other
+# names is someone's data, never replaced, even with overwrite=True
+_OWN_NAMES = (MANIFEST, COMMIT, "manifest.ocdbt", "d", integrity.DIGEST_DIR)
+
+
+def _check_local_folder(final: str, overwrite: bool) -> None:
+    """Refuse a save onto a file, or onto a folder of files no save wrote (before any write).
+
+    An empty folder is taken (made for the checkpoint); a folder of a checkpoint's own files
+    without COMMIT (a save that did not finish) is replaced with ``overwrite``.
+    """
+    if not os.path.lexists(final):
+        return
+    if not os.path.isdir(final) or os.path.islink(final):
+        raise FileExistsError(
+            f"{final} is a file, not a checkpoint folder; save to another path (a checkpoint is "
+            "a folder)"
+        )
+    names = listdir(final)
+    if not names or COMMIT in names:
+        return  # empty, or a checkpoint: the COMMIT check decides
+    foreign = sorted(n for n in names if n not in _OWN_NAMES and
+                     not n.startswith(aggregate.PROCESS_PREFIX))  # fmt: skip
+    if foreign and not _per_array_checkpoint(final, names):
+        raise FileExistsError(
+            f"{final} holds files that are not a checkpoint ({foreign[:3]}"
+            f"{', ...' if len(foreign) > 3 else ''}); a save replaces the whole folder, so "
+            "it refuses, even with overwrite=True: save to a new path, or move those files"
+        )
+    if not overwrite:
+        raise FileExistsError(
+            f"{final} holds an unfinished checkpoint (no COMMIT: a save that was stopped); pass "
+            "overwrite=True to replace it, or save to a new path"
+        )
+
+
+def _per_array_checkpoint(final: str, names: list[str]) -> bool:
+    """Whether a folder without COMMIT is a format-2 checkpoint's: a manifest, arrays in folders."""
+    return MANIFEST in names and all(
+        os.path.isdir(os.path.join(final, n)) for n in names if n != MANIFEST
+    )
 
 
 @contextlib.contextmanager

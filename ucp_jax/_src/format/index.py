@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 from ..errors import UnsafePathError
@@ -33,7 +34,8 @@ COMPLETE = ".complete"  # in it: the index holds every checkpoint of the folder
 
 
 def list_checkpoints(root: Any) -> list[Any]:
-    """Committed checkpoints directly under `root`, sorted by name; partial saves are skipped.
+    """Committed checkpoints directly under `root`, in name order with numbers by value
+    (`step_9` before `step_10`, so the last is the latest step); partial saves are skipped.
 
     Paths (str) for a path or URL `root`; `Location`s for a kvstore spec or a Location (they
     keep its endpoint and options).
@@ -50,14 +52,14 @@ def list_checkpoints(root: Any) -> list[Any]:
 
 
 def committed_names(loc: Location) -> list[str]:
-    """Names of the committed checkpoints directly under `loc`, sorted.
+    """Names of the committed checkpoints directly under `loc`, in `natural` order.
 
     A local folder: its entries holding a COMMIT and a manifest (one with COMMIT but no manifest
     is what a plain `rm -r` interrupted midway leaves: skipped, with a warning). Another store: its
     index (one key per checkpoint), or, where the folder has no complete index, every key under it.
     """
     if loc.local_path is not None:
-        return [n for n in sorted(listdir(loc.local_path))
+        return [n for n in sorted(listdir(loc.local_path), key=natural)
                 if not n.startswith(".") and _whole(loc.local_path, n)]  # fmt: skip
     names = indexed(loc)
     if names is not None:
@@ -68,6 +70,15 @@ def committed_names(loc: Location) -> list[str]:
         loc.url, INDEX, COMPLETE, loc.url,
     )  # fmt: skip
     return scanned(loc)
+
+
+def natural(name: str) -> list[Any]:
+    """Sort key of a checkpoint name: runs of digits compare as numbers (step_9 < step_10).
+
+    >>> sorted(["step_10", "step_9", "step_100", "best"], key=natural)
+    ['best', 'step_9', 'step_10', 'step_100']
+    """
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def _whole(folder: str, name: str) -> bool:
@@ -95,14 +106,14 @@ def indexed(loc: Location) -> list[str] | None:
             complete = True
         elif _usable(name, loc):
             names.append(name)
-    return sorted(names) if complete else None
+    return sorted(names, key=natural) if complete else None
 
 
 def scanned(loc: Location) -> list[str]:
     """Names of the committed checkpoints under `loc` from a listing of every key there."""
     keys = loc.list_keys()
     names = {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)}
-    return sorted(n for n in names if not n.startswith("."))
+    return sorted((n for n in names if not n.startswith(".")), key=natural)
 
 
 def _usable(name: str, loc: Location) -> bool:

@@ -76,7 +76,7 @@ class Location:
         else:
             s = os.fspath(path)
             if "://" not in s:
-                spec = {"driver": "file", "path": os.path.abspath(s)}
+                spec = {"driver": "file", "path": os.path.abspath(os.path.expanduser(s))}
             else:
                 spec = ts.KvStore.Spec(s).to_json()
         spec["path"] = spec.get("path", "").rstrip("/") + "/"

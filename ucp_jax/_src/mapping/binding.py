@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..errors import MismatchError
 from ..util.dtypes import dtype_name, np_dtype
 from .boxes import Box, box_size, full_box, index_to_box
 from .chain_cuts import chain_cuts
@@ -333,7 +334,17 @@ def device_regions(b: LeafBinding) -> dict[Box, list[Any]]:
     """The distinct regions of a sharded leaf this process's devices hold, each with its devices."""
     assert b.sharding is not None
     groups: dict[Box, list[Any]] = {}
-    for dev, index in b.sharding.addressable_devices_indices_map(b.shape).items():
+    try:
+        indices = b.sharding.addressable_devices_indices_map(b.shape)
+    except (ValueError, IndexError) as e:  # jax's IndivisibleError is a ValueError
+        raise MismatchError(
+            f"restore: target leaf {b.name!r} of shape {b.shape} cannot take its sharding "
+            f"{getattr(b.sharding, 'spec', b.sharding)}: {str(e)[:240]}; give the target a "
+            "sharding whose mesh axes divide its dimensions",
+            leaf=b.name,
+            kind="sharding",
+        ) from e
+    for dev, index in indices.items():
         groups.setdefault(index_to_box(index, b.shape), []).append(dev)
     return groups
 
