@@ -114,10 +114,14 @@ class FaultProxy:
     """See the module docstring. `counts`: the faults injected, and `forwarded` requests."""
 
     def __init__(self, upstream: str, *, rate: float = 0.0, kinds: tuple[str, ...] = KINDS,
-                 seed: int = 0, max_in_a_row: int = 2, stall_s: float = 5.0) -> None:  # fmt: skip
+                 seed: int = 0, max_in_a_row: int = 2, stall_s: float = 5.0,
+                 no_conditional: bool = False) -> None:  # fmt: skip
         host, port = upstream.replace("http://", "").rstrip("/").split(":")
         self.upstream = (host, int(port))
         self.rate, self.kinds, self.max_in_a_row, self.stall_s = rate, kinds, max_in_a_row, stall_s
+        # a store without conditional writes (AWS S3 before 2024, some S3-compatible stores):
+        # a PUT or DELETE with If-Match / If-None-Match is answered 501 NotImplemented
+        self.no_conditional = no_conditional
         self.rng = random.Random(seed)
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -191,6 +195,19 @@ class FaultProxy:
 
     def _one(self, client: socket.socket, head: bytes, body: bytes, fault: str | None) -> bool:
         """Serve one request; False when the client connection must close."""
+        lower = head.lower()
+        if (
+            self.no_conditional
+            and head.split(b" ", 1)[0] in (b"PUT", b"DELETE")
+            and (b"\r\nif-match:" in lower or b"\r\nif-none-match:" in lower)
+        ):
+            self.counts["not_implemented"] += 1
+            text = (b"<Error><Code>NotImplemented</Code><Message>A header you provided implies "
+                    b"functionality that is not implemented</Message></Error>")  # fmt: skip
+            client.sendall(b"HTTP/1.1 501 Not Implemented\r\nContent-Type: application/xml\r\n"
+                           b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                           % (len(text), text))  # fmt: skip
+            return False
         if fault in ("http500", "http503"):
             code = 500 if fault == "http500" else 503
             text = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"

@@ -10,6 +10,7 @@ data. The faults injected are counted and printed.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -106,3 +107,33 @@ def test_an_outage_fails_the_save_without_a_commit(s3, proxy, monkeypatch) -> No
     proxy.up()
     out, _ = ucp.restore(_spec(proxy.endpoint, "outage/step_1"), _tree(1))  # the store is back
     assert_tree_bitexact(_tree(1), out)
+
+
+def test_a_store_without_conditional_writes(s3, caplog) -> None:  # noqa: F811
+    """An S3 store that answers If-None-Match / If-Match with 501 (AWS before 2024): TensorStore
+    cannot create arrays there, so a save is refused before it writes, saying why; a checkpoint
+    written there (through a store that has them) is read and deleted (the deletion's claim
+    unconditional, with a warning)."""
+    trees = {k: _tree(k) for k in (1, 2)}
+    for k in (1, 2):
+        ucp.save(_spec(s3, f"nocond/step_{k}"), trees[k], step=k)
+    with FaultProxy(s3, no_conditional=True) as p:
+        for save in (ucp.save, lambda *a, **k: ucp.async_save(*a, **k).wait()):
+            with pytest.raises((ucp.StoreError, RuntimeError), match="conditional writes") as e:
+                save(_spec(p.endpoint, "nocond/step_3"), trees[1], step=3)
+            assert "AWS S3 since 2024" in str(e.value) + str(e.value.__cause__)
+        assert not _objects(s3, "nocond/step_3/")  # nothing written
+        listed = [str(c) for c in ucp.list_checkpoints(_spec(p.endpoint, "nocond"))]
+        assert listed == [f"s3://{BUCKET}/nocond/step_{k}" for k in (1, 2)]
+        out, _ = ucp.restore(_spec(p.endpoint, "nocond/step_1"), trees[1])
+        assert_tree_bitexact(trees[1], out)
+        with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+            ucp.delete_checkpoint(_spec(p.endpoint, "nocond/step_2"))
+        assert "written unconditionally" in caplog.text
+        assert p.counts["not_implemented"] >= 3
+    assert [str(c) for c in ucp.list_checkpoints(_spec(s3, "nocond"))] == [
+        f"s3://{BUCKET}/nocond/step_1"
+    ]
+    keys = _objects(s3, "nocond/")
+    assert not any(k.startswith("nocond/step_2/") for k in keys)
+    assert not any(k.endswith(".ucp-writer") for k in keys), keys  # claims given back

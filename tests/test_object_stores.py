@@ -494,3 +494,44 @@ def test_unreachable_gcs_emulator_fails_within_the_bound(monkeypatch):
         assert f"http://127.0.0.1:{port}" in str(err.value)
     finally:
         stop.set()
+
+
+def test_s3_checkpoints_at_the_top_of_a_bucket(s3):
+    """Checkpoints saved at a bucket's top are listed from its URL (with or without a slash)
+    and its spec, in step order; deleting one leaves the others."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3).create_bucket(Bucket="ucp-top")
+    for n in (1, 10, 2):
+        ucp.save(f"s3://ucp-top/step_{n}", _state(n), step=n)
+    want = ["s3://ucp-top/step_1", "s3://ucp-top/step_2", "s3://ucp-top/step_10"]
+    assert ucp.list_checkpoints("s3://ucp-top") == want
+    assert ucp.list_checkpoints("s3://ucp-top/") == want
+    spec = {"driver": "s3", "bucket": "ucp-top", "endpoint": s3}
+    assert [str(c) for c in ucp.list_checkpoints(spec)] == want
+    ucp.delete_checkpoint("s3://ucp-top/step_1")
+    assert ucp.list_checkpoints("s3://ucp-top") == want[1:]
+    _assert_restores("s3://ucp-top/step_10", seed=10)
+
+
+def test_s3_names_with_percent_question_and_hash(s3, capsys):
+    """A listed URL opens (and `ucp rm` deletes) the checkpoint it names: `%`, `?` and `#` in
+    names are percent-encoded in URLs, as TensorStore decodes them (`x%41` is not `xA`)."""
+    root = f"s3://{BUCKET}/pct"
+    spec = {"driver": "s3", "bucket": BUCKET, "endpoint": s3}
+    names = {"x%41": 0, "xA": 1, "50%": 2, "q?x": 3, "h#1": 4}
+    for name, k in names.items():  # a spec names any key; a URL spells it encoded
+        ucp.save({**spec, "path": f"pct/{name}"}, _state(k), step=k)
+    listed = ucp.list_checkpoints(root)
+    assert sorted(listed) == sorted(f"{root}/{q}" for q in
+                                    ("x%2541", "xA", "50%25", "q%3Fx", "h%231"))  # fmt: skip
+    for url in listed:
+        name = url.rsplit("/", 1)[1].replace("%25", "%").replace("%3F", "?").replace("%23", "#")
+        assert ucp.open(url).step == names[name], url
+    capsys.readouterr()
+    assert cli_main(["rm", f"{root}/x%2541"]) == 0
+    assert sorted(ucp.list_checkpoints(root)) == sorted(
+        f"{root}/{q}" for q in ("xA", "50%25", "q%3Fx", "h%231")
+    )
+    assert ucp.open(f"{root}/xA").step == 1
+    _assert_restores(f"{root}/xA", seed=1)

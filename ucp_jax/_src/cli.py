@@ -387,9 +387,17 @@ def _load(ref: str) -> Any:
         raise ValueError(f"{ref!r} is not MODULE:NAME (e.g. mytrain.targets:make_targets)")
     sys.path.insert(0, os.getcwd())
     try:
-        return getattr(importlib.import_module(module), name)
+        found = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(
+            f"{ref!r}: cannot import module {module!r} ({e}); run ucp from the folder that holds "
+            "it, or put it on PYTHONPATH"
+        ) from e
     finally:
         sys.path.remove(os.getcwd())
+    if not hasattr(found, name):
+        raise ValueError(f"{ref!r}: module {module!r} has no {name!r}")
+    return getattr(found, name)
 
 
 def plan_command(path: str, target: str, rules: str | None = None, out: Any = None) -> int:
@@ -471,7 +479,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # e.g. `ucp inspect --json | head`
         return 0
-    except (OSError, ValueError, KeyError, TypeError, RecursionError, MemoryError) as e:
+    except KeyboardInterrupt:
+        print(f"ucp {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line, as every error of the CLI (UCP_DEBUG=1: the traceback)
         if os.environ.get("UCP_DEBUG"):
             raise
         print(f"ucp {args.cmd}: {type(e).__name__}: {e} (UCP_DEBUG=1 shows where)", file=sys.stderr)

@@ -236,7 +236,18 @@ def url_of(spec: dict[str, Any]) -> str:
         return str(spec.get("path", "")).rstrip("/")
     scheme = {"gcs": "gs", "gcs_grpc": "gs"}.get(spec.get("driver", ""), spec.get("driver", ""))
     bucket = spec.get("bucket", "")
-    return f"{scheme}://{bucket}{'/' if bucket else ''}{spec.get('path', '').rstrip('/')}"
+    path = url_quote(spec.get("path", "").rstrip("/"))
+    return f"{scheme}://{bucket}{'/' if bucket else ''}{path}"
+
+
+def url_quote(path: str) -> str:
+    """A path as a kvstore URL must spell it: TensorStore decodes ``%XX`` and refuses ``?`` and
+    ``#``, so those three are encoded (the URL then opens the same path; nothing else changes).
+
+    >>> url_quote("run/x%41?#")
+    'run/x%2541%3F%23'
+    """
+    return path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
 
 
 def describe(spec: dict[str, Any]) -> str:

@@ -78,7 +78,7 @@ def _delete_local(loc: Location, final: str) -> None:
 
 
 def _delete_in_store(loc: Location) -> None:
-    token = writers.Token(loc)
+    token = writers.Token(loc, for_delete=True)
     token.claim()
     try:
         if loc.read(COMMIT) is None:

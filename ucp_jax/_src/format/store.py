@@ -79,7 +79,9 @@ class Location:
                 spec = {"driver": "file", "path": os.path.abspath(os.path.expanduser(s))}
             else:
                 spec = ts.KvStore.Spec(s).to_json()
-        spec["path"] = spec.get("path", "").rstrip("/") + "/"
+        folder = spec.get("path", "").rstrip("/")
+        # a bucket's top: the empty path (not "/", under which nothing is listed)
+        spec["path"] = folder + "/" if folder or spec.get("driver") == "file" else ""
         return cls(remote.complete(spec))
 
     @property

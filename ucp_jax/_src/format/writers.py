@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import socket
@@ -30,11 +31,12 @@ import time
 import uuid
 from typing import IO, Any
 
-from ..errors import WriterConflictError
+from ..errors import StoreError, WriterConflictError
 from ..util import config
 from . import remote
 from .store import Location
 
+log = logging.getLogger("ucp_jax")
 TOKEN_SUFFIX = ".ucp-writer"
 
 
@@ -111,7 +113,7 @@ class Token:
     claim left by a killed save is taken over once it has not changed for that long.
     """
 
-    def __init__(self, final: Location) -> None:
+    def __init__(self, final: Location, *, for_delete: bool = False) -> None:
         # Beside the checkpoint, not in it (clearing the checkpoint's path keeps the claim):
         # `<parent>/.<name>.ucp-writer`; listings of checkpoints skip it (no '/COMMIT').
         spec = dict(final.kvstore)
@@ -123,6 +125,8 @@ class Token:
         self.who = f"pid {os.getpid()} on {socket.gethostname()}"
         self._gen: bytes | None = None
         self._lost = False
+        self._unconditional = False  # the store refused conditional writes (see _put)
+        self.for_delete = for_delete
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -134,10 +138,37 @@ class Token:
         return self._wait(self.loc.kv().read(self.key), f"a read of {self.key}")
 
     def _put(self, value: bytes | None, if_equal: bytes) -> bytes:
-        """A conditional write (None: delete); the new generation, b'' when the condition failed."""
+        """A conditional write (None: delete); the new generation, b'' when the condition failed.
+
+        A store that answers conditional writes with "not implemented" (HTTP 501: AWS S3 before
+        2024, some S3-compatible stores) cannot hold a save, since TensorStore creates every
+        array with a conditional write: a StoreError says so before anything is written. A
+        deletion (``for_delete``) goes on unconditionally, with a warning.
+        """
         kv = self.loc.kv()
-        g = self._wait(kv.write(self.key, value, if_equal=if_equal), f"a write of {self.key}")
-        return bytes(g.generation)
+        what = f"a write of {self.key}"
+        if not self._unconditional:
+            try:
+                return bytes(
+                    self._wait(kv.write(self.key, value, if_equal=if_equal), what).generation
+                )
+            except (NotImplementedError, ValueError) as e:
+                if not _not_implemented(e):
+                    raise
+                if not self.for_delete:
+                    raise StoreError(
+                        f"{self.url}: the store does not implement conditional writes ("
+                        f"{str(e)[:120]}); TensorStore writes every array with them, so no "
+                        "checkpoint can be saved there: use a store that has them (AWS S3 since "
+                        "2024, GCS, MinIO, R2), or save to a local path and copy it"
+                    ) from e
+                self._unconditional = True
+                log.warning(
+                    "%s: the store does not implement conditional writes (%s); the deletion's "
+                    "claim %s is written unconditionally", self.url, str(e)[:120], self.key,
+                )  # fmt: skip
+        g = self._wait(kv.write(self.key, value), what)
+        return bytes(g.generation) or b"unconditional"
 
     def _body(self) -> bytes:
         return f"{uuid.uuid4().hex} {self.who}".encode()
@@ -210,6 +241,16 @@ class Token:
         if gen is not None and not self._lost:
             with contextlib.suppress(Exception):
                 self._put(None, gen)
+
+
+def _not_implemented(e: BaseException) -> bool:
+    """Whether a store's error says a conditional write is not implemented (HTTP 501)."""
+    text = str(e)
+    return (
+        isinstance(e, NotImplementedError)
+        or "http_response_code='501'" in text
+        or ("NotImplemented" in text)
+    )
 
 
 def sweep(parent: str, keep: str) -> None:
