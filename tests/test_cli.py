@@ -106,3 +106,40 @@ def test_file_only_commands_do_not_import_jax(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "restore" in dir(ucp) and "memory" in dir(ucp)
+
+
+def test_what_is_not_a_checkpoint_says_what_it_is(tmp_path, capsys):
+    """A file, a folder of other files, an Orbax checkpoint, a missing folder: one line each,
+    exit 1, saying what the path is (and, for Orbax, the command that imports it)."""
+    import orbax.checkpoint as ocp
+
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("x")
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(tmp_path / "orbax", {"w": np.ones(4, np.float32)})
+    cases = {"a_file": "a file, not a checkpoint", "plain": "holds no checkpoint",
+             "orbax": "ucp convert orbax"}  # fmt: skip
+    for cmd in ("inspect", "verify"):
+        for name, needle in cases.items():
+            capsys.readouterr()
+            assert main([cmd, str(tmp_path / name)]) == 1, (cmd, name)
+            out = capsys.readouterr()
+            text = out.err + out.out
+            assert needle in text and "Traceback" not in text, (cmd, name, text)
+    for name, needle in (("a_file", "a file, not a folder"), ("missing", "no such folder")):
+        capsys.readouterr()
+        assert main(["ls", str(tmp_path / name)]) == 1
+        assert needle in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "plain")]) == 0  # a folder without checkpoints: none
+    assert capsys.readouterr().out == ""
+
+
+def test_plan_with_a_target_that_does_not_import(tmp_path, capsys):
+    path = _ckpt(tmp_path)
+    for ref, needle in (("nosuchmod_xyz:f", "cannot import module"), ("os:nosuchattr", "has no")):
+        capsys.readouterr()
+        assert main(["plan", str(path), "--target", ref]) in (1, 2)
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and err.count("\n") == 1, err

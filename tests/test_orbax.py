@@ -190,6 +190,15 @@ def test_sync_manager_and_plain_checkpointers(tmp_path):
     assert ucp.open(tmp_path / "m" / "step_12" / "default").step == 12  # step from the folder
     assert_tree_bitexact(want, mngr.restore(12, args=uo.UniversalRestore(tgt)).params)
     mngr.close()
+    # a manager that commits in place (Orbax's way on GCS and S3): no tmp folder to read
+    from orbax.checkpoint._src.path.atomicity import CommitFileTemporaryPath
+
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, step_prefix="step",
+                                           temporary_path_class=CommitFileTemporaryPath)  # fmt: skip
+    mngr = ocp.CheckpointManager(tmp_path / "c", options=options)
+    mngr.save(5, args=uo.UniversalSave(params))
+    assert ucp.open(tmp_path / "c" / "step_5" / "default").step == 5
+    mngr.close()
     for ckptr in (
         ocp.AsyncCheckpointer(uo.UniversalCheckpointHandler()),
         ocp.Checkpointer(uo.UniversalCheckpointHandler()),

@@ -3,6 +3,8 @@ any sharding, as a tree of atoms or in the training program's own layout."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import optax
@@ -69,11 +71,15 @@ def test_targets_give_the_programs_own_layout_on_any_sharding(tmp_path, saved):
     dst = export_orbax(path, tmp_path / "orbax", params_target=pt, opt_state_target=ot,
                        rules=STACK)  # fmt: skip
     other = mesh_of((8,))
-    want = {"params": params, "opt_state": opt_state, "step": np.int64(2)}
+    want = {"params": params, "opt_state": opt_state}  # the program's own target: no step
     got = _restore(dst, targets(want, other, style="fsdp"))
     assert_tree_bitexact(got["params"], params)
     assert_tree_bitexact(jax.tree.leaves(got["opt_state"]), jax.tree.leaves(opt_state))
     assert isinstance(got["opt_state"][0], optax.ScaleByAdamState)
+    dst = export_orbax(path, tmp_path / "orbax_step", params_target=pt, opt_state_target=ot,
+                       rules=STACK, step_leaf=True)  # fmt: skip
+    got = _restore(dst, targets({**want, "step": np.int64(2)}, other, style="fsdp"))
+    assert got["step"] == 2
 
 
 def test_manager_layout(tmp_path, saved):
@@ -93,3 +99,22 @@ def test_names_that_make_no_tree_are_refused(tmp_path):
     with pytest.raises(MismatchError, match="targets"):
         export_orbax(tmp_path / "c", tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run/exp", "gs://bucket/exp"])
+def test_orbax_to_or_from_a_url_is_refused_not_written_locally(tmp_path, saved, monkeypatch,
+                                                                 capsys, url):  # fmt: skip
+    """Orbax checkpoints are read and written through Orbax's own API on local folders: a URL
+    is refused, not turned into a local folder named `s3:` (what `ucp export orbax` did)."""
+    path, _, _ = saved
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ucp.UcpError, match="local folder here"):
+        export_orbax(path, url)
+    with pytest.raises(ucp.UcpError, match="local folder here"):
+        ucp.import_orbax(url, tmp_path / "ck")
+    capsys.readouterr()
+    assert cli(["export", "orbax", str(path), url]) == 1
+    assert cli(["convert", "orbax", url, str(tmp_path / "ck2")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("local folder here") == 2 and "Traceback" not in err
+    assert os.listdir(tmp_path) == []

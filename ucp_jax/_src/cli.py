@@ -111,6 +111,11 @@ def list_command(path: str, *, build: bool = False, out: Any = None) -> int:
     if build:
         names = index.build(store.Location.parse(path))
         print(f"indexed {len(names)} checkpoint(s) in {path}", file=out)
+    loc = store.Location.parse(path)
+    if loc.local_path is not None and not os.path.isdir(loc.local_path):
+        what = "a file, not a folder" if os.path.exists(loc.local_path) else "no such folder"
+        print(f"ucp ls: {loc.local_path}: {what}", file=sys.stderr)
+        return 1
     for p in index.list_checkpoints(path):
         print(p, file=out)
     return 0

@@ -367,10 +367,17 @@ def load_manifest(loc: Location) -> Manifest:
         NotACheckpointError: nothing there, or a save that never committed.
     """
     local = loc.local_path  # local: both read through one folder handle (old pair or new pair)
+    if local is not None and os.path.exists(local) and not os.path.isdir(local):
+        raise NotACheckpointError(f"{local}: a file, not a checkpoint (a checkpoint is a folder)")
     marker, data = read_together(local, (COMMIT, MANIFEST)) if local else (loc.read(COMMIT), None)
     if marker is None:
         hint = "no such checkpoint"
-        if loc.has_any():
+        if local is not None and _foreign_checkpoint(local):
+            hint = (f"an Orbax checkpoint ({_foreign_checkpoint(local)}), not a universal one; "
+                    "import it with `ucp convert orbax` (ucp.import_orbax)")  # fmt: skip
+        elif local is not None and os.path.isdir(local) and not _own_files(local):
+            hint = "a folder that holds no checkpoint (no manifest.json, no COMMIT)"
+        elif loc.has_any():
             hint = "a save to it did not finish (no COMMIT marker); it is not a checkpoint"
         elif loc.local_path is not None and os.path.exists(
             os.path.join(os.path.dirname(loc.local_path), f".{loc.name}.ucp-tmp")
@@ -385,6 +392,21 @@ def load_manifest(loc: Location) -> Manifest:
     if data is None:
         raise NotACheckpointError(f"{loc.url}: COMMIT present but manifest.json missing")
     return Manifest.loads(data, loc.url, marker)
+
+
+def _foreign_checkpoint(folder: str) -> str | None:
+    """What marks a local folder as an Orbax checkpoint (item or step folder), if anything."""
+    names = set(listdir(folder))
+    for mark in ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "commit_success.txt"):
+        if mark in names and "manifest.json" not in names:
+            return mark
+    return None
+
+
+def _own_files(folder: str) -> bool:
+    """Whether a local folder holds any file a save writes at a checkpoint's top."""
+    return any(n in (MANIFEST, COMMIT, "manifest.ocdbt", "d", "atoms") or n.startswith("ocdbt.p")
+               for n in listdir(folder))  # fmt: skip
 
 
 def listdir(path: str) -> list[str]:

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...errors import NotACheckpointError, UcpError
+from ...errors import ArgumentError, NotACheckpointError, UcpError
 from ...untrusted.paths import check_component, refuse_symlinks
 
 METADATA = "_METADATA"  # an Orbax PyTree item's tree metadata
@@ -115,6 +115,24 @@ def _steps(root: str) -> dict[int, str]:
     return out
 
 
+def local_folder(path: Any, what: str) -> str:
+    """The local folder of an Orbax checkpoint read or written through Orbax's own API here.
+
+    Raises:
+        ArgumentError: a URL (``s3://``, ``gs://``) or a kvstore spec: such a path is not
+            turned into a local folder of that name.
+    """
+    if isinstance(path, dict) or (isinstance(path, str) and "://" in path
+                                  and not path.startswith("file://")):  # fmt: skip
+        raise ArgumentError(
+            f"{str(path)[:200]}: {what} is a local folder here (Orbax's own readers and writers "
+            "are used); copy it from the store first, or write it locally and copy it there "
+            "(universal checkpoints themselves go to s3:// and gs:// directly)"
+        )
+    s = os.fspath(path)
+    return os.path.abspath(s[len("file://") :] if s.startswith("file://") else s)
+
+
 def locate(src: Any, *, item: str | None = None, step: int | None = None) -> tuple[
     dict[str, str], int | None
 ]:  # fmt: skip
@@ -124,7 +142,7 @@ def locate(src: Any, *, item: str | None = None, step: int | None = None) -> tup
         NotACheckpointError: `src` is no Orbax item, step folder or CheckpointManager root, or
             `item` / `step` is not in it.
     """
-    path = os.path.abspath(os.fspath(src))
+    path = local_folder(src, "an Orbax checkpoint to import")
     if not os.path.isdir(path):
         raise NotACheckpointError(f"{path}: no such folder (expected an Orbax checkpoint)")
     if _is_item(path):

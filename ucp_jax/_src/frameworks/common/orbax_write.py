@@ -18,6 +18,8 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+from .orbax_source import local_folder
+
 LAYOUTS = ("item", "manager", "v1")
 
 
@@ -59,7 +61,7 @@ def save_tree(
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
-    root = os.path.abspath(os.fspath(dst))
+    root = local_folder(dst, "the Orbax checkpoint to write")
     if layout == "item":
         _clear(root, overwrite, "an Orbax item folder")
         os.makedirs(os.path.dirname(root), exist_ok=True)

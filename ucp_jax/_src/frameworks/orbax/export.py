@@ -93,6 +93,7 @@ def export_orbax(
     item: str = "default",
     step: int | None = None,
     overwrite: bool = False,
+    step_leaf: bool | None = None,
 ) -> str:
     """Write a universal checkpoint as a plain Orbax checkpoint.
 
@@ -108,6 +109,9 @@ def export_orbax(
         item: the item name with `manager`.
         step: the step folder with `manager` (default: the checkpoint's step).
         overwrite: replace an existing item / step folder.
+        step_leaf: add the checkpoint's step as a leaf `"step"` of the tree. Default: without
+            targets yes; with targets no, so that the tree is `{"params", "opt_state"}` alone,
+            what the training program's own restore target holds.
 
     Returns:
         The item folder, or with `manager` the step folder.
@@ -119,6 +123,8 @@ def export_orbax(
     ck = src if isinstance(src, Checkpoint) else Checkpoint(src)
     if params_target is None:
         tree = atoms_tree(ck)
+        if step_leaf is False:
+            tree.pop("step", None)
     else:
         import jax
 
@@ -128,7 +134,7 @@ def export_orbax(
         tree = {"params": jax.device_get(p)}
         if opt_state_target is not None:
             tree["opt_state"] = jax.device_get(o)
-        if ck.step is not None:
+        if step_leaf and ck.step is not None:
             tree["step"] = np.asarray(ck.step, np.int64)
     if not manager:
         return save_tree(tree, dst, layout="item", overwrite=overwrite)

@@ -96,12 +96,18 @@ class _InPlace:
 def _step_from_directory(directory: Any) -> int | None:
     """The step of a CheckpointManager step folder (`<root>/<step>/<item>`), when it has one.
 
-    Orbax's temporary step folder (`<step>.orbax-checkpoint-tmp`) may carry a step prefix
-    (`step_12`); any other parent counts only when its name is a bare number.
+    The folder is `<step>` or `<prefix>_<step>` (`step_prefix`), as Orbax names it, with
+    `.orbax-checkpoint-tmp-<n>` while a renaming save writes it; a save that commits in place
+    (`CommitFileTemporaryPath`, Orbax's way on GCS and S3) writes into the final name.
+
+    >>> _step_from_directory("/ck/step_12/default"), _step_from_directory("/ck/7/default")
+    (12, 7)
+    >>> _step_from_directory("/ck/step_3.orbax-checkpoint-tmp-1/default"), _step_from_directory("/ck/x/default")
+    (3, None)
     """
     parent = os.path.basename(os.path.dirname(os.fspath(directory).rstrip("/")))
-    name, tmp, _ = parent.partition(_TMP_SUFFIX)
-    m = re.fullmatch(r"(?:.*_)?(\d+)" if tmp else r"(\d+)", name)
+    name = parent.partition(_TMP_SUFFIX)[0]
+    m = re.fullmatch(r"(?:.*_)?(\d+)", name)
     return int(m.group(1)) if m else None
 
 
