@@ -535,3 +535,29 @@ def test_s3_names_with_percent_question_and_hash(s3, capsys):
     )
     assert ucp.open(f"{root}/xA").step == 1
     _assert_restores(f"{root}/xA", seed=1)
+
+
+def test_an_endpoint_that_is_a_web_server(monkeypatch, capsys):
+    """AWS_ENDPOINT_URL_S3 pointing at a web server (a wrong port): one clear StoreError naming
+    the endpoint, from the API and the CLI, never a raw error with an HTML page."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": endpoint,
+                 "UCP_STORE_RETRIES": "1", "UCP_STORE_TIMEOUT_S": "5"}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    try:
+        with pytest.raises(ucp.StoreError, match="answered with a web page") as e:
+            ucp.list_checkpoints("s3://web/run")
+        assert endpoint in str(e.value)
+        for argv in (["ls", "s3://web/run"], ["rm", "s3://web/run/step_1"]):
+            capsys.readouterr()
+            assert cli_main(argv) == 1, argv
+            err = capsys.readouterr().err
+            assert "answered with a web page" in err and endpoint in err, err
+    finally:
+        server.shutdown()

@@ -118,3 +118,11 @@ def test_orbax_to_or_from_a_url_is_refused_not_written_locally(tmp_path, saved, 
     err = capsys.readouterr().err
     assert err.count("local folder here") == 2 and "Traceback" not in err
     assert os.listdir(tmp_path) == []
+
+
+def test_an_export_onto_its_own_source_is_refused(saved, tmp_path):
+    path, _, _ = saved
+    for dst in (path, os.path.dirname(path)):  # the checkpoint itself, or a folder holding it
+        with pytest.raises(ucp.UcpError, match="would replace the checkpoint it reads"):
+            export_orbax(path, dst, overwrite=True)
+    assert ucp.open(path).step == 2

@@ -303,10 +303,18 @@ def translate(e: BaseException, spec: dict[str, Any], what: str) -> BaseExceptio
     >>> type(translate(ValueError("CURL error Could not connect"), {"driver": "s3"}, "x")).__name__
     'StoreUnreachableError'
     """
-    if not (is_remote(spec) and isinstance(e, ValueError)) or isinstance(e, UcpError):
+    if not (is_remote(spec) and isinstance(e, ValueError | NotImplementedError)) or isinstance(
+        e, UcpError
+    ):
         return e
-    if any(w in str(e) for w in _REFUSED):
-        out: StoreError = refused(spec, what, str(e)[:300])
+    text = str(e)
+    if any(w in text for w in _REFUSED):
+        out: StoreError = refused(spec, what, text[:300])
+    elif "<html" in text.lower() or "<!doctype" in text.lower():  # a web server, not a store
+        out = StoreError(
+            f"{describe(spec)}: {what} was answered with a web page, not by an object store "
+            f"({text[:160]}); check the endpoint (AWS_ENDPOINT_URL_S3, the spec's 'endpoint')"
+        )
     elif looks_unreachable(e):
         out = unreachable(spec, what, str(e)[:300])
     else:
@@ -328,7 +336,7 @@ def wait(future: Any, spec: dict[str, Any], what: str) -> Any:
     except TimeoutError:
         future.cancel()
         raise unreachable(spec, what, f"no answer within {timeout:g} s") from None
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         err = translate(e, spec, what)
         if err is e:
             raise

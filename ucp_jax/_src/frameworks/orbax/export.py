@@ -20,6 +20,7 @@ Orbax writes the tree in one save: the arrays are on the host together (memory: 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ...checkpoint import Checkpoint
-from ...errors import MismatchError
+from ...errors import ArgumentError, MismatchError
 from ...format.manifest import PARAM_SLOT
 from ...mapping.rules import Rule
 from ..common.orbax_write import save_tree
@@ -121,6 +122,14 @@ def export_orbax(
         FileExistsError: `dst` (or the step folder) exists and `overwrite` is not set.
     """
     ck = src if isinstance(src, Checkpoint) else Checkpoint(src)
+    here = ck.loc.local_path
+    if here is not None and not isinstance(dst, dict) and "://" not in str(dst):
+        out = os.path.realpath(os.fspath(dst))
+        if out == os.path.realpath(here) or here.startswith(out + os.sep):
+            raise ArgumentError(
+                f"{dst}: the export would replace the checkpoint it reads ({here}); export to "
+                "another folder"
+            )
     if params_target is None:
         tree = atoms_tree(ck)
         if step_leaf is False:
