@@ -10,6 +10,7 @@ float step; checkpoint lists in step order; ``~`` in a path.
 from __future__ import annotations
 
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -233,3 +234,29 @@ def test_a_tilde_is_the_home_folder(tmp_path, monkeypatch) -> None:
     ucp.save("~/ck", {"w": np.ones(2, np.float32)}, step=4)
     assert (tmp_path / "ck" / "COMMIT").exists() and not (tmp_path / "~").exists()
     assert ucp.open("~/ck").step == 4
+
+
+def test_errors_say_what_an_async_save_left_undone(tmp_path, monkeypatch) -> None:
+    """A restore while this process's async save of the path is still writing says so; the next
+    save that finds the previous one failed says it was not started itself."""
+    from ucp_jax._src import save as save_mod
+
+    release = threading.Event()
+    write = save_mod.SaveJob.write
+
+    def slow_write(self, host):  # type: ignore[no-untyped-def]
+        release.wait(30)
+        return write(self, host)
+
+    monkeypatch.setattr(save_mod.SaveJob, "write", slow_write)
+    x = {"w": np.ones(4, np.float32)}
+    h = ucp.async_save(tmp_path / "ck", x, step=1)
+    with pytest.raises(ucp.NotACheckpointError, match=r"has not committed yet: call its handle"):
+        ucp.restore(tmp_path / "ck", x)
+    release.set()
+    h.wait()
+    (tmp_path / "file").write_text("x")
+    ucp.async_save(tmp_path / "file" / "ck", x)  # its parent is a file: it fails in the background
+    with pytest.raises(Exception, match=r"the save to .*ck2 was not started: the background save"):
+        ucp.save(tmp_path / "ck2", x)
+    assert not (tmp_path / "ck2").exists()

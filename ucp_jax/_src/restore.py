@@ -15,13 +15,14 @@ from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
 from .errors import ChecksumError, HostMemoryError, NotACheckpointError
 from .format import direct, read_batches
 from .format.manifest import COMMIT, STEP_SLOT
-from .format.store import wrap_io_error
+from .format.store import Location, wrap_io_error
 from .mapping.binding import LeafBinding, ReadGroup, bind_state, unbind_state
 from .mapping.boxes import box_shape, box_size, index_to_box, relative_slices, to_slices
 from .mapping.keys import rewrap
 from .mapping.rules import CompiledRules, Rule
 from .placement import Placer
 from .resolve import ResolvedLeaf, resolve_leaf
+from .save_handle import in_flight
 from .util import buffers, config
 from .util.gcpause import gc_paused
 from .util.inflight import InflightWindow
@@ -125,7 +126,16 @@ def restore(
     >>> params, opt_state = ucp.restore("/tmp/ckpt/step_10", abstract_params, abstract_opt)  # doctest: +SKIP
     """
     for attempt in range(_ATTEMPTS):
-        ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
+        try:
+            ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
+        except NotACheckpointError as e:
+            url = Location.parse(path).url
+            if in_flight(url):
+                raise NotACheckpointError(
+                    f"{e}; this process's async_save to {url} has not committed yet: call "
+                    "its handle's wait() before restoring"
+                ) from e
+            raise
         try:
             return _restore(ckpt, params_target, opt_state_target, rules, cast, max_inflight_bytes)
         except (ChecksumError, NotACheckpointError) as e:

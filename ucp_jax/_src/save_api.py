@@ -45,7 +45,7 @@ def save(
 
     >>> ucp.save("/tmp/ckpt/step_10", params, opt_state, step=10)  # doctest: +SKIP
     """
-    finish_pending()
+    finish_pending(then=f"the save to {path}")
     job = SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
                    overwrite=overwrite, max_inflight_bytes=max_inflight_bytes)  # fmt: skip
     try:
@@ -91,7 +91,7 @@ def async_save(
     >>> h = ucp.async_save("/tmp/ckpt/step_10", params, opt_state, step=10)  # doctest: +SKIP
     >>> h.wait()  # doctest: +SKIP
     """
-    finish_pending()
+    finish_pending(then=f"the save to {path}")
     job = SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
                    overwrite=overwrite)  # fmt: skip
     return start(job, job.copy_all_to_host())

@@ -45,8 +45,12 @@ class SaveHandle:
         """Whether the save has finished (committed or failed)."""
         return not self._thread.is_alive()
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, then: str | None = None) -> None:
         """Block until committed; raise the save's error if it failed.
+
+        Args:
+            timeout: seconds to wait at most (None: until it ends).
+            then: what was waiting for it (a next save), named in its error as not started.
 
         Raises:
             TimeoutError: still running after `timeout` seconds.
@@ -56,22 +60,30 @@ class SaveHandle:
             raise TimeoutError(f"save to {self.path} still running after {timeout} s")
         if self._error is not None and not self._reported:
             self._reported = True
-            raise in_background(self._error, f"background save to {self.path} failed") from (
-                self._error
-            )
+            prefix = f"background save to {self.path} failed"
+            if then is not None:
+                prefix = f"{then} was not started: the {prefix}"
+            raise in_background(self._error, prefix) from self._error
 
 
 _pending: SaveHandle | None = None
 _lock = threading.Lock()
 
 
-def finish_pending() -> None:
-    """One save in flight: wait for the previous one, and raise its error if it was never seen."""
+def finish_pending(then: str | None = None) -> None:
+    """One save in flight: wait for the previous one, and raise its error if it was never seen
+    (``then``: the save that waited, named in the error as not started)."""
     global _pending
     with _lock:
         prev, _pending = _pending, None
     if prev is not None:
-        prev.wait()
+        prev.wait(then=then)
+
+
+def in_flight(url: str) -> bool:
+    """Whether this process's save in flight writes ``url`` and has not finished."""
+    prev = _pending
+    return prev is not None and prev.path == url and not prev.done()
 
 
 finish_before_exit(finish_pending, "a background save still running at exit")
