@@ -56,6 +56,8 @@ def run(job: str, args: argparse.Namespace, world: int, rank: int) -> dict:
     name, stage, dtype, *load = job.split(":")
     load_dir = load[0] if load else args.load
     model = init_model(0)
+    if "frozen" in name:  # a frozen layer: no optimizer state, kept in the model states
+        model.blocks[0].fc1.requires_grad_(False)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),

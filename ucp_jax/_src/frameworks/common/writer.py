@@ -177,6 +177,7 @@ class AtomWriter:
         )
         self.atoms: dict[str, dict[str, Any]] = {}
         self._arrays: dict[tuple[str, str], SlotInfo] = {}  # the created slots
+        self._covered: dict[tuple[str, str], int] = {}  # elements written per slot (commit checks)
 
     # ------------------------------------------------------------------------------- atoms
 
@@ -295,6 +296,8 @@ class AtomWriter:
         """
         data = np.asarray(data)
         info = self._slot(atom, slot, data.dtype)
+        key = (atom, slot)
+        self._covered[key] = self._covered.get(key, 0) + math.prod(box_shape(box))
         for piece_box, piece in shard_pieces(box, data.reshape(box_shape(box)), info.chunks):
             self._sink.write(info, piece_box, piece, keep)
 
@@ -363,6 +366,7 @@ class AtomWriter:
         `rules` / `leaves`: the manifest's rules and leaf records, when the importer mapped the
         source's leaves with rules (restore uses them when it is given none).
         """
+        self._check_covered()
         written = {
             info: store.expected_chunk_keys(a["shape"] if info.shape is None else info.shape, info)
             for a in self.atoms.values()
@@ -383,6 +387,20 @@ class AtomWriter:
                             leaves=leaves or {}, version=self._sink.version)  # fmt: skip
         self.staging.commit(manifest)
         return self.loc.url
+
+    def _check_covered(self) -> None:
+        """Every slot created was written whole (elements written >= its size), or nothing is
+        committed: an importer that skipped a parameter must fail, not commit zeros."""
+        for name, a in self.atoms.items():
+            for slot, info in a["slots"].items():
+                size = math.prod(a["shape"] if info.shape is None else info.shape)
+                got = self._covered.get((name, slot), 0)
+                if got < size:
+                    raise MismatchError(
+                        f"import: atom {name!r} slot {slot!r} was written for {got} of its {size} "
+                        "elements: the source lacks the rest (a file missing, or a layout this "
+                        "importer does not read); nothing was committed"
+                    )
 
     def __enter__(self) -> AtomWriter:
         return self

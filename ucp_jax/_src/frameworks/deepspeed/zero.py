@@ -460,6 +460,12 @@ def _frozen_z3(lay: RankFiles, merger: Merger, d: int, m: int, t: int) -> None:
     """Frozen parameters of ZeRO-3: each rank's model states hold its fragment."""
     path = os.path.join(lay.folder, f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt")
     if not os.path.isfile(path):
+        if lay.meta.get("frozen_param_shapes"):
+            raise DeepSpeedFormatError(
+                f"{path}: missing; under ZeRO-3 each rank's model states hold its part of the "
+                f"frozen parameters ({sorted(lay.meta['frozen_param_shapes'])[:3]}...), so the "
+                "checkpoint is incomplete"
+            )
         return
     sd = lay.meta if path == lay.model.get(m) and d == 0 else load(path)
     frozen = sd.get("frozen_param_fragments") or {}
@@ -482,10 +488,11 @@ def _module_fallback(lay: RankFiles, merger: Merger) -> None:
         module = sd.get("module")
         if not module:
             continue
+        frozen = set(sd.get("frozen_param_shapes") or {})  # declared, never in the optimizer
         for name, tensor in module.items():
             if name in sd.get("buffer_names", []) or not isinstance(tensor, LazyTensor):
                 continue
-            if merger.w.has(name, "fp32"):
+            if merger.w.has(name, "fp32") and name not in frozen:
                 continue
             if name not in merger.shapes:
                 merger.shapes[name] = [None] * lay.tp

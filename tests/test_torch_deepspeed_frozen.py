@@ -1,0 +1,58 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 with a frozen layer (requires_grad False): DeepSpeed keeps no
+optimizer state for it, only its values in the model states. Every atom equals DeepSpeed's own
+ds_to_universal, the frozen layer equals the model it was initialised as, and a ZeRO-3
+checkpoint that lost a rank's model states is refused naming the file (it held a part of the
+frozen layer), with nothing written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ds import tiny_model  # noqa: E402
+from ds.fixtures import FROZEN, STEPS, ds_ckpts  # noqa: E402, F401
+from test_torch_deepspeed import ds_universal_tensors  # noqa: E402
+
+import ucp_jax as ucp  # noqa: E402
+from ucp_jax._src.cli import main as ucp_main  # noqa: E402
+from ucp_jax._src.frameworks.common.torch_arrays import to_numpy  # noqa: E402
+from ucp_jax._src.frameworks.deepspeed.zero import import_deepspeed  # noqa: E402
+
+NAMES = [j.split(":")[0] for j in FROZEN]
+FROZEN_ATOMS = ("blocks.0.fc1.weight", "blocks.0.fc1.bias")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_frozen_layers_import_whole(name, ds_ckpts, tmp_path):  # noqa: F811
+    ck = ucp.open(import_deepspeed(ds_ckpts.zero(name), tmp_path / "ck", progress=False))
+    ref = ds_universal_tensors(ds_ckpts.universal(name))
+    # ds_to_universal of ZeRO-3 leaves frozen parameters out (DeepSpeed 0.19.8): the import
+    # has them all the same, checked against the model below
+    assert set(ref) <= set(ck.atoms) and set(ck.atoms) - set(ref) <= set(FROZEN_ATOMS)
+    for atom, slots in ref.items():
+        for slot, want in slots.items():
+            got = ck.read(atom, slot)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (atom, slot)
+    init = tiny_model.init_model(0)
+    for atom in FROZEN_ATOMS:  # never trained: the values it was initialised with
+        assert set(ck.atoms[atom].slots) == {"fp32"}, atom
+        want = to_numpy(init.get_parameter(atom).detach())
+        np.testing.assert_array_equal(ck.read(atom, "fp32"), want)
+    assert ck.step == STEPS
+    assert ucp_main(["verify", str(tmp_path / "ck")]) == 0
+
+
+def test_zero3_without_a_ranks_model_states_is_refused(ds_ckpts, tmp_path):  # noqa: F811
+    src = tmp_path / "src"
+    shutil.copytree(ds_ckpts.zero("z3_fp32_frozen"), src)
+    tag = next(p for p in src.iterdir() if p.is_dir())
+    victim = tag / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    os.remove(victim)
+    with pytest.raises(ucp.UcpError, match=r"zero_pp_rank_1_mp_rank_00_model_states\.pt: missing"):
+        import_deepspeed(src, tmp_path / "ck", progress=False)
+    assert not (tmp_path / "ck").exists()
