@@ -118,11 +118,13 @@ def test_a_large_box_reaches_the_sink_shard_by_shard(tmp_path, monkeypatch, layo
 def test_a_slot_left_partly_unwritten_is_never_committed(tmp_path, layout) -> None:
     """An importer that declares a slot and writes only part of it (a source file it skipped)
     fails at commit, naming the atom and the count: zeros are never committed as values."""
-    with pytest.raises(ucp.MismatchError, match=r"'frozen.w' slot 'fp32' was written for 8 of"):
-        with AtomWriter(tmp_path / "ck", layout=layout) as w:
-            w.atom("ok", (4, 4))
-            w.write("ok", "fp32", ((0, 4), (0, 4)), np.ones((4, 4), np.float32))
-            w.atom("frozen.w", (4, 4))
-            w.write("frozen.w", "fp32", ((0, 2), (0, 4)), np.ones((2, 4), np.float32))
-            w.commit(step=1, source={"framework": "test"})
+    with (
+        pytest.raises(ucp.MismatchError, match=r"'frozen.w' slot 'fp32' was written for 8 of"),
+        AtomWriter(tmp_path / "ck", layout=layout) as w,
+    ):
+        w.atom("ok", (4, 4))
+        w.write("ok", "fp32", ((0, 4), (0, 4)), np.ones((4, 4), np.float32))
+        w.atom("frozen.w", (4, 4))
+        w.write("frozen.w", "fp32", ((0, 2), (0, 4)), np.ones((2, 4), np.float32))
+        w.commit(step=1, source={"framework": "test"})
     assert not (tmp_path / "ck").exists()

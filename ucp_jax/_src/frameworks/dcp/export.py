@@ -50,6 +50,18 @@ def _atom_entries(ck: Checkpoint, model: str, optim: str, optimizer: bool) -> di
     return out
 
 
+def _source_objects(ck: Checkpoint) -> dict[str, Any]:
+    """The non-tensor entries of the DCP checkpoint this one was imported from (``import_dcp``
+    keeps them as JSON: the optimizer's ``param_groups``, ``step``, the user's own), written back
+    so that ``dcp.load`` of the model and optimizer state dicts finds every key it asks for."""
+    src = ck.manifest.source if isinstance(ck.manifest.source, dict) else {}
+    if src.get("framework") != "torch.distributed.checkpoint":
+        return {}
+    objects = (src.get("dcp") or {}).get("objects") or {}
+    return {k: v for k, v in objects.items()
+            if isinstance(k, str) and not (isinstance(v, str) and v.startswith("<not loaded"))}  # fmt: skip
+
+
 def export_dcp(
     src: Any,
     dst: Any,
@@ -75,7 +87,9 @@ def export_dcp(
         progress: show a progress bar (default: when stderr is a terminal).
 
     Returns:
-        ``dst``.
+        ``dst``. A checkpoint imported from DCP gets its non-tensor entries back with
+        ``names="atoms"`` (the optimizer's ``param_groups``, ``step``, the user's own), as
+        ``import_dcp`` kept them (JSON: tuples come back as lists).
 
     Raises:
         DCPExportError: unknown ``names``, or no Llama config for "hf" / "torchtitan".
@@ -85,6 +99,9 @@ def export_dcp(
     ck = Checkpoint(src)
     if names == "atoms":
         entries = _atom_entries(ck, model_prefix, optim_prefix, optimizer)
+        for key, value in _source_objects(ck).items():  # param groups, step, user entries
+            if key not in entries and (optimizer or not key.startswith(optim_prefix)):
+                entries[key] = value
     else:
         cfg = config_from_checkpoint(ck)
         if cfg.n_experts or cfg.qkv_bias:
