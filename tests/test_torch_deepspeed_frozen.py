@@ -56,3 +56,27 @@ def test_zero3_without_a_ranks_model_states_is_refused(ds_ckpts, tmp_path):  # n
     with pytest.raises(ucp.UcpError, match=r"zero_pp_rank_1_mp_rank_00_model_states\.pt: missing"):
         import_deepspeed(src, tmp_path / "ck", progress=False)
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("damage", ["rank-1-optim-gone", "no-latest", "truncated", "empty"])
+def test_a_damaged_zero_folder_is_named_with_what_is_wrong(ds_ckpts, tmp_path, damage):  # noqa: F811
+    src = tmp_path / "src"
+    shutil.copytree(ds_ckpts.zero("z3_fp32_frozen"), src)
+    tag = next(p for p in src.iterdir() if p.is_dir())
+    optim0 = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    if damage == "rank-1-optim-gone":
+        os.remove(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        needle = r"saved 2 data-parallel ranks .* \['zero_pp_rank_1_mp_rank_00_optim_states\.pt'\]"
+    elif damage == "no-latest":
+        os.remove(src / "latest")
+        needle = rf"no 'latest' file naming one: pass tag= \(--tag {tag.name}\)"
+    elif damage == "truncated":
+        data = optim0.read_bytes()
+        optim0.write_bytes(data[: len(data) // 2])
+        needle = r"optim_states\.pt: truncated or damaged"
+    else:
+        optim0.write_bytes(b"")
+        needle = r"optim_states\.pt: empty"
+    with pytest.raises(ucp.UcpError, match=needle):
+        import_deepspeed(src, tmp_path / "ck", progress=False)
+    assert not (tmp_path / "ck").exists()

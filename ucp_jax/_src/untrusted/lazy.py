@@ -299,7 +299,12 @@ def load_lazy(path: str | os.PathLike[str]) -> Any:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file")
     if not zipfile.is_zipfile(path):
-        raise UnsafePickleError(f"{path}: not a zip-format torch file (saved by torch < 1.6?)")
+        with open(path, "rb") as f:
+            head = f.read(4)
+        why = ("empty" if not head else "truncated or damaged (it starts as a torch zip file but "
+               "its end is missing)" if head == b"PK\x03\x04"
+               else "not a zip-format torch file (saved by torch < 1.6, or not by torch.save)")  # fmt: skip
+        raise UnsafePickleError(f"{path}: {why}")
     with zipfile.ZipFile(path) as z, open(path, "rb") as raw:
         names = [n for n in z.namelist() if n.endswith("data.pkl")]
         if len(names) != 1:

@@ -101,6 +101,12 @@ def _check_ranks(folder: str, names: list[str], optim: dict[tuple[int, int], str
         hint = ""
         if os.path.isdir(os.path.join(folder, "zero")):
             hint = "; it looks like a ds_to_universal folder: use import_deepspeed_universal"
+        else:
+            tags = [n for n in names if os.path.isdir(os.path.join(folder, n)) and any(
+                _OPTIM_RE.match(f) for f in os.listdir(os.path.join(folder, n)))]  # fmt: skip
+            if tags:
+                hint = (f"; the tag folders {tags[:4]} hold them, and there is no 'latest' file "
+                        f"naming one: pass tag= (--tag {tags[-1]})")  # fmt: skip
         raise DeepSpeedFormatError(
             f"{folder}: no ZeRO optimizer files (*zero_pp_rank_*_mp_rank_*_optim_states.pt) "
             f"found among {names[:8]}{hint}"
@@ -156,6 +162,15 @@ def _scan(folder: str) -> RankFiles:
     base = first.get("base_optimizer_state") or first.get(OSD) or {}
     osd0["param_groups"] = param_groups(base.get("param_groups") if isinstance(base, dict) else [])
     dp = len({d for d, _ in optim})
+    saved = meta.get("dp_world_size")
+    if isinstance(saved, int) and saved > dp:  # the last ranks' files are gone
+        gone = [f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
+                for d in range(dp, saved) for m in mps]  # fmt: skip
+        raise DeepSpeedFormatError(
+            f"{folder}: the job saved {saved} data-parallel ranks (dp_world_size in "
+            f"{os.path.basename(model[min(model)])}) but only {dp} have optimizer files: "
+            f"{gone[:3]}{'...' if len(gone) > 3 else ''} are missing"
+        )
     experts = expert_groups(folder, names, meta, first, dp, stage, len(mps))
     return RankFiles(folder, None, stage, tp, pp, dp, meta, osd0, optim, model, experts)
 
