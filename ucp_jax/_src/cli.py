@@ -127,6 +127,9 @@ def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
         yield box
 
 
+_FLOATS = "as float32, bfloat16 or float16 (fp32, bf16, fp16; default: as stored)"
+
+
 def _add_torch_commands(sub: Any) -> None:
     """`ucp convert deepspeed|safetensors|hf|dcp|megatron|torchtitan|orbax|maxtext SRC DST`;
     `ucp export deepspeed-universal|hf|megatron|torchtitan|dcp|maxtext|orbax SRC DST`."""
@@ -145,19 +148,11 @@ def _add_torch_commands(sub: Any) -> None:
     p.add_argument(
         "--preset", default=None, help="map names/layouts onto a model (e.g. llama-demo)"
     )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="store weights as float32, bfloat16, float16 or float64 (fp32, bf16, fp16; default: as stored)",
-    )
+    p.add_argument("--dtype", default=None, help=f"store weights {_FLOATS} (or float64)")
     p = kinds.add_parser(
         "hf", help="a Hugging Face Llama/Mistral/Qwen2/Mixtral folder (config.json)"
     )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="store weights as float32, bfloat16 or float16 (fp32, bf16, fp16; default: as stored)",
-    )
+    p.add_argument("--dtype", default=None, help=f"store weights {_FLOATS}")
     p = kinds.add_parser("dcp", help="a torch.distributed.checkpoint folder (e.g. FSDP2)")
     p.add_argument("--model-prefix", default="model.", help="prefix stripped from model entries")
     p = kinds.add_parser(
@@ -198,11 +193,7 @@ def _add_torch_commands(sub: Any) -> None:
                    help="ep_size of the MoE job that loads it (default: the source run's, else 1)")  # fmt: skip
     p = ekinds.add_parser("hf", help="a Hugging Face model folder (from_pretrained loads it)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per shard (default 5GB)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="write weights as float32, bfloat16 or float16 (fp32, bf16, fp16; default: as stored)",
-    )
+    p.add_argument("--dtype", default=None, help=f"write weights {_FLOATS}")
     p = ekinds.add_parser(
         "megatron", help="a Megatron-Core torch_dist folder (any TP/PP/EP loads it)"
     )
