@@ -94,3 +94,41 @@ def test_a_lost_nodes_extra_is_rebuilt_by_its_scheme(name):
                                                   "n": lost}  # fmt: skip
     # two lost nodes of a group of three: replica and xor give up (None), never a wrong extra
     assert scheme.rebuild_extra(layout, 0, {2: kept[2]}, {2: own[2]}) is None
+
+
+def test_a_rollback_makes_the_new_trajectory_the_newest(tmp_path, caplog):
+    """Train to step 10 with snapshots, roll back to step 5 (a loss spike) and train 6..8 again on
+    other data: the newest snapshot is step 8 of the new trajectory, in memory and on disk (the
+    abandoned steps 9 and 10 go, with a warning); a restarted manager restores it."""
+    import logging
+
+    mesh = mesh_of((8,))
+    mgr = _mgr(tmp_path, persist_every=2, keep=2)
+    states = {}
+    try:
+        state = place({"w": jnp.zeros(64)}, mesh)
+        for step in range(1, 11):
+            state = place({"w": state["w"] + 1.0}, mesh)
+            states[step] = np.asarray(state["w"])
+            mgr.snapshot(step, state)
+        mgr.wait()
+        state = place({"w": jnp.asarray(states[5])}, mesh)
+        with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+            for step in (6, 7, 8):
+                state = place({"w": state["w"] + 100.0}, mesh)
+                assert mgr.snapshot(step, state)
+            mgr.wait()
+        assert "rolled back" in caplog.text and "[9, 10]" in caplog.text
+        assert mgr.latest_step() == 8
+        mgr.close()
+        again = _mgr(tmp_path, persist_every=2, keep=2)
+        got, _ = again.restore(targets({"w": state["w"]}, mesh))
+        assert again.restored.step == 8
+        np.testing.assert_array_equal(got["w"], np.asarray(state["w"]))  # 305, not 10
+        disk = [ucp.open(p).step for p in ucp.list_checkpoints(tmp_path / "persist")]
+        assert disk == [2, 4, 6, 8]
+        on_disk, _ = ucp.restore(tmp_path / "persist" / "step_8", {"w": np.zeros(64, np.float32)})
+        np.testing.assert_array_equal(on_disk["w"], np.asarray(state["w"]))
+        again.free(all_nodes=True)
+    finally:
+        mgr.free(all_nodes=True)

@@ -117,6 +117,18 @@ def test_a_full_tmpfs_is_a_clear_error_and_leaves_nothing(tmp_path):
     assert r["free_after"] >= r["total"] - (1 << 20), r  # the pages it got were given back
 
 
+def test_a_tmpfs_too_small_for_the_commit_leaves_no_torn_snapshot(tmp_path):
+    """Room for a snapshot's data but not its commit (or not even the data): each snapshot fails
+    with ENOSPC saying so, and nothing torn stays to take the room; once the tmpfs grows, the
+    same manager snapshots again."""
+    r = _in_tmpfs(tmp_path, "tight")
+    for err, files in zip(r["errors"], r["files"]):
+        assert err is not None and err[1] == errno.ENOSPC, r
+        assert "no room" in err[0] and "keep=K needs room for K + 1" in err[0], err
+        assert not any(f.endswith("data.bin") or "COMMIT" in f for f in files), files
+    assert r["latest"] == 3
+
+
 def _mapped(addr: int) -> bool:
     with open("/proc/self/maps") as f:
         for line in f:

@@ -5,7 +5,10 @@ mount goes away with the namespace) and writes what it saw to REPORT_JSON:
 
 * huge: a huge=advise tmpfs; snapshots an 8-device train state there and restores it in a
   second manager; reports the pages' mapping sizes;
-* full: a 12 MiB tmpfs and a 16 MiB snapshot; reports the error and what is left in the tmpfs.
+* full: a 12 MiB tmpfs and a 16 MiB snapshot; reports the error and what is left in the tmpfs;
+* tight: a 0.5 MiB state in a tmpfs with room for its data but hardly more (the commit's small
+  files may not fit); reports each snapshot's error and files, then grows the tmpfs and snapshots
+  again.
 """
 
 from __future__ import annotations
@@ -102,6 +105,34 @@ def full(point: str) -> dict:
     return out
 
 
+def tight(point: str) -> dict:
+    mount(point, "size=516k")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("a",))
+    rng = np.random.default_rng(0)
+    params = {"w": jax.device_put(rng.standard_normal(1 << 16, np.float32),
+                                  NamedSharding(mesh, P("a"))),
+              "b": jax.device_put(rng.standard_normal(1 << 16, np.float32),
+                                  NamedSharding(mesh, P()))}  # fmt: skip
+    mgr = SnapshotManager(None, shm_dir=point, namespace="tight", redundancy=None)
+    out: dict = {"errors": [], "files": []}
+    for step in (1, 2):
+        try:
+            mgr.snapshot(step, params)
+            mgr.wait()
+            out["errors"].append(None)
+        except RuntimeError as e:
+            out["errors"].append([str(e), getattr(e.__cause__, "errno", None)])
+        out["files"].append(sorted(
+            os.path.relpath(os.path.join(d, f), point) for d, _, fs in os.walk(point) for f in fs
+        ))  # fmt: skip
+    subprocess.run(["mount", "-o", "remount,size=4m", point], check=True)
+    mgr.snapshot(3, params)
+    mgr.wait()
+    out["latest"] = mgr.latest_step()
+    mgr.close()
+    return out
+
+
 def mount(point: str, opts: str) -> None:
     os.makedirs(point, exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", point], check=True)
@@ -109,7 +140,7 @@ def mount(point: str, opts: str) -> None:
 
 def main() -> None:
     mode, point, report = sys.argv[1:4]
-    out = {"huge": huge, "full": full}[mode](point)
+    out = {"huge": huge, "full": full, "tight": tight}[mode](point)
     with open(report, "w") as f:
         json.dump(out, f)
 

@@ -40,7 +40,8 @@ class SnapshotManager:
     the device-side copies (and, for redundancy without data-parallel replicas, the exchange) and
     starts the device-to-host copies; a background thread writes this node's share into
     `<shm_dir>/ucp-<namespace>/<process_index>/step_<n>/` and commits it (COMMIT written last).
-    The newest `keep` committed snapshots are kept; every `persist_every`-th one is also written,
+    The newest `keep` committed snapshots are kept (a snapshot of an earlier step than the newest,
+    after a rollback, removes those newer ones); every `persist_every`-th one is also written,
     in the background, as a universal checkpoint `directory_for_persist/step_<n>` from the host
     copy. `restore()` takes the newest step complete (or decodable) on every node, onto any mesh,
     else the newest persisted checkpoint. A manager left open when the script ends is closed
@@ -353,6 +354,13 @@ class SnapshotManager:
                                                               self._extra_seq)  # fmt: skip
             with self._lock:
                 entry = writer.commit()
+                abandoned = sorted({e.step for e in self.store.drop_newer(entry, self._pinned)})
+            if abandoned:  # a rollback: the newest snapshot is this one, on every node
+                log.warning("ucp.memory: step %d snapshotted after steps %s: the run rolled "
+                            "back; those snapshots (and their persisted copies) are removed",
+                            step, abandoned)  # fmt: skip
+                if self.directory is not None and self.node == 0:
+                    persist.remove_steps(self.directory, abandoned)
         finally:
             with self._lock:
                 self._pinned.discard(writer.path)

@@ -65,3 +65,15 @@ def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int) -> None:
         job.loc.url,
         time.perf_counter() - t0,
     )
+
+
+def remove_steps(directory: Any, steps: list[int]) -> None:
+    """Delete the persisted checkpoints of `steps` (those a rollback left), where there are any."""
+    from ..errors import NotACheckpointError
+    from ..format.removal import delete_checkpoint
+
+    for step in steps:
+        try:
+            delete_checkpoint(step_path(directory, step))
+        except NotACheckpointError:
+            continue

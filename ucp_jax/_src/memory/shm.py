@@ -214,7 +214,7 @@ def _no_room(fd: int, path: Path, nbytes: int) -> OSError:
         errno.ENOSPC,
         f"ucp.memory: no room for a {nbytes / 2**20:.1f} MiB snapshot in {path.parent.parent} "
         f"({free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB); keep fewer snapshots "
-        "(keep=), free old namespaces (SnapshotManager.free), or give the tmpfs more room "
+        "(keep=; keep=K needs room for K + 1), free old namespaces (SnapshotManager.free), or give the tmpfs more room "
         "(mount -o remount,size=...)",
     )
 
@@ -275,8 +275,23 @@ class Writer:
     def commit(self) -> Entry:
         """Write index.json, then COMMIT (its crc32): from here on the snapshot counts."""
         raw = json.dumps(self.index, sort_keys=True).encode()
-        _atomic_write(self.path / INDEX, raw)
-        _atomic_write(self.path / COMMIT, f"{FORMAT} {zlib.crc32(raw):08x}\n".encode())
+        try:
+            _atomic_write(self.path / INDEX, raw)
+            _atomic_write(self.path / COMMIT, f"{FORMAT} {zlib.crc32(raw):08x}\n".encode())
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.blob.close()  # the torn snapshot gives its room back now (no spare kept)
+            shutil.rmtree(self.path, ignore_errors=True)
+            st = os.statvfs(self.path.parent)
+            raise OSError(
+                e.errno,
+                f"ucp.memory: no room to commit the snapshot {self.path} (its index: "
+                f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of "
+                f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB once it was removed); keep fewer "
+                "snapshots (keep=; keep=K needs room for K + 1), free old namespaces "
+                "(SnapshotManager.free), or give the tmpfs more room (mount -o remount,size=...)",
+            ) from e
         self.store.live[self.path] = self.blob
         entry = read_entry(self.path)
         assert entry is not None, self.path
@@ -354,6 +369,15 @@ class NodeStore:
                 gone.append(p)
         for p in gone:
             self._drop(p)
+        return gone
+
+    def drop_newer(self, entry: Entry, pinned: set[Path] = frozenset()) -> list[Entry]:  # type: ignore[assignment]
+        """Free the committed snapshots newer than `entry` (a later step of its run): a snapshot
+        of an earlier step than the newest means the run rolled back, and those belong to the
+        trajectory it left. Returns them."""
+        gone = [e for e in committed(self.dir) if e.key > entry.key and e.path not in pinned]
+        for e in gone:
+            self._drop(e.path)
         return gone
 
     def _drop(self, path: Path) -> None:
