@@ -126,3 +126,11 @@ def test_an_export_onto_its_own_source_is_refused(saved, tmp_path):
         with pytest.raises(ucp.UcpError, match="would replace the checkpoint it reads"):
             export_orbax(path, dst, overwrite=True)
     assert ucp.open(path).step == 2
+
+
+def test_a_step_without_a_manager_is_refused(saved, tmp_path, capsys):
+    path, _, _ = saved
+    with pytest.raises(ucp.UcpError, match="pass manager=True"):
+        export_orbax(path, tmp_path / "out", step=3)
+    assert cli(["export", "orbax", str(path), str(tmp_path / "out"), "--step", "3"]) == 1
+    assert "--manager" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -121,6 +121,11 @@ def export_orbax(
         MismatchError: the atoms' names do not make a tree (then pass targets).
         FileExistsError: `dst` (or the step folder) exists and `overwrite` is not set.
     """
+    if step is not None and not manager:
+        raise ArgumentError(
+            f"export_orbax: step={step} names a CheckpointManager step folder; pass manager=True "
+            "(--manager) with it, or leave it out (an item folder has no step folder)"
+        )
     ck = src if isinstance(src, Checkpoint) else Checkpoint(src)
     here = ck.loc.local_path
     if here is not None and not isinstance(dst, dict) and "://" not in str(dst):
