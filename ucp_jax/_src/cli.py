@@ -108,14 +108,14 @@ def list_command(path: str, *, build: bool = False, out: Any = None) -> int:
     """`ucp ls`: print the committed checkpoints under `path`, one a line; `ucp index` first
     indexes an object-store folder from a listing of every key (once; see format/index.py)."""
     out = out or sys.stdout
-    if build:
-        names = index.build(store.Location.parse(path))
-        print(f"indexed {len(names)} checkpoint(s) in {path}", file=out)
     loc = store.Location.parse(path)
     if loc.local_path is not None and not os.path.isdir(loc.local_path):
         what = "a file, not a folder" if os.path.exists(loc.local_path) else "no such folder"
-        print(f"ucp ls: {loc.local_path}: {what}", file=sys.stderr)
+        print(f"ucp {'index' if build else 'ls'}: {loc.local_path}: {what}", file=sys.stderr)
         return 1
+    if build:
+        names = index.build(loc)
+        print(f"indexed {len(names)} checkpoint(s) in {path}", file=out)
     for p in index.list_checkpoints(path):
         print(p, file=out)
     return 0

@@ -204,11 +204,13 @@ def _llama3(inv: np.ndarray, s: Mapping[str, Any]) -> np.ndarray:
     return np.where(medium, smoothed, inv_l).astype(np.float32)
 
 
-def read_config_json(path: str) -> dict[str, Any]:
-    """The object in a ``config.json`` file (size- and syntax-checked).
+def read_config_json(path: str, what: str = "model config") -> dict[str, Any]:
+    """The object in a ``config.json`` (or another of the folder's JSON files, ``what``), size-
+    and syntax-checked.
 
     Args:
         path: the file.
+        what: what the file is, for messages.
 
     Returns:
         The parsed JSON object.
@@ -221,11 +223,11 @@ def read_config_json(path: str) -> dict[str, Any]:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise HFConfigError(
-            f"{path}: cannot read the model config ({e.strerror or e}); a Hugging Face model "
+            f"{path}: cannot read the {what} ({e.strerror or e}); a Hugging Face model "
             "folder needs a config.json"
         ) from e
     cfg: dict[str, Any] = read_json(
-        raw, f"{path} (model config)", max_bytes=MAX_CONFIG_BYTES, expect=dict, error=HFConfigError
+        raw, f"{path} ({what})", max_bytes=MAX_CONFIG_BYTES, expect=dict, error=HFConfigError
     )
     return cfg
 

@@ -16,7 +16,7 @@ from .errors import ChecksumError, HostMemoryError, NotACheckpointError
 from .format import direct, read_batches
 from .format.manifest import COMMIT, STEP_SLOT
 from .format.store import Location, wrap_io_error
-from .mapping.binding import LeafBinding, ReadGroup, bind_state, unbind_state
+from .mapping.binding import PYTHON_NUMBERS, LeafBinding, ReadGroup, bind_state, unbind_state
 from .mapping.boxes import box_shape, box_size, index_to_box, relative_slices, to_slices
 from .mapping.keys import rewrap
 from .mapping.rules import CompiledRules, Rule
@@ -436,7 +436,7 @@ def _complete(
             else:
                 out[rel] = p.atom_to_leaf(_result(ckpt, b, p.atom, fut))
         if b.sharding is None:
-            if isinstance(b.value, bool | int | float | complex):  # a Python number: its type
+            if isinstance(b.value, PYTHON_NUMBERS):  # a Python number: its type
                 return type(b.value)(out[()].item())
             return out if isinstance(b.value, np.ndarray) or b.shape else out[()]
         out.flags.writeable = False  # it may now back device buffers (CPU places it in place)

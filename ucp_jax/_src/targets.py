@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .errors import check_device_count
+from .mapping.binding import PYTHON_NUMBERS
 from .mapping.names import named_leaves
 from .mapping.slots import classify_opt_state
 
@@ -121,7 +122,7 @@ def targets(
     by_name: dict[str, Any] = {}
     out: list[Any] = []
     for name, (_, _, x), spec in zip(names, leaves, _spec_for(specs, names, params)):
-        if isinstance(x, bool | int | float | complex):  # a Python number (a Linen step=0)
+        if isinstance(x, PYTHON_NUMBERS):  # a Python number (a Linen step=0)
             by_name[name] = x  # restored as a number of its type, not onto devices
             out.append(x)
             continue
@@ -143,7 +144,7 @@ def targets(
     shapes = [np.shape(x) for _, _, x in leaves]
     opt: list[Any] = []
     for o in classify_opt_state(opt_state, jax.tree_util.tree_structure(params), names, shapes):
-        if isinstance(o.leaf, bool | int | float | complex):
+        if isinstance(o.leaf, PYTHON_NUMBERS):
             opt.append(o.leaf)
             continue
         mirrored = getattr(by_name.get(o.param), "sharding", None) if o.param is not None else None

@@ -17,9 +17,9 @@ from typing import Any
 
 import tensorstore as ts
 
+from .folders import PROCESS_PREFIX
 from .store import CONTEXT, DEFERRED_SYNC_CONTEXT, Location
 
-PROCESS_PREFIX = "ocdbt.p"
 AGGREGATED_VERSION = 3  # the first format version with this layout
 
 

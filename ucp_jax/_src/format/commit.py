@@ -20,6 +20,7 @@ import tensorstore as ts
 
 from ..util.libc import exchange
 from . import aggregate, index, integrity, space, writers
+from .folders import checkpoint_entry
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, commit_marker
 from .store import Location, fsync_dir, listdir
 
@@ -216,15 +217,10 @@ class Staging:
         fsync_dir(os.path.dirname(final))
 
 
-# what a checkpoint folder holds at its top (format versions 2 and 3): a folder with other
-# names is someone's data, never replaced, even with overwrite=True
-_OWN_NAMES = (MANIFEST, COMMIT, "manifest.ocdbt", "d", integrity.DIGEST_DIR)
-
-
 def _check_local_folder(final: str, overwrite: bool) -> None:
     """Refuse a save onto a file, or onto a folder of files no save wrote (before any write).
 
-    An empty folder is taken (made for the checkpoint); a folder of a checkpoint's own files
+    An empty folder is taken (made for the checkpoint); a folder of a checkpoint's own entries
     without COMMIT (a save that did not finish) is replaced with ``overwrite``.
     """
     if not os.path.lexists(final):
@@ -237,9 +233,8 @@ def _check_local_folder(final: str, overwrite: bool) -> None:
     names = listdir(final)
     if not names or COMMIT in names:
         return  # empty, or a checkpoint: the COMMIT check decides
-    foreign = sorted(n for n in names if n not in _OWN_NAMES and
-                     not n.startswith(aggregate.PROCESS_PREFIX))  # fmt: skip
-    if foreign and not _per_array_checkpoint(final, names):
+    foreign = sorted(n for n in names if not checkpoint_entry(n))
+    if foreign:
         raise FileExistsError(
             f"{final} holds files that are not a checkpoint ({foreign[:3]}"
             f"{', ...' if len(foreign) > 3 else ''}); a save replaces the whole folder, so "
@@ -250,13 +245,6 @@ def _check_local_folder(final: str, overwrite: bool) -> None:
             f"{final} holds an unfinished checkpoint (no COMMIT: a save that was stopped); pass "
             "overwrite=True to replace it, or save to a new path"
         )
-
-
-def _per_array_checkpoint(final: str, names: list[str]) -> bool:
-    """Whether a folder without COMMIT is a format-2 checkpoint's: a manifest, arrays in folders."""
-    return MANIFEST in names and all(
-        os.path.isdir(os.path.join(final, n)) for n in names if n != MANIFEST
-    )
 
 
 @contextlib.contextmanager

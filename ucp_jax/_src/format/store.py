@@ -18,6 +18,7 @@ from ..untrusted.paths import read_together, refuse_symlinks
 from ..util.dtypes import zarr_dtype
 from ..util.libc import libc
 from . import remote
+from .folders import checkpoint_entry, listdir, orbax_mark
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo
 
 # One context for the whole process, so that `memory://` stores are shared between calls.
@@ -372,10 +373,11 @@ def load_manifest(loc: Location) -> Manifest:
     marker, data = read_together(local, (COMMIT, MANIFEST)) if local else (loc.read(COMMIT), None)
     if marker is None:
         hint = "no such checkpoint"
-        if local is not None and _foreign_checkpoint(local):
-            hint = (f"an Orbax checkpoint ({_foreign_checkpoint(local)}), not a universal one; "
-                    "import it with `ucp convert orbax` (ucp.import_orbax)")  # fmt: skip
-        elif local is not None and os.path.isdir(local) and not _own_files(local):
+        names = listdir(local) if local is not None else []
+        if mark := orbax_mark(names):
+            hint = (f"an Orbax checkpoint ({mark}), not a universal one; import it with "
+                    "`ucp convert orbax` (ucp.import_orbax)")  # fmt: skip
+        elif local is not None and os.path.isdir(local) and not any(map(checkpoint_entry, names)):
             hint = "a folder that holds no checkpoint (no manifest.json, no COMMIT)"
         elif loc.has_any():
             hint = "a save to it did not finish (no COMMIT marker); it is not a checkpoint"
@@ -392,28 +394,6 @@ def load_manifest(loc: Location) -> Manifest:
     if data is None:
         raise NotACheckpointError(f"{loc.url}: COMMIT present but manifest.json missing")
     return Manifest.loads(data, loc.url, marker)
-
-
-def _foreign_checkpoint(folder: str) -> str | None:
-    """What marks a local folder as an Orbax checkpoint (item or step folder), if anything."""
-    names = set(listdir(folder))
-    for mark in ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "commit_success.txt"):
-        if mark in names and "manifest.json" not in names:
-            return mark
-    return None
-
-
-def _own_files(folder: str) -> bool:
-    """Whether a local folder holds any file a save writes at a checkpoint's top."""
-    return any(n in (MANIFEST, COMMIT, "manifest.ocdbt", "d", "atoms") or n.startswith("ocdbt.p")
-               for n in listdir(folder))  # fmt: skip
-
-
-def listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 def start_writeback(path: str) -> None:

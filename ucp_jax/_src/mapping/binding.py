@@ -79,6 +79,11 @@ def mesh_axes(sharding: Any) -> dict[str, int]:
     return {str(k): int(v) for k, v in dict(mesh.shape).items()}
 
 
+# the Python numbers a tree may hold as leaves (a Linen `TrainState.step`): targets keep them,
+# restores give them back as numbers of their type
+PYTHON_NUMBERS = (bool, int, float, complex)
+
+
 def _leaf_meta(leaf: Any, where: str) -> tuple[tuple[int, ...], np.dtype, Any]:
     if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
         return tuple(leaf.shape), np_dtype(leaf.dtype), getattr(leaf, "sharding", None)

@@ -20,14 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import MismatchError, NotACheckpointError
-from ...llama_config import (
-    MAX_CONFIG_BYTES,
-    HFConfigError,
-    LlamaConfig,
-    config_from_hf,
-    read_config_json,
-)
-from ...untrusted.json import read_json
+from ...llama_config import LlamaConfig, config_from_hf, read_config_json
 from ...untrusted.limits import ucp_errors
 from ...untrusted.paths import join_inside
 from ...untrusted.safetensors import INDEX, SafetensorsError, SafetensorsFile, open_tensors
@@ -154,16 +147,9 @@ def _weights(src: str) -> dict[str, SafetensorsFile]:
 
 def _generation_config(src: str) -> dict[str, Any] | None:
     """``generation_config.json`` (end tokens, sampling defaults), if the folder has one."""
-    path = os.path.join(src, GENERATION)
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(src, GENERATION)):
         return None
-    with open(join_inside(src, GENERATION, "generation config"), "rb") as f:
-        raw = f.read(MAX_CONFIG_BYTES + 1)
-    doc: dict[str, Any] = read_json(
-        raw, f"{path} (generation config)", max_bytes=MAX_CONFIG_BYTES, expect=dict,
-        error=HFConfigError,
-    )  # fmt: skip
-    return doc
+    return read_config_json(join_inside(src, GENERATION, "generation config"), "generation config")
 
 
 @ucp_errors(SafetensorsError, "import_hf")

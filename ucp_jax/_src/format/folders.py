@@ -1,0 +1,45 @@
+"""What a local folder at a checkpoint's path holds: a checkpoint's own entries, or an Orbax one's.
+
+A save refuses a folder with anything else (someone's data); ``load_manifest`` says what a
+folder without ``COMMIT`` is.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .integrity import DIGEST_DIR
+from .manifest import COMMIT, MANIFEST
+
+PROCESS_PREFIX = "ocdbt.p"  # format version 3: each writing process's database, `ocdbt.p<k>/`
+# the entries a save writes at a checkpoint's top: format version 3 (`d/`, `manifest.ocdbt`,
+# `ocdbt.p<k>/`) and version 2 (`atoms/`), with either's digests
+_OWN = frozenset({MANIFEST, COMMIT, "manifest.ocdbt", "d", "atoms", DIGEST_DIR})
+_PROCESS_DB = re.compile(re.escape(PROCESS_PREFIX) + r"\d+")  # not Orbax's `ocdbt.process_0`
+# Orbax's own files (its OCDBT `manifest.ocdbt` and `d/` are a version-3 checkpoint's names too)
+_ORBAX_MARKS = ("_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt")
+
+
+def checkpoint_entry(name: str) -> bool:
+    """Whether a save writes an entry of this name at a checkpoint's top.
+
+    >>> [checkpoint_entry(n) for n in ("ocdbt.p3", "atoms", "notes.txt", "ocdbt.process_0")]
+    [True, True, False, False]
+    """
+    return name in _OWN or _PROCESS_DB.fullmatch(name) is not None
+
+
+def orbax_mark(names: list[str]) -> str | None:
+    """The entry that marks a folder's listing as an Orbax checkpoint (item or step), if any."""
+    if MANIFEST in names:
+        return None
+    return next((m for m in _ORBAX_MARKS if m in names), None)
+
+
+def listdir(path: str) -> list[str]:
+    """The entries of a folder ([] when it cannot be listed)."""
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
