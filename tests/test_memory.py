@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 import uuid
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -446,3 +447,56 @@ def test_a_persist_in_flight_at_exit_is_written(tmp_path):
     assert [os.path.basename(p) for p in ucp.list_checkpoints(tmp_path / "ck")] == ["step_5"]
     ck = ucp.open(tmp_path / "ck" / "step_5")
     np.testing.assert_array_equal(ck.read("w"), np.full((512, 512), 5.0, np.float32))
+
+
+def _damage(data_bin, at=None):
+    """Flip one bit of a committed snapshot's bytes in place (its COMMIT and index stay valid)."""
+    with open(data_bin, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        at = size // 2 if at is None else at
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ 0x10]))
+
+
+@pytest.mark.parametrize("where", ["middle", "first", "last"])
+def test_damaged_snapshot_bytes_are_never_restored(tmp_path, shm_dir, caplog, where):
+    # Shared memory outlives the trainer: a bit flipped in a committed snapshot's data must not
+    # come back as a value. The damaged step is passed over for the older one kept (one node, no
+    # redundancy); with every kept step damaged, the persisted checkpoint is restored.
+    mgr = _mgr(tmp_path, shm_dir, persist_every=2)
+    params, opt_state, hist = _train(mgr, 5)
+    mgr.wait()
+    mgr.close()
+    node = shm_dir / "ucp-t" / "0"
+    size = os.path.getsize(node / "step_5" / shm.DATA)
+    _damage(node / "step_5" / shm.DATA, {"middle": None, "first": 0, "last": size - 1}[where])
+    pt, ot = _targets(params, opt_state, mesh_of((4, 2)))
+    again = _mgr(tmp_path, shm_dir, persist_every=2)
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        p, o = again.restore(pt, ot)
+    assert (again.restored.step, again.restored.source) == (4, "memory")
+    assert "step 5: node(s) [0] fail their CRC-32 check" in caplog.text
+    assert_tree_bitexact(jax.device_get((p, o)), hist[4])
+    again.close()
+    _damage(node / "step_4" / shm.DATA)
+    caplog.clear()
+    third = _mgr(tmp_path, shm_dir, persist_every=2)
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        p, o = third.restore(pt, ot)
+    assert (third.restored.step, third.restored.source) == (4, "persisted")
+    assert "node(s) [0] damaged in shared memory" in third.restored.reason
+    assert_tree_bitexact(jax.device_get((p, o)), hist[4])
+    third.close()
+
+
+def test_the_commit_records_the_crc_of_the_blob(tmp_path, shm_dir):
+    mgr = _mgr(tmp_path, shm_dir)
+    _train(mgr, 2)
+    mgr.wait()
+    for step in (1, 2):
+        entry = shm.read_entry(shm_dir / "ucp-t" / "0" / f"step_{step}")
+        raw = (entry.path / shm.DATA).read_bytes()
+        assert entry.crc32 == zlib.crc32(raw)  # (the blobs are reused: each CRC is its step's)
+    mgr.close()

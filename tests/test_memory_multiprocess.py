@@ -15,8 +15,9 @@ No redundancy: a 2-process job snapshots 3 steps, each node keeping half of ever
 shard; resumes on 2 processes and on 1 map those halves back to back (nothing copied but the few
 small slabs too short to start on a page).
 
-XOR: a 4-process x 2-device job (one parity group of 4) trains 3 steps; one process is killed and
-its shared memory wiped; a 2-process x 4-device job resumes bit-exact from the XOR parity (on
+XOR: a 4-process x 2-device job (one parity group of 4) trains 3 steps; a bit of one node's
+committed snapshot is flipped in shared memory, and a resume rebuilds that node from the parity
+(its blob fails its CRC-32); one process is killed and its shared memory wiped; a 2-process x 4-device job resumes bit-exact from the XOR parity (on
 another mesh); with a second node of the group wiped, 1 process falls back to the persisted
 checkpoint.
 
@@ -264,6 +265,13 @@ def xor(tmp_path_factory):
     with _scenario(tmp_path_factory, "xor") as (root, ns, base):
         out["train"] = _trained(root, "train", 4, 2, 2, steps=3, persist_every=2,
                                 redundancy="xor", device_copies=True, **base)  # fmt: skip
+        data = _shm(ns) / "2" / "step_3" / "data.bin"  # a bit flipped in node 2's memory
+        with open(data, "r+b") as f:
+            f.seek(os.path.getsize(data) // 3)
+            b = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b ^ 1]))
+        _resume(root, out, "damaged", 2, 4, **base)
         shutil.rmtree(_shm(ns) / "2")
         _resume(root, out, "parity", 2, 4, **base)  # 4 nodes -> 2 processes
         shutil.rmtree(_shm(ns) / "1")
@@ -275,6 +283,14 @@ def xor(tmp_path_factory):
 def test_xor_parity_recovers_a_lost_node(xor):
     _check(xor["parity"], xor["train"], 3, "redundancy")
     assert xor["parity"][0]["lost"] == [2]
+
+
+def test_xor_parity_rebuilds_a_node_damaged_in_shared_memory(xor):
+    # node 2's committed blob no longer matches its CRC-32: rebuilt from the parity like a lost
+    # node, never read as it is
+    _check(xor["damaged"], xor["train"], 3, "redundancy")
+    assert xor["damaged"][0]["lost"] == [2]
+    assert "node(s) [2] fail their CRC-32 check" in xor["damaged_log"]
 
 
 def test_xor_two_lost_nodes_fall_back(xor):

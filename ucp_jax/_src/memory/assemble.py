@@ -37,18 +37,20 @@ def read_candidate(
     tag: str,
     root: Path | None = None,
     scratch: list[Path] | None = None,
+    opened: dict[int, Blob] | None = None,
 ) -> tuple[Any, Any, BlobReader]:
     """Build the targets from the candidate's bytes; returns (params, opt, what was read).
 
     A collective (the fetch of bytes other machines hold): every process calls it. With `root`
     (this process's namespace folder), lost nodes that processes of one machine all read are
     rebuilt once, shared (`share`; the files it writes are added to `scratch`, for
-    `share.cleanup` once every process is done with them).
+    `share.cleanup` once every process is done with them). `opened`: node blobs already mapped
+    (`integrity.check`), read from rather than mapped again.
     """
     lay = cand.layout
     pbind, obind = bind_state(params_target, opt_state_target, CompiledRules(()))
     index = {m.name: i for i, m in enumerate(lay.leaves)}
-    blobs = BlobReader(cand)
+    blobs = BlobReader(cand, opened)
     try:
         bound = [(b, _leaf_index(b, lay, index)) for b in pbind + obind]
         regions = [(li, box) for b, li in bound for box in _regions(b, lay.leaves[li])]

@@ -31,8 +31,9 @@ class BlobReader:
     """Node blobs as this process reads them: mapped when it sees them, else bytes fetched from
     the process that does, else (a lost node) rebuilt from its group."""
 
-    def __init__(self, cand: Candidate) -> None:
+    def __init__(self, cand: Candidate, opened: dict[int, Blob] | None = None) -> None:
         self.cand = cand
+        self._mapped = dict(opened or {})  # blobs already mapped (to check them: `integrity`)
         self.fetched: dict[int, exchange.Fetched] = {}
         self._homes: dict[BlobPiece, list[tuple[int, int]]] = {}
         self._open: dict[int, Any] = {}
@@ -49,8 +50,10 @@ class BlobReader:
     def __getitem__(self, node: int) -> Any:
         if node not in self._open:
             if node in self.cand.entries:
-                self.files.append(self.cand.entries[node].path / DATA)
-                self._open[node] = Blob.open(self.cand.entries[node].path / DATA)
+                path = self.cand.entries[node].path / DATA
+                self.files.append(path)
+                mapped = self._mapped.pop(node, None)
+                self._open[node] = mapped if mapped is not None else Blob.open(path)
             elif node in self.fetched:
                 self._open[node] = self.fetched[node]
             elif node in self.cand.lost:  # with every lost member of its group, at once
@@ -107,7 +110,7 @@ class BlobReader:
         return self[node].view(off, p.nbytes)
 
     def close(self) -> None:
-        for b in self._open.values():
+        for b in [*self._open.values(), *self._mapped.values()]:
             if isinstance(b, Blob):
                 b.close()
 

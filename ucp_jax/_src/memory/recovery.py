@@ -5,7 +5,8 @@ that step (same run, same layout) is visible, or its bytes can be rebuilt from i
 (`replica`: the next node keeps a copy; `xor`: every other member is there; `rs2`: at most two
 members of its group are missing). A rebuilt node is checked against the digests its peers kept
 of it (rs2); a mismatch (a stale or damaged parity) moves every process on to the next
-recoverable step, never to wrong values. A restarted job's
+recoverable step, never to wrong values. Before a step is read, every node's blob is checked
+against the CRC-32 it was committed with (`integrity`): a damaged node counts as lost. A restarted job's
 processes agree on the step (a collective); if there is none, they restore the newest persisted
 universal checkpoint instead, and say so in the log.
 
@@ -28,13 +29,13 @@ import jax
 from ..errors import NotACheckpointError
 from ..mapping.rules import Rule
 from ..util.gcpause import gc_paused
-from . import exchange, share
+from . import exchange, integrity, share
 from . import extra as extra_mod
 from .assemble import read_candidate
 from .candidate import Candidate
 from .layout import SnapshotLayout
 from .scheme_base import ParityMismatch
-from .shm import Entry, committed, list_nodes
+from .shm import Blob, Entry, committed, list_nodes
 
 log = logging.getLogger("ucp_jax")
 
@@ -249,11 +250,24 @@ def recover(
     cands, why = agree(root, tag)
     for i, chosen in enumerate(cands):
         sub = tag if i == 0 else f"{tag}/try{i}"
+        opened: dict[int, Blob] = {}  # blobs mapped to check them, read from below
+        damaged = integrity.agree_damaged(chosen, opened, sub)
+        if damaged:
+            chosen = integrity.without(chosen, damaged)
+            log.warning("ucp.memory: step %d: node(s) %s fail their CRC-32 check (%s); counted "
+                        "as lost", chosen.step, sorted(damaged), next(iter(damaged.values())))  # fmt: skip
+            bad = [n for n in chosen.lost if not _decodable(chosen.layout, n, chosen.present)]
+            if bad:
+                for b in opened.values():
+                    b.close()
+                why.append(f"step {chosen.step}: node(s) {sorted(damaged)} damaged in shared "
+                           f"memory; {_undecodable(chosen.layout, bad, chosen.lost)}")  # fmt: skip
+                continue
         scratch: list[Path] = []  # a rebuild shared with the processes of this machine (`share`)
         try:
             try:
                 params, opt, blobs = read_candidate(chosen, params_target, opt_state_target, sub,
-                                                    root, scratch)  # fmt: skip
+                                                    root, scratch, opened)  # fmt: skip
                 failed = None
             except ParityMismatch as e:  # a stale or damaged parity: never restore wrong values
                 failed = str(e)
