@@ -500,3 +500,25 @@ def test_the_commit_records_the_crc_of_the_blob(tmp_path, shm_dir):
         raw = (entry.path / shm.DATA).read_bytes()
         assert entry.crc32 == zlib.crc32(raw)  # (the blobs are reused: each CRC is its step's)
     mgr.close()
+
+
+def test_a_snapshot_damaged_before_its_persist_is_not_persisted(tmp_path, shm_dir, monkeypatch):
+    # A persisted checkpoint seals what it writes with fresh crc32c: damaged snapshot bytes
+    # written there would pass every later check. The persist checks the commit's CRC-32 first.
+    commit = shm.Writer.commit
+
+    def commit_then_damage(self):
+        entry = commit(self)
+        if entry.step == 2:
+            self.blob.array[self.blob.nbytes // 2] ^= 0x40  # after the commit: a stray write
+        return entry
+
+    monkeypatch.setattr(shm.Writer, "commit", commit_then_damage)
+    mgr = _mgr(tmp_path, shm_dir, persist_every=1)
+    params, opt_state, _ = _train(mgr, 1)
+    mgr.wait()
+    with pytest.raises(ucp.ChecksumError, match=r"not persisting step 2: .* has CRC-32"):
+        _train(mgr, 1, start=(params, opt_state, 2))
+        mgr.wait()
+    assert [os.path.basename(c) for c in ucp.list_checkpoints(tmp_path / "ckpt")] == ["step_1"]
+    mgr.close()

@@ -378,7 +378,7 @@ class SnapshotManager:
 
     def _persist(self, job: Any, entry: Any, layout: SnapshotLayout) -> None:
         try:
-            persist.write(job, self.store.live[entry.path], layout, self.node)
+            persist.write(job, self.store.live[entry.path], layout, self.node, entry.crc32)
         finally:
             with self._lock:
                 self._pinned.discard(entry.path)

@@ -12,11 +12,12 @@ import os
 import time
 from typing import Any
 
+from ..errors import ChecksumError
 from ..mapping.boxes import box_shape
 from ..mapping.rules import Rule
 from ..save import SaveJob
 from .layout import SnapshotLayout
-from .shm import Blob
+from .shm import Blob, blob_crc
 
 log = logging.getLogger("ucp_jax")
 
@@ -44,9 +45,21 @@ def make_job(directory: Any, step: int, params: Any, opt_state: Any, rules: tupl
                    extra=manifest_extra(extras), overwrite=True)  # fmt: skip
 
 
-def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int) -> None:
-    """Write this process's share of the checkpoint from the snapshot's bytes, then commit."""
+def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int, crc32: int | None = None
+          ) -> None:  # fmt: skip
+    """Write this process's share of the checkpoint from the snapshot's bytes, then commit.
+
+    Raises:
+        ChecksumError: the snapshot's bytes no longer match `crc32`, the CRC-32 of its commit
+            (damaged in shared memory since): nothing is written.
+    """
     t0 = time.perf_counter()
+    if crc32 is not None and (got := blob_crc(blob.array)) != crc32:
+        raise ChecksumError(
+            f"ucp.memory: not persisting step {job.manifest.step}: {blob.path} has CRC-32 "
+            f"{got:#010x}, not the {crc32:#010x} it was committed with (damaged in shared "
+            "memory since); the next persisted snapshot is written from fresh bytes"
+        )
     by_key = {(layout.leaves[p.leaf].name, p.box): p for p in layout.by_node[node]}
     host = []
     for t in job.tasks:
