@@ -10,6 +10,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import ocdbt_values, save_layout
 
 import ucp_jax as ucp
@@ -37,6 +38,21 @@ def test_inspect_table(tmp_path, capsys):
     assert "layer.kernel" in out and "(8, 6)" in out
     assert "fp32:float32,exp_avg:float32,exp_avg_sq:float32" in out
     assert "fp32:bfloat16" in out
+
+
+def test_inspect_of_an_import_names_its_source_without_question_marks(tmp_path, capsys):
+    # an importer records no process or device count: nothing is printed for them
+    st = pytest.importorskip("safetensors.numpy")
+    st.save_file({"w": np.ones((2, 3), np.float32)}, str(tmp_path / "m.safetensors"))
+    ucp.torch.import_safetensors(tmp_path / "m.safetensors", tmp_path / "ck")
+    assert main(["inspect", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("source"))
+    assert "?" not in line and "imported from safetensors" in line, line
+    path = _ckpt(tmp_path / "own")
+    assert main(["inspect", str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("source"))
+    assert line.endswith("1 process(es), 8 device(s)"), line
 
 
 def test_inspect_json(tmp_path, capsys):

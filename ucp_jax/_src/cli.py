@@ -43,11 +43,13 @@ def inspect_checkpoint(path: str, as_json: bool = False, out: Any = None) -> int
     print(f"checkpoint  {ck.path}", file=out)
     print(f"format      {m.format}   step {m.step}", file=out)
     src = m.source
-    print(
-        f"source      {src.get('library', '?')} {src.get('version', '')}  "
-        f"{src.get('process_count', '?')} process(es), {src.get('device_count', '?')} device(s)",
-        file=out,
-    )
+    shape = ", ".join(
+        f"{src[k]} {what}" for k, what in (("process_count", "process(es)"),
+                                           ("device_count", "device(s)")) if k in src
+    )  # fmt: skip
+    fw = f"  imported from {src['framework']}" if "framework" in src else ""
+    print(f"source      {src.get('library', '?')} {src.get('version', '')}{fw}  {shape}".rstrip(),
+          file=out)  # fmt: skip
     print(f"atoms       {len(m.atoms)}   {_mib(total)} MiB", file=out)
     if m.extra is not None:
         print(f"extra       {json.dumps(m.extra)[:200]}", file=out)
