@@ -317,3 +317,85 @@ def test_refuses_what_the_model_does_not_compute(mcore_gpt_ckpts, tmp_path):  # 
     with pytest.raises(MegatronFormatError, match=r"top_k=9 is not in 1\.\.4"):
         import_megatron(mcore_gpt_ckpts.path("m_ep2"), tmp_path / "h", heads=HEADS, top_k=9)
     assert not os.path.exists(tmp_path / "h")
+
+
+def _with_megatron_lm_args(mcore_gpt_ckpts, dst, *flags: str) -> str:  # noqa: F811
+    """g_tp2's tensors with the `args` Megatron-LM's own parse_args gives (tests/mcore/real_args.py)."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "mcore", "real_args.py")
+    subprocess.run([sys.executable, script, mcore_gpt_ckpts.torch_save("g_tp2"), str(dst), *flags],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    return str(dst)
+
+
+def test_args_of_megatron_lm_itself(mcore_gpt_ckpts, tmp_path):  # noqa: F811
+    """The `args` that Megatron-LM's pretrain_gpt.py saves (its parse_args: an argparse.Namespace
+    holding enums, AttnBackend and signal.Signals) are read, and give the config the test's own
+    args give; args that change the model the JAX model does not compute are refused by name."""
+    gpt = ["--add-qkv-bias"]  # the tied GPT of g_tp2: LayerNorm, GELU, biases, learned positions
+    src = _with_megatron_lm_args(mcore_gpt_ckpts, tmp_path / "real", *gpt)
+    got = ucp.Checkpoint(import_megatron(src, tmp_path / "u_real"))
+    want = ucp.Checkpoint(import_megatron(mcore_gpt_ckpts.path("g_tp2"), tmp_path / "u_ref"))
+    assert L.config_from_checkpoint(got.path) == L.config_from_checkpoint(want.path)
+    assert sorted(got.atoms) == sorted(want.atoms)
+    for atom in want.atoms:
+        np.testing.assert_array_equal(got.read(atom, "fp32"), want.read(atom, "fp32"))
+    for flags, match in ((["--window-size", "4,0"], r"window_size=\(4, 0\)"),
+                         (["--quick-geglu"], "quick_geglu=True"),
+                         (["--softmax-type", "off-by-one"], "softmax_type='off-by-one'")):  # fmt: skip
+        src = _with_megatron_lm_args(mcore_gpt_ckpts, tmp_path / flags[0][2:], *gpt, *flags)
+        with pytest.raises(MegatronFormatError, match=match):
+            import_megatron(src, tmp_path / "u_bad")
+        assert not os.path.exists(tmp_path / "u_bad")
+
+
+def test_a_master_that_is_not_its_weight_is_refused(mcore_gpt_ckpts, tmp_path):  # noqa: F811
+    """Megatron keeps the fp32 master equal to the weight (bf16: its cast), and every real
+    checkpoint above passes that check; a master that is another window of the flat buffer (as
+    megatron-core saves with several gradient buckets) is refused by name, not imported."""
+    key = L_ + "mlp.linear_fc2.weight"
+
+    def shifted(sd: dict) -> None:
+        m = sd["optimizer.state.param." + key]
+        sd["optimizer.state.param." + key] = m.reshape(-1).roll(7).reshape(m.shape)
+
+    src = _resave(mcore_gpt_ckpts, "g_tp2pp2", tmp_path / "shifted", shifted)
+    with pytest.raises(MegatronFormatError, match=r"fp32 master of 'decoder\.layers\.mlp\."
+                       r"linear_fc2\.weight' does not match the model weight"):  # fmt: skip
+        import_megatron(src, tmp_path / "u")
+    assert not os.path.exists(tmp_path / "u")
+
+
+def test_megatron_lm_finds_the_export_and_the_import_takes_its_save_folder(
+    mcore_gpt_ckpts, imported, tmp_path  # noqa: F811
+):
+    """An export into <save>/iter_XXXXXXX points <save>'s latest_checkpointed_iteration.txt at it:
+    Megatron-LM's own lookup (`--load <save>`) finds and loads it (without the tracker it would
+    start from random weights); the importer takes <save> too, reading the iteration it names."""
+    import json
+    import subprocess
+    import sys
+
+    save = tmp_path / "save"
+    out = export_megatron(imported["g_tp2"], save / "iter_0000002")
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    script = os.path.join(os.path.dirname(__file__), "mcore", "mlm_lookup.py")
+    run = subprocess.run([sys.executable, script, str(save)], capture_output=True, text=True,
+                         timeout=300, check=True)  # fmt: skip
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"found": out, "loaded": True}
+    back = ucp.Checkpoint(import_megatron(save, tmp_path / "u", heads=HEADS, vocab_size=VOCAB))
+    ref = ucp.Checkpoint(imported["g_tp2"])
+    for atom in ref.atoms:
+        np.testing.assert_array_equal(back.read(atom, "fp32"), ref.read(atom, "fp32"))
+    (save / "latest_checkpointed_iteration.txt").write_text("7")
+    with pytest.raises(MegatronFormatError, match=r"names iteration 7, but .*iter_0000007 is "
+                       r"missing \(iteration folders there: \['iter_0000002'\]\)"):  # fmt: skip
+        import_megatron(save, tmp_path / "u7", heads=HEADS)
+    with pytest.raises(ucp.NotACheckpointError, match="does not exist"):
+        import_megatron(tmp_path / "nowhere", tmp_path / "u8", heads=HEADS)
+    for bad in (0, 32, -5):  # below the vocabulary (60)
+        with pytest.raises(MegatronExportError, match=rf"padded_vocab={bad} \(--padded-vocab\)"):
+            export_megatron(imported["g_tp2"], tmp_path / f"v{bad}", padded_vocab=bad)
+        assert not os.path.exists(tmp_path / f"v{bad}")

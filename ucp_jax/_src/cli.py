@@ -306,7 +306,12 @@ def _run_torch_command(args: Any) -> int:
             optimizer=args.optimizer, expert_parallel=args.expert_parallel,
             overwrite=args.overwrite,
         )  # fmt: skip
-        print(f"wrote {out} in {time.perf_counter() - t0:.2f} s (dist_checkpointing.load loads it)")
+        from .frameworks.megatron.tracker import ITER_RE
+
+        how = ("Megatron-LM's --load of its parent folder loads it" if ITER_RE.fullmatch(
+            os.path.basename(os.path.normpath(out))) else "dist_checkpointing.load loads it; "
+            "Megatron-LM's --load wants <save>/iter_XXXXXXX")  # fmt: skip
+        print(f"wrote {out} in {time.perf_counter() - t0:.2f} s ({how})")
         return 0
     if args.cmd == "export" and args.kind == "torchtitan":
         out = mods[1].export_torchtitan(args.src, args.dst, world_size=args.world_size, lr=args.lr,

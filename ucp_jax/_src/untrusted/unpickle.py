@@ -90,6 +90,32 @@ class ZeroStageEnum(enum.IntEnum):
     max_stage = 3  # alias of weights, as in DeepSpeed
 
 
+class EnumValue(_Record):
+    """Stands in for a member of an enum named in a pickle (a pickled enum member is its class
+    called with its value): holds the value, imports and runs nothing of the enum's module."""
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+
+def _enum_stand_ins(names: list[str]) -> dict[str, Any]:
+    """One `EnumValue` class per enum name (`repr`: `AttnBackend(value=5)`)."""
+    return {n: type(n.rsplit(".", 1)[-1], (EnumValue,), {"_ds_name": n}) for n in names}
+
+
+# Enums found in Megatron-LM's `args` (a Namespace pickled into every checkpoint it saves):
+# `attention_backend` (AttnBackend), `exit_signal` (signal.Signals), and the other enums of
+# megatron-core's enum modules that its options take.
+_ENUMS = [
+    "signal.Signals",
+    *(f"megatron.core.enums.{c}" for c in ("ModelType", "Fp8Recipe", "Fp4Recipe")),
+    *(f"megatron.core.transformer.enums.{c}" for c in (
+        "ModelType", "LayerType", "AttnType", "AttnMaskType", "AttnBackend", "CudaGraphModule",
+        "CudaGraphScope", "InferenceCudaGraphScope")),
+    "megatron.training.checkpointing.CheckpointType",
+]  # fmt: skip
+
+
 def _np_reconstruct(*args: Any) -> Any:
     """numpy's ndarray reconstructor (Megatron rng states); builds an array, runs nothing else."""
     import numpy as np
@@ -105,6 +131,7 @@ STAND_INS: dict[str, Any] = {
     "deepspeed.checkpoint.universal_checkpoint.SubparamShape": SubparamShape,
     "deepspeed.runtime.zero.config.ZeroStageEnum": ZeroStageEnum,
     "argparse.Namespace": __import__("argparse").Namespace,  # Megatron's `args`
+    **_enum_stand_ins(_ENUMS),
 }
 
 
@@ -203,7 +230,8 @@ def check_pickle(data: bytes, where: str) -> None:
             raise UnsafePickleError(
                 f"{where}: refusing to load: the pickle asks for the global {n!r}, which is not on "
                 "ucp_jax's allow-list (tensors, containers, and data stand-ins for DeepSpeed's loss "
-                "scaler, fragment address and ZeRO stage); nothing of the file was run. Only load "
+                "scaler, fragment address and ZeRO stage, and Megatron's enums); nothing of the "
+                "file was run. Only load "
                 "checkpoints you trust with torch.load(weights_only=False) yourself"
             )
 

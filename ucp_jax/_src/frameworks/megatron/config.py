@@ -54,7 +54,14 @@ def _check_args(args: Any, where: str) -> None:
                 "compute; this importer reads GPT models without it"
             )
     checks = {"rotary_percent": 1.0, "moe_router_score_function": "softmax",
-              "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None}  # fmt: skip
+              "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+              # attention and MLP variants of Megatron-LM the JAX model does not compute
+              "window_size": None, "softmax_type": "vanilla", "attention_output_gate": False,
+              "qk_l2_norm": False, "experimental_attention_variant": None,
+              "linear_attention_freq": None, "quick_geglu": False, "glu_linear_offset": 0.0,
+              "activation_func_clamp_value": None, "no_rope_freq": None,
+              "rotary_seq_len_interpolation_factor": None, "moe_shared_expert_gate": False,
+              }  # fmt: skip
     for name, ok in checks.items():
         v = getattr(args, name, ok)
         if v is not None and v != ok and not (name == "moe_router_topk_scaling_factor" and v == 1):

@@ -34,6 +34,7 @@ from ...errors import UcpError
 from ...format import space
 from ...llama_config import LlamaConfig, config_from_checkpoint
 from .common import EXPERTS, LAYERS, TENSORS, atom_of, model_keys
+from .tracker import write_tracker
 
 _LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
             "mlp.linear_fc2")  # fmt: skip
@@ -176,7 +177,9 @@ def export_megatron(
     Args:
         src: the universal checkpoint (with the model config, as import_megatron / import_hf /
             ``ucp.save(extra=llama.ucp_extra(cfg))`` record it).
-        dst: the folder to write (Megatron's ``iter_XXXXXXX``).
+        dst: the folder to write. Named ``<save>/iter_XXXXXXX`` (7 digits), ``<save>``'s
+            ``latest_checkpointed_iteration.txt`` is pointed at it, so Megatron-LM's
+            ``--load <save>`` loads it; ``dist_checkpointing.load`` reads any folder.
         dtype: the model's parameter dtype, ``"fp32"`` or ``"bf16"`` (then with fp32 masters).
         optimizer: the layout of the optimizer state: ``"plain"`` (Megatron's non-distributed
             optimizer) or ``"distributed"`` (``use_distributed_optimizer`` with the
@@ -197,7 +200,8 @@ def export_megatron(
 
     Raises:
         MegatronExportError: a model Megatron's GPTModel does not compute this way (a sliding
-            window, RoPE scaling), or an unknown dtype or optimizer layout.
+            window, RoPE scaling), an unknown dtype or optimizer layout, or a `padded_vocab`
+            below the vocabulary.
         FileExistsError: ``dst`` exists and ``overwrite`` is not set.
 
     >>> ucp.torch.export_megatron("/tmp/ucp/gpt", "ckpt/iter_0000002")  # doctest: +SKIP
@@ -219,6 +223,13 @@ def export_megatron(
             "GPTModel layer specs written here do not compute; export_megatron refuses it"
         )
     meg = ck.manifest.source.get("megatron") or {}
+    if padded_vocab is not None and not (isinstance(padded_vocab, int) and not isinstance(
+            padded_vocab, bool) and padded_vocab >= cfg.vocab_size):  # fmt: skip
+        raise MegatronExportError(
+            f"export_megatron: padded_vocab={padded_vocab!r} (--padded-vocab); expected the "
+            f"rows of Megatron's embedding: at least the vocabulary, {cfg.vocab_size}, and "
+            "divisible by its tensor-parallel size (Megatron pads to a multiple of 128 x TP)"
+        )
     vp = padded_vocab or meg.get("padded_vocab") or -(-cfg.vocab_size // 128) * 128
     dst = os.fspath(dst)
     if os.path.exists(dst) and not overwrite:
@@ -263,6 +274,7 @@ def export_megatron(
         )
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+    write_tracker(dst)
     return dst
 
 

@@ -69,6 +69,7 @@ from .common import (
     param_groups,
 )
 from .config import infer_config, megatron_args
+from .tracker import iteration_folder
 
 _CHAINED_BUCKETS = re.compile(r"^chained_\d+\.optimizer\.distributed\.")
 
@@ -151,6 +152,34 @@ def optimizer_tensors(shapes: dict[str, Any], where: str) -> dict[tuple[str, str
     return out
 
 
+def check_master(
+    master: torch.Tensor, weight: torch.Tensor, key: str, lead: int | None, where: str
+) -> None:
+    """Refuse an optimizer's fp32 master that does not give the model's weight saved beside it.
+
+    Megatron copies the master into the weight after every step (a cast for bf16/fp16), so the two
+    agree in every checkpoint it writes correctly. megatron-core 0.19.2's distributed optimizer
+    with several gradient buckets (`overlap_grad_reduce`) saves each later bucket's window shifted,
+    in its `fully_reshardable` layout too: the masters and moments there are other parameters'.
+    """
+    cast = master.to(weight.dtype)
+    same = (cast == weight) | (cast.isnan() & weight.isnan())
+    if bool(same.all()):
+        return
+    bad = int(same.numel() - int(same.sum()))
+    at = f"{key}[{lead}]" if lead is not None else key
+    raise MegatronFormatError(
+        f"{where}: the optimizer's fp32 master of {at!r} does not match the model weight saved "
+        f"beside it ({bad} of {same.numel()} elements differ, cast to {weight.dtype}); Megatron "
+        "keeps them equal, so this checkpoint's optimizer state is not that of its weights. "
+        "megatron-core's distributed optimizer saves shifted state with several gradient buckets "
+        "(overlap_grad_reduce); weights saved before the parameter all-gather "
+        "(overlap_param_gather without Megatron-LM's force_param_sync) are stale. Resave with "
+        "one bucket per buffer (a bucket_size above the model's size), or import the weights "
+        "alone from a copy without the optimizer state"
+    )
+
+
 def _step_of(common: Any) -> int | None:
     if not isinstance(common, dict):
         return None
@@ -195,7 +224,9 @@ def import_megatron(
     are asked for only where it records nothing.
 
     Args:
-        src: the checkpoint folder (``.metadata``, ``__<rank>_0.distcp``, ``metadata.json``).
+        src: the checkpoint folder (``.metadata``, ``__<rank>_0.distcp``, ``metadata.json``),
+            or Megatron-LM's save folder (the iteration its ``latest_checkpointed_iteration.txt``
+            names is read).
         dst: where to write the universal checkpoint.
         heads: the number of attention heads (default: Megatron-LM's ``args`` in the common state;
             no tensor shape records it).
@@ -223,7 +254,7 @@ def import_megatron(
 
     from .buckets import bucket_tensors
 
-    folder = os.fspath(src)
+    folder = iteration_folder(os.fspath(src))  # Megatron-LM's save folder: its tracker's
     _check_backend(folder)
     md = read_metadata(folder)
     entries = md.state_dict_metadata
@@ -254,9 +285,18 @@ def import_megatron(
 
     def tensor(key: str, slot: str, lead: int | None) -> torch.Tensor | None:
         if (key, slot) in flat:
-            return flat[(key, slot)] if lead is None else flat[(key, slot)][lead]
-        fqn = opt.get((key, slot), key if slot == "fp32" else None)
-        return read_tensor(folder, md, fqn, MegatronFormatError, lead) if fqn else None
+            t = flat[(key, slot)] if lead is None else flat[(key, slot)][lead]
+        else:
+            fqn = opt.get((key, slot), key if slot == "fp32" else None)
+            if fqn is None:
+                return None
+            t = read_tensor(folder, md, fqn, MegatronFormatError, lead)
+            if fqn == key:
+                return t
+        if slot == "fp32" and key in shapes:  # an optimizer's master: the model weight agrees
+            check_master(t, read_tensor(folder, md, key, MegatronFormatError, lead), key, lead,
+                         folder)  # fmt: skip
+        return t
 
     with AtomWriter(dst, overwrite=overwrite) as w:
         for key, (_, how) in TENSORS.items():
