@@ -11,6 +11,7 @@ Every tensor is stored whole (its global shape): ``dcp.load`` reshards it to any
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -37,6 +38,14 @@ class LazyTensor:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+@dataclasses.dataclass(frozen=True)
+class RawBlob:
+    """A non-tensor entry written back as the bytes it was read as (DCP stores such an entry as a
+    `torch.save` blob): its value round-trips exactly, and nothing of it is unpickled here."""
+
+    data: bytes
+
+
 def write_dcp(
     dst: Any,
     entries: Mapping[str, Any],
@@ -45,8 +54,8 @@ def write_dcp(
     progress: bool | None = None,
     what: str = "ucp export dcp",
 ) -> str:
-    """Write ``entries`` (flat name -> :class:`LazyTensor`, tensor, or a picklable object) as a
-    DCP folder ``dst``; returns ``dst``."""
+    """Write ``entries`` (flat name -> :class:`LazyTensor`, tensor, :class:`RawBlob`, or a
+    picklable object) as a DCP folder ``dst``; returns ``dst``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -56,8 +65,12 @@ def write_dcp(
     lazy = {k: v for k, v in entries.items() if isinstance(v, LazyTensor)}
     bar = Progress(progress, sum(v.nbytes for v in lazy.values()), what)
 
+    raw = {k: v for k, v in entries.items() if isinstance(v, RawBlob)}
+
     class _Planner(DefaultSavePlanner):
         def resolve_data(self, write_item: Any) -> Any:
+            if write_item.index.fqn in raw:
+                return io.BytesIO(raw[write_item.index.fqn].data)
             item = lazy.get(write_item.index.fqn)
             if item is None:
                 return super().resolve_data(write_item)

@@ -8,13 +8,18 @@ atom, so no tensor is ever assembled in memory.
 
 Names: model entries (`model.<param>` or `<param>`) become atoms with slot `fp32`; optimizer
 entries `optim.state.<param>.<field>` (torch.distributed.checkpoint.state_dict's layout) become
-slots of that atom (`exp_avg`, `exp_avg_sq`, `step`, ...). Non-tensor entries (hyperparameters)
-are kept in the manifest's source as JSON.
+slots of that atom (`exp_avg`, `exp_avg_sq`, `step`, ...). Non-tensor entries (hyperparameters,
+a data loader's bytes) are kept in the manifest's source as JSON, and as the bytes they were read
+as (base64, up to 64 MiB in all), which `export_dcp` writes back unchanged; tensors outside the
+model prefix (`step`, a tensor `lr`, an RNG state) are atoms under their own names, written back
+under them.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import math
 import os
 import re
@@ -26,21 +31,44 @@ from ...errors import UcpError
 from ...untrusted.lazy import jsonable
 from ...untrusted.limits import ucp_errors
 from ...untrusted.unpickle import loads
-from ..common.dcp_files import DCPFormatError, check_tensor, read_blob, read_chunk, read_metadata
+from ..common.dcp_files import (
+    DCPFormatError,
+    check_tensor,
+    read_blob,
+    read_chunk,
+    read_metadata,
+    read_tensor,
+)
 from ..common.progress import Progress
 from ..common.torch_arrays import to_numpy
 from ..common.writer import AtomWriter
 
+log = logging.getLogger("ucp_jax")
+
 _OPTIM = re.compile(r"^(?:optim|optimizer)\.state\.(?P<param>.+)\.(?P<field>[A-Za-z_][\w]*)$")
 
 
+MAX_BLOB_BYTES = 64 << 20  # non-tensor entries kept as their bytes (base64 in the manifest)
+
+
 def _names(fqn: str, params: set[str], prefix: str) -> tuple[str, str]:
-    """(atom, slot) of a DCP entry."""
+    """(atom, slot) of a DCP entry.
+
+    Optimizer state is keyed by the model's own parameter name (``get_state_dict``), the model's
+    entries by ``prefix`` + that name, so a parameter whose own name starts with the prefix (every
+    Hugging Face ``*ForCausalLM``: ``model.layers...``) keeps it:
+
+    >>> _names("optim.state.model.w.exp_avg", {"model.model.w"}, "model.")
+    ('model.w', 'exp_avg')
+    >>> _names("model.model.w", {"model.model.w"}, "model.")
+    ('model.w', 'fp32')
+    """
     m = _OPTIM.match(fqn)
-    if m and (m["param"] in params or prefix + m["param"] in params):
+    if m and prefix + m["param"] in params:
+        return m["param"], m["field"]
+    if m and m["param"] in params:  # keyed by the entry's full name
         p = m["param"]
-        atom = p[len(prefix) :] if prefix and p.startswith(prefix) else p
-        return atom, m["field"]
+        return (p[len(prefix) :] if prefix and p.startswith(prefix) else p), m["field"]
     if prefix and fqn.startswith(prefix):
         return fqn[len(prefix) :], "fp32"
     return fqn, "fp32"
@@ -88,6 +116,8 @@ def import_dcp(
         for k, v in tensors.items()
     )
     bar = Progress(progress, total, "ucp import")
+    unprefixed: list[str] = []  # tensors outside the model (under no prefix): written back as such
+    blobs: dict[str, str] = {}
     with AtomWriter(dst, overwrite=overwrite) as w:
         try:
             # parameters first, so optimizer slots know their atom's shape
@@ -98,6 +128,8 @@ def import_dcp(
                 shape = shapes[fqn]
                 if atom not in w.atoms:
                     w.atom(atom, shape)
+                    if atom == fqn and slot == "fp32" and model_prefix:
+                        unprefixed.append(fqn)
                 own = None if shape == w.atoms[atom]["shape"] else shape
                 w.array(atom, slot, to_numpy(torch.empty((), dtype=meta.properties.dtype)).dtype,
                         slot_shape=own)  # fmt: skip
@@ -124,10 +156,22 @@ def import_dcp(
                         objects[fqn] = jsonable(loads(blob, fqn))
                     except UcpError as e:
                         objects[fqn] = f"<not loaded: {e}>"
+                    kept = sum(map(len, blobs.values())) * 3 // 4
+                    if kept + len(blob) <= MAX_BLOB_BYTES:  # written back as they were
+                        blobs[fqn] = base64.b64encode(blob).decode("ascii")
+                    else:
+                        log.warning("%s: entry %r (%d bytes) not kept as it was (beyond %d MiB of "
+                                    "non-tensor entries): an export writes its JSON form", folder,
+                                    fqn, len(blob), MAX_BLOB_BYTES >> 20)  # fmt: skip
             if step is None and isinstance(objects.get("step"), int):
                 step = objects["step"]
+            if step is None and "step" in tensors and shapes["step"] == ():  # a tensor step
+                value = float(read_tensor(folder, md, "step", DCPFormatError).item())
+                step = int(value) if value.is_integer() and 0 <= value < 2**63 else None
             source = {"framework": "torch.distributed.checkpoint",
-                      "dcp": {"path": os.path.abspath(folder), "objects": objects}}  # fmt: skip
+                      "dcp": {"path": os.path.abspath(folder), "objects": objects,
+                              "blobs": blobs, "model_prefix": model_prefix,
+                              "unprefixed": unprefixed}}  # fmt: skip
             json.dumps(source)
             return w.commit(step=step, source=source)
         finally:
