@@ -413,7 +413,9 @@ def test_dcp_entries_of_every_kind_come_back_as_saved(tmp_path):
     dcp.load(back, checkpoint_id=str(tmp_path / "out"), no_dist=True)
     set_state_dict(m2, o2, model_state_dict=back["model"], optim_state_dict=back["optim"])
     plateau2.load_state_dict(back["sched"])
-    assert back["extra"]["loader"] == loader and pickle.loads(back["extra"]["loader"])["offset"] == 37
+    assert (
+        back["extra"]["loader"] == loader and pickle.loads(back["extra"]["loader"])["offset"] == 37
+    )
     assert torch.equal(back["extra"]["rng"], state["extra"]["rng"])
     assert torch.equal(back["step"], torch.tensor(7))
     assert plateau2.best == float("inf") and isinstance(plateau2.best, float)
@@ -523,3 +525,42 @@ def test_jax_adam_state_exported_to_dcp_resumes_torch_adam(tmp_path):
         oo.step()
     for k, t in m.state_dict().items():
         assert torch.equal(t, m2.state_dict()[k]), k
+
+
+def test_dcp_state_under_a_key_of_its_own(tmp_path):
+    """torch's DCP tutorial saves {"app": {"model": ..., "optim": ...}}: with the model prefix
+    `app.model.`, the optimizer's `app.optim.state.*` are the atoms' slots (they were atoms of
+    their own), and an export with both prefixes loads back (torch referee)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ucp_jax.torch import export_dcp
+
+    def make(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Linear(4, 3)
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m(torch.randn(2, 4)).sum().backward()
+        o.step()
+        return m, o
+
+    m, o = make(0)
+    msd, osd = get_state_dict(m, o)
+    dcp.save({"app": {"model": msd, "optim": osd}}, checkpoint_id=str(tmp_path / "src"),
+             no_dist=True)  # fmt: skip
+    ck = ucp.open(import_dcp(tmp_path / "src", tmp_path / "u", model_prefix="app.model.",
+                             progress=False))  # fmt: skip
+    assert sorted(ck.atoms) == ["bias", "weight"]
+    assert sorted(ck.atoms["weight"].slots) == ["exp_avg", "exp_avg_sq", "fp32", "step"]
+    export_dcp(ck.path, tmp_path / "out", model_prefix="app.model.", optim_prefix="app.optim.",
+               progress=False)  # fmt: skip
+    m2, o2 = make(1)
+    msd2, osd2 = get_state_dict(m2, o2)
+    back = {"app": {"model": msd2, "optim": osd2}}
+    dcp.load(back, checkpoint_id=str(tmp_path / "out"), no_dist=True)
+    set_state_dict(m2, o2, model_state_dict=back["app"]["model"],
+                   optim_state_dict=back["app"]["optim"])  # fmt: skip
+    for pid, st in o.state_dict()["state"].items():
+        for slot, t in st.items():
+            assert torch.equal(t, o2.state_dict()["state"][pid][slot]), (pid, slot)
+    assert o.state_dict()["param_groups"] == o2.state_dict()["param_groups"]

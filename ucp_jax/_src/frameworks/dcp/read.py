@@ -45,7 +45,11 @@ from ..common.writer import AtomWriter
 
 log = logging.getLogger("ucp_jax")
 
-_OPTIM = re.compile(r"^(?:optim|optimizer)\.state\.(?P<param>.+)\.(?P<field>[A-Za-z_][\w]*)$")
+# optimizer state under `optim.` / `optimizer.`, at the top or under a key of the user's own
+# (torch's tutorial: {"app": {"model": ..., "optim": ...}} -> app.optim.state.<param>.<field>)
+_OPTIM = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*?(?:optim|optimizer)\.state\.(?P<param>.+)\.(?P<field>[A-Za-z_]\w*)$"
+)
 
 
 MAX_BLOB_BYTES = 64 << 20  # non-tensor entries kept as their bytes (base64 in the manifest)
