@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ds.fixtures import torchrun  # noqa: E402
-from ds.moe_fixtures import CASES, STEPS, TAG, ds_moe_ckpts  # noqa: E402, F401
+from ds.moe_fixtures import CASES, MIXED, STEPS, TAG, ds_moe_ckpts  # noqa: E402, F401
 
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main as ucp_main  # noqa: E402
@@ -58,6 +58,29 @@ def test_every_expert_equals_the_engine(name, ds_moe_ckpts, imported):  # noqa: 
     groups = ck.manifest.source["deepspeed"]["param_groups"]
     assert [g.get("moe", False) for g in groups] == [False, True]
     assert groups[1]["name"] == f"ep_size_{CASES[name][2]}"
+
+
+def test_moe_layers_of_two_expert_parallel_sizes(ds_moe_ckpts, tmp_path):  # noqa: F811
+    """A block of 4 experts at EP 2 and one of 8 at EP 4 (a pyramid MoE): DeepSpeed orders the two
+    MoE param groups from a set, so the rank files list them in different orders; every atom and
+    slot still equals the engine (the groups are matched by name, not by position)."""
+    orders = set()
+    for r in range(4):
+        path = os.path.join(
+            ds_moe_ckpts.zero(MIXED), TAG, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        )
+        osd = torch.load(path, weights_only=False)["optimizer_state_dict"]
+        orders.add(tuple(g.get("name") for g in osd["base_optimizer_state"]["param_groups"]))
+    assert len(orders) > 1, orders  # (else this fixture no longer shows what it is for)
+    ref = ds_moe_ckpts.engine_state(MIXED)
+    ck = ucp.open(import_deepspeed(ds_moe_ckpts.zero(MIXED), tmp_path / "u", progress=False))
+    assert set(ck.atoms) == set(ref)
+    assert len([n for n in ref if n.startswith("moe2.") and n.endswith("fc1.weight")]) == 8
+    for atom, slots in ref.items():
+        for slot, want in slots.items():
+            np.testing.assert_array_equal(
+                ck.read(atom, slot), want.numpy(), err_msg=f"{atom}/{slot}"
+            )
 
 
 def test_expert_files_match_the_optimizer(ds_moe_ckpts, imported):  # noqa: F811

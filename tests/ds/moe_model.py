@@ -31,7 +31,11 @@ class Expert(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, ep_size: int, ep_rank: int) -> None:
+    """With `second_ep`, a second MoE block of 2 x EXPERTS experts at that expert-parallel size
+    follows (a pyramid MoE: layers of different sizes, so the optimizer has one MoE param group
+    per expert-parallel size)."""
+
+    def __init__(self, ep_size: int, rank: int, second_ep: int | None = None) -> None:
         from deepspeed.moe.layer import MoE
 
         super().__init__()
@@ -41,19 +45,34 @@ class TinyMoE(nn.Module):
         self.moe = MoE(hidden_size=DIM, expert=Expert(), num_experts=EXPERTS, ep_size=ep_size,
                        k=2, capacity_factor=4.0, min_capacity=64, drop_tokens=False,
                        use_rts=False, top2_2nd_expert_sampling=False)  # fmt: skip
+        self.ep_sizes = {"moe": ep_size}
+        if second_ep:
+            self.ln2 = nn.LayerNorm(DIM)
+            self.moe2 = MoE(hidden_size=DIM, expert=Expert(), num_experts=2 * EXPERTS,
+                            ep_size=second_ep, k=2, capacity_factor=4.0, min_capacity=64,
+                            drop_tokens=False, use_rts=False,
+                            top2_2nd_expert_sampling=False)  # fmt: skip
+            self.ep_sizes["moe2"] = second_ep
         self.head = nn.Linear(DIM, VOCAB, bias=False)
-        local = self.moe.deepspeed_moe.experts.deepspeed_experts
         with torch.no_grad():
-            for i, expert in enumerate(local):
-                g = torch.Generator().manual_seed(100 + ep_rank * len(local) + i)
-                for p in expert.parameters():
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            for li, (attr, ep) in enumerate(self.ep_sizes.items()):
+                local = getattr(self, attr).deepspeed_moe.experts.deepspeed_experts
+                for i, expert in enumerate(local):
+                    g = torch.Generator().manual_seed(
+                        1000 * li + 100 + (rank % ep) * len(local) + i
+                    )
+                    for p in expert.parameters():
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of `tokens` [batch, SEQ + 1] plus the gate's aux loss."""
+        """Mean next-token cross-entropy of `tokens` [batch, SEQ + 1] plus the gates' aux loss."""
         x = self.emb(tokens[:, :-1])
         h, aux, _ = self.moe(self.ln(x))
-        logits = self.head(x + h).float()
+        x = x + h
+        if "moe2" in self.ep_sizes:
+            h2, aux2, _ = self.moe2(self.ln2(x))
+            x, aux = x + h2, aux + aux2
+        logits = self.head(x).float()
         ce = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         return ce + AUX * aux
 

@@ -71,8 +71,10 @@ def train(engine, start: int, steps: int, world: int, rank: int) -> list[float]:
 def dump(engine, model: TinyMoE, ep_size: int, path: str) -> None:
     """Every parameter's fp32 master and Adam moments as the engine holds them (global names)."""
     ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
-    local = len(model.moe.deepspeed_moe.experts.deepspeed_experts)
     out = {"ep_rank": ep_rank, "ep_size": ep_size, "params": {}}
+    layers = {attr: (groups._get_expert_parallel_rank(f"ep_size_{ep}"),
+                     len(getattr(model, attr).deepspeed_moe.experts.deepspeed_experts))
+              for attr, ep in model.ep_sizes.items()}  # fmt: skip
     # DeepSpeed links the optimizer states to the parameters after the first group's first step,
     # before the later (MoE) groups have states: link again now that every group has them.
     engine.optimizer._hp_optimizer_states_linked = False
@@ -81,16 +83,18 @@ def dump(engine, model: TinyMoE, ep_size: int, path: str) -> None:
         full = {"fp32": safe_get_full_fp32_param(p)}
         for key in ("exp_avg", "exp_avg_sq"):
             full[key] = safe_get_full_optimizer_state(p, key)
-        name = LOCAL.sub(lambda m: f"{m[1]}{ep_rank * local + int(m[2])}{m[3]}", name)
+        r, local = layers.get(name.split(".")[0], (0, 0))
+        name = LOCAL.sub(lambda m, r=r, local=local: f"{m[1]}{r * local + int(m[2])}{m[3]}", name)
         out["params"][name] = {k: v.detach().clone().float() for k, v in full.items()}
     torch.save(out, path)
 
 
 def run(job: str, args: argparse.Namespace, world: int, rank: int) -> dict:
     name, stage, dtype, ep, *load = job.split(":")
-    ep_size = int(ep)
+    ep_size, _, second = ep.partition("+")  # "2+4": a second MoE block at expert-parallel 4
+    ep_size = int(ep_size)
     load_dir = load[0] if load else args.load
-    model = TinyMoE(ep_size, rank % ep_size)
+    model = TinyMoE(ep_size, rank, int(second) if second else None)
     params = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "main"}
     )
@@ -127,6 +131,14 @@ def main() -> None:
     ap.add_argument("--universal", action="store_true", help="load_universal: true")
     ap.add_argument("--result", help="rank 0 writes the losses here (JSON)")
     args = ap.parse_args()
+    rank = os.environ.get("RANK", "0")
+    if os.environ.get("PYTHONHASHSEED") != rank:
+        # Each rank hashes strings with its own seed, as separate interpreters do by default:
+        # DeepSpeed orders its MoE param groups from a set of names, so with several
+        # expert-parallel sizes the order differs between ranks (fixed here, not left to chance).
+        os.execve(
+            sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONHASHSEED": rank}
+        )
 
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()

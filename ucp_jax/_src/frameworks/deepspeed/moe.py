@@ -48,6 +48,16 @@ class ExpertGroups:
     groups: dict[int, int]
     local: dict[tuple[int, str], int]
     files: dict[str, str]
+    by_name: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def group_in(self, g: int, param_groups: Any) -> int:
+        """The group (as numbered here: the first rank file's order) that group `g` of a rank
+        file is. DeepSpeed builds the MoE groups from a set of names, so their order differs
+        between ranks (Python's hash randomization) where a model mixes expert-parallel sizes;
+        they are matched by name (`ep_size_<E>`)."""
+        pg = param_groups[g] if isinstance(param_groups, list) and g < len(param_groups) else {}
+        name = pg.get("name") if isinstance(pg, dict) else None
+        return self.by_name.get(name, g) if isinstance(name, str) else g
 
     def ep_rank(self, g: int, dp_rank: int) -> int:
         """The expert-parallel rank of data-parallel rank `dp_rank` in group `g`."""
@@ -174,7 +184,9 @@ def expert_groups(
                     f"{folder}: local experts of {pre!r} are {sorted(seen)}, not 0..{len(seen) - 1}"
                 )
             local[(g, pre)] = len(seen)
-    eg = ExpertGroups(groups, local, {})
+    by_name = {str(pgroups[g]["name"]): g for g in moe  # type: ignore[index]
+               if re.fullmatch(r"ep_size_\d+", str(pgroups[g].get("name", "")))}  # type: ignore[index]  # fmt: skip
+    eg = ExpertGroups(groups, local, {}, by_name)
     _check_expert_files(folder, expert_files, eg, shapes)
     return eg
 

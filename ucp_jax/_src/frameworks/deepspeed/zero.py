@@ -57,6 +57,7 @@ def _fragments_z12(
     """
     skip = (uc or {}).get("pipeline_replicated_parameter_patterns", []) or []
     states = osd["base_optimizer_state"]["state"]
+    pgroups = osd["base_optimizer_state"].get("param_groups")
     fp32 = osd["single_partition_of_fp32_groups"]
     for g, mapping in enumerate(osd["param_slice_mappings"]):
         st = (
@@ -77,7 +78,7 @@ def _fragments_z12(
             if pp_index > 0 and any(re.match(p, name) for p in skip):
                 continue
             if lay.experts is not None:
-                name = lay.experts.name(g, name, dp_rank)
+                name = lay.experts.name(lay.experts.group_in(g, pgroups), name, dp_rank)
             for slot, flat in flats.items():
                 where = f"{flat.path}: param_slice_mappings[{g}][{name!r}] in {slot}"
                 start, n = check_range(getattr(frag, "start", None), getattr(frag, "numel", None),
