@@ -32,7 +32,8 @@ EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{e}.{p}"
 @pytest.fixture(scope="module")
 def imported(ds_moe_ckpts, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("moe_imported")
-    return {n: import_deepspeed(ds_moe_ckpts.zero(n), root / n, progress=False) for n in CASES}
+    return {n: import_deepspeed(ds_moe_ckpts.zero(n), root / n, progress=False)
+            for n in [*CASES, MIXED]}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -172,6 +173,8 @@ RESUME = {
     "r_z2": ("m_z2_bf16", 2, 2, "2:bf16"),
     "r_dp3": ("m_z1_fp32_dp3", 2, 2, "1:fp32"),  # DP 3 x EP 1 -> DP 4 x EP 2
     "r_wrong": ("m_z1_fp32", 2, 1, "1:fp32"),  # control: EP-1 layout loaded at EP 2
+    # EP 2 and EP 4 blocks, each laid out at its own size (as the import recorded them)
+    "r_mixed": (MIXED, "2+4", None, "1:fp32"),
 }
 
 
@@ -213,7 +216,7 @@ def test_export_lays_experts_out_for_the_job(resumed, imported):
                 np.testing.assert_array_equal(d["param"][r].numpy(), want)
 
 
-@pytest.mark.parametrize("job", ["r_ep2", "r_ep1", "r_z2"])
+@pytest.mark.parametrize("job", ["r_ep2", "r_ep1", "r_z2", "r_mixed"])
 def test_deepspeed_moe_resumes_with_the_same_losses(job, resumed, ds_moe_ckpts):  # noqa: F811
     """The resumed job's losses are the ones the original job had after its save (same DP split)."""
     _, res = resumed
@@ -237,6 +240,30 @@ def test_wrong_expert_layout_changes_the_losses(resumed, ds_moe_ckpts):  # noqa:
     _, res = resumed
     want = ds_moe_ckpts.losses["m_z1_fp32"]["more"]
     assert abs(res["r_wrong"]["losses"][0] - want[0]) > 1e-3
+
+
+def test_export_of_layers_at_two_expert_parallel_sizes(imported, tmp_path):
+    """DeepSpeed's universal loader slices every expert file by the rank in its largest expert
+    group (EP 4 here): the EP-2 block's files stack, per EP-4 rank q, the expert rank q holds at
+    EP 2 (global 2 * (q % 2) + i); a size per layer can be given, and one that leaves a layer out
+    is refused by name."""
+    ck = ucp.open(imported[MIXED])
+    out = export_deepspeed_universal(ck.path, tmp_path / "m" / TAG, progress=False)
+    first = "moe.deepspeed_moe.experts.deepspeed_experts."
+    d = torch.load(os.path.join(out, "zero", f"{first}1.fc1.weight", "fp32.pt"), weights_only=True)
+    assert d["ep_num_experts"] == 4
+    for q in range(4):
+        want = ck.read(f"{first}{2 * (q % 2) + 1}.fc1.weight")
+        np.testing.assert_array_equal(d["param"][q].numpy(), want)
+    sizes = {first: 2, "moe2.deepspeed_moe.experts.deepspeed_experts.": 4}
+    again = export_deepspeed_universal(ck.path, tmp_path / "n" / TAG, expert_parallel=sizes,
+                                       progress=False)  # fmt: skip
+    e = torch.load(
+        os.path.join(again, "zero", f"{first}1.fc1.weight", "fp32.pt"), weights_only=True
+    )
+    assert torch.equal(d["param"], e["param"])
+    with pytest.raises(MismatchError, match=r"no size for the experts moe2\."):
+        export_deepspeed_universal(ck.path, tmp_path / "x" / TAG, expert_parallel={first: 2})
 
 
 def test_export_expert_parallel_must_divide_the_experts(imported, tmp_path):

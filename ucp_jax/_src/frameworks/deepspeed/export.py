@@ -64,7 +64,7 @@ def export_deepspeed_universal(
     *,
     names: Mapping[str, str] | Callable[[str], str | None] | None = None,
     param_groups: list[dict[str, Any]] | None = None,
-    expert_parallel: int | None = None,
+    expert_parallel: int | Mapping[str, int] | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
 ) -> str:
@@ -85,8 +85,11 @@ def export_deepspeed_universal(
             those recorded when the checkpoint was imported from DeepSpeed, else empty groups
             (the DeepSpeed job's own config then applies).
         expert_parallel: the expert-parallel size (`ep_size`) of the DeepSpeed MoE job that will
-            load the folder (experts are laid out for it, see above); default: the size of the
-            DeepSpeed run it was imported from (its `ep_size_<P>` param group), else 1.
+            load the folder (experts are laid out for it, see above): one size for every MoE
+            layer, or per layer, by the experts' name prefix (`{"blocks.2.moe.deepspeed_moe.
+            experts.deepspeed_experts.": 4, ...}`: a model whose MoE layers have different
+            `ep_size`s); default: each layer's size in the DeepSpeed run it was imported from,
+            else 1.
         overwrite: replace `dst` if it exists.
         progress: show a progress bar (default: when stderr is a terminal).
 
@@ -99,8 +102,7 @@ def export_deepspeed_universal(
     dst = os.path.abspath(os.fspath(dst))
     params = _parameters(ck, _renamer(names))  # names checked before anything is written
     src = (ck.manifest.source or {}).get("deepspeed") or {}
-    ep = expert_parallel if expert_parallel is not None else _source_ep(src)
-    stacks = _expert_stacks(params, ep)
+    stacks = _expert_stacks(params, _ep_of(expert_parallel, src))
     if os.path.exists(dst) and not overwrite:
         raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
     largest = max((ck.atoms[a].nbytes for a in params), default=0)  # a whole atom, as fp32 too
@@ -154,35 +156,71 @@ def _slot_extra(info: Any) -> dict[str, Any]:
     return extra
 
 
-def _source_ep(src: Mapping[str, Any]) -> int:
-    """The expert-parallel size of the DeepSpeed run a checkpoint was imported from (else 1)."""
-    for g in src.get("param_groups") or []:
-        m = re.fullmatch(r"ep_size_(\d+)", str(g.get("name", ""))) if g.get("moe") else None
-        if m:
-            return int(m[1])
-    return 1
+def _ep_of(given: int | Mapping[str, int] | None, src: Mapping[str, Any]) -> Callable[[str], int]:
+    """Expert-layer prefix -> the expert-parallel size its experts are laid out for: `given` (one
+    size, or per prefix), else as the DeepSpeed run imported had it (per layer, as the import
+    recorded it; one size where the run had one MoE group), else 1."""
+    if isinstance(given, int):
+        return lambda pre: given
+    if given is not None:
+        table = dict(given)
+
+        def from_table(pre: str) -> int:
+            if pre not in table:
+                raise MismatchError(
+                    f"export: expert_parallel has no size for the experts {pre}<e>; give every "
+                    f"MoE layer's prefix (here: {pre!r}, ...)"
+                )
+            return int(table[pre])
+
+        return from_table
+    recorded = src.get("expert_parallel")
+    if isinstance(recorded, dict):
+        return lambda pre: int(recorded.get(pre, 1))
+    sizes = sorted({int(m[1]) for g in src.get("param_groups") or []
+                    if g.get("moe") and (m := re.fullmatch(r"ep_size_(\d+)", str(g.get("name"))))})  # fmt: skip
+    if len(sizes) > 1:
+        raise MismatchError(
+            f"export: the DeepSpeed run had MoE layers of expert-parallel sizes {sizes}, and the "
+            "import did not record which layer had which; pass expert_parallel={<expert prefix>: "
+            "<ep_size>, ...} (or re-import with this version)"
+        )
+    return lambda pre: sizes[0] if sizes else 1
 
 
-def _expert_stacks(params: dict[str, str], ep: int) -> dict[str, list[str]]:
-    """Local torch name -> the atoms (one per EP rank) stacked in its universal file (EP > 1)."""
-    if ep < 1:
-        raise MismatchError(f"export: expert_parallel must be >= 1, not {ep}")
+def _expert_stacks(params: dict[str, str], ep_of: Callable[[str], int]) -> dict[str, list[str]]:
+    """Local torch name -> the atoms stacked in its universal file, one per rank of the largest
+    expert-parallel group (layers at EP 1 are not stacked).
+
+    DeepSpeed's universal loader slices every expert file by the rank in its *largest* expert
+    group (`_get_universal_checkpoint_ep_info`), whatever the layer's own `ep_size`: a layer at
+    EP `P` below the largest `M` stacks, at position `q`, the expert that rank `q` holds at EP
+    `P` (default topology: expert-parallel rank `q % P`), so every layer loads its own experts.
+    """
     experts: dict[tuple[str, str], dict[int, str]] = {}
     for atom, torch_name in params.items():
         if m := _EXPERT_RE.match(torch_name):
             experts.setdefault((m["pre"], m["post"]), {})[int(m["e"])] = atom
+    sizes = {pre: ep_of(pre) for pre, _ in experts}
+    for pre, ep in sizes.items():
+        if ep < 1:
+            raise MismatchError(f"export: expert_parallel must be >= 1, not {ep} (for {pre}<e>)")
+    top = max((ep for ep in sizes.values() if ep > 1), default=1)
     stacks: dict[str, list[str]] = {}
-    if ep == 1:
-        return stacks
     for (pre, post), by_e in experts.items():
+        ep = sizes[pre]
+        if ep == 1:
+            continue
         n = len(by_e)
-        if sorted(by_e) != list(range(n)) or n % ep:
+        if sorted(by_e) != list(range(n)) or n % ep or top % ep:
             raise MismatchError(
                 f"export: experts {pre}<e>{post} are {sorted(by_e)[:8]}; expert_parallel={ep} needs "
-                "0..E-1 with E a multiple of it (pass the DeepSpeed job's ep_size)"
+                f"0..E-1 with E a multiple of it, and dividing the largest MoE layer's ({top}) "
+                "(pass the DeepSpeed job's ep_size)"
             )
-        for i in range(n // ep):
-            stacks[f"{pre}{i}{post}"] = [by_e[r * (n // ep) + i] for r in range(ep)]
+        local = n // ep
+        for i in range(local):
+            stacks[f"{pre}{i}{post}"] = [by_e[(q % ep) * local + i] for q in range(top)]
     return stacks
 
 

@@ -173,6 +173,10 @@ def import_deepspeed(
     lay = scan_folder(folder)
     lay.tag = found_tag or os.path.basename(os.path.normpath(folder))
     source = deepspeed_source(lay, "zero")
+    if lay.experts is not None:  # each MoE layer's expert-parallel size (for the export)
+        source["deepspeed"]["expert_parallel"] = {
+            pre: lay.experts.groups[g] for g, pre in sorted(lay.experts.local)
+        }
     if skipped:
         source["deepspeed"]["hf_config_skipped"] = skipped
     if cfg is None:
