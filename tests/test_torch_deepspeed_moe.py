@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ds.fixtures import torchrun  # noqa: E402
-from ds.moe_fixtures import CASES, MIXED, STEPS, TAG, ds_moe_ckpts  # noqa: E402, F401
+from ds.moe_fixtures import CASES, FROZEN, MIXED, STEPS, TAG, ds_moe_ckpts  # noqa: E402, F401
 
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main as ucp_main  # noqa: E402
@@ -78,6 +78,22 @@ def test_moe_layers_of_two_expert_parallel_sizes(ds_moe_ckpts, tmp_path):  # noq
     assert set(ck.atoms) == set(ref)
     assert len([n for n in ref if n.startswith("moe2.") and n.endswith("fc1.weight")]) == 8
     for atom, slots in ref.items():
+        for slot, want in slots.items():
+            np.testing.assert_array_equal(
+                ck.read(atom, slot), want.numpy(), err_msg=f"{atom}/{slot}"
+            )
+
+
+def test_frozen_expert_parameters_come_from_their_expert_files(ds_moe_ckpts, tmp_path):  # noqa: F811
+    """Experts whose fc2 is frozen: DeepSpeed keeps fc2 out of the optimizer and saves it only in
+    the expert files; it is imported from there (weights, no moments), the rest as usual."""
+    ref = ds_moe_ckpts.engine_state(FROZEN)
+    ck = ucp.open(import_deepspeed(ds_moe_ckpts.zero(FROZEN), tmp_path / "u", progress=False))
+    assert set(ck.atoms) == set(ref)
+    frozen = [n for n in ref if ".fc2." in n and "deepspeed_experts" in n]
+    assert len(frozen) == 8
+    for atom, slots in ref.items():
+        assert set(ck.atoms[atom].slots) - {"step"} == set(slots), atom
         for slot, want in slots.items():
             np.testing.assert_array_equal(
                 ck.read(atom, slot), want.numpy(), err_msg=f"{atom}/{slot}"

@@ -3,7 +3,8 @@ once with `torchrun` (gloo, CPU) and cached under .pytest_cache apart from the d
 
 Cases (name: ZeRO stage, dtype, expert-parallel size, ranks): m_z1_fp32 (1, fp32, EP 2, 4 ranks:
 EP 2 x expert-DP 2), m_z2_bf16 (2, bf16, EP 2, 4 ranks), m_z1_fp32_dp3 (1, fp32, EP 1, 3 ranks),
-and m_z1_mixed_ep (1, fp32, a block at EP 2 and one of 8 experts at EP 4, 4 ranks).
+m_z1_mixed_ep (1, fp32, a block at EP 2 and one of 8 experts at EP 4, 4 ranks) and
+m_z1_frozen_experts (as m_z1_fp32, every expert's fc2 frozen).
 Each trains 3 steps, saves tag global_step3 under <root>/<name> with every rank's engine state
 beside it (engine_rank<R>.pt: the referee, since DeepSpeed's ds_to_universal cannot convert MoE
 checkpoints), then trains 2 more steps (the losses a resumed job must reproduce).
@@ -32,6 +33,8 @@ CASES = {j.split(":")[0]: (int(j.split(":")[1]), j.split(":")[2], int(j.split(":
 # orders differently on different ranks (kept out of CASES: not every test applies)
 MIXED = "m_z1_mixed_ep"
 JOBS[4].append(f"{MIXED}:1:fp32:2+4")
+FROZEN = "m_z1_frozen_experts"  # every expert's fc2 frozen (requires_grad=False)
+JOBS[4].append(f"{FROZEN}:1:fp32:2")
 STEPS = 3
 TAG = f"global_step{STEPS}"
 

@@ -80,9 +80,12 @@ def dump(engine, model: TinyMoE, ep_size: int, path: str) -> None:
     engine.optimizer._hp_optimizer_states_linked = False
     engine.optimizer._lazy_init_hp_params_optimizer_state()
     for name, p in model.named_parameters():
-        full = {"fp32": safe_get_full_fp32_param(p)}
-        for key in ("exp_avg", "exp_avg_sq"):
-            full[key] = safe_get_full_optimizer_state(p, key)
+        if not p.requires_grad:  # frozen: its weights, no optimizer state
+            full = {"fp32": p.data.float()}
+        else:
+            full = {"fp32": safe_get_full_fp32_param(p)}
+            for key in ("exp_avg", "exp_avg_sq"):
+                full[key] = safe_get_full_optimizer_state(p, key)
         r, local = layers.get(name.split(".")[0], (0, 0))
         name = LOCAL.sub(lambda m, r=r, local=local: f"{m[1]}{r * local + int(m[2])}{m[3]}", name)
         out["params"][name] = {k: v.detach().clone().float() for k, v in full.items()}
@@ -95,8 +98,12 @@ def run(job: str, args: argparse.Namespace, world: int, rank: int) -> dict:
     ep_size = int(ep_size)
     load_dir = load[0] if load else args.load
     model = TinyMoE(ep_size, rank, int(second) if second else None)
+    if "frozen" in name:  # every expert's fc2 frozen: kept out of the optimizer
+        for n, p in model.named_parameters():
+            if re.search(r"deepspeed_experts\.\d+\.fc2\.", n):
+                p.requires_grad_(False)
     params = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "main"}
+        {"params": [p for p in model.parameters() if p.requires_grad], "name": "main"}
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -43,12 +43,16 @@ class ExpertGroups:
         groups: param group index -> its expert-parallel size.
         local: (param group, expert-layer prefix) -> experts per rank in that layer.
         files: global parameter name -> the expert model file that holds it.
+        by_name: MoE param group name (`ep_size_<E>`) -> its index here (the first rank file's).
+        frozen: global name -> expert file, of the expert parameters in no optimizer group
+            (`requires_grad=False`): their expert file is their only copy.
     """
 
     groups: dict[int, int]
     local: dict[tuple[int, str], int]
     files: dict[str, str]
     by_name: dict[str, int] = dataclasses.field(default_factory=dict)
+    frozen: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def group_in(self, g: int, param_groups: Any) -> int:
         """The group (as numbered here: the first rank file's order) that group `g` of a rank
@@ -211,6 +215,9 @@ def _check_expert_files(
                     f"{path}: entry {key!r} is not a parameter of expert {e}"
                 )
             if key not in want:
+                if _frozen_expert(key, want):  # no optimizer state: the file is its only copy
+                    eg.frozen[key] = path  # (checked below: frozen in every expert)
+                    continue
                 raise DeepSpeedFormatError(
                     f"{path}: {key!r} is not an expert parameter of the optimizer's MoE groups "
                     f"(expected names like {sorted(want)[:2]}); the experts were laid out on the "
@@ -222,12 +229,44 @@ def _check_expert_files(
                     f"{want[key]}"
                 )
             eg.files[key] = path
+    _check_frozen(eg.frozen, want)
     missing = sorted(set(want) - set(eg.files))
     if missing:
         raise DeepSpeedFormatError(
             f"{folder}: no expert model file holds {missing[:4]} ({len(missing)} in all); expected "
             f"layer_<l>_expert_<e>_mp_rank_00_model_states.pt for every global expert"
         )
+
+
+def _check_frozen(frozen: dict[str, str], want: dict[str, tuple[int, ...]]) -> None:
+    """A frozen expert parameter is one of every expert of its layer (experts are copies of one
+    module): one found in some experts only is not a parameter of this model."""
+    experts: dict[str, set[int]] = {}
+    for k in want:
+        if m := _LOCAL_RE.match(k):
+            experts.setdefault(m["pre"], set()).add(int(m["i"]))
+    found: dict[tuple[str, str], set[int]] = {}
+    for k in frozen:
+        m = _LOCAL_RE.match(k)
+        assert m is not None
+        found.setdefault((m["pre"], m["post"]), set()).add(int(m["i"]))
+    for (pre, post), have in sorted(found.items()):
+        if have != experts.get(pre, set()):
+            key = f"{pre}{min(have)}{post}"
+            raise DeepSpeedFormatError(
+                f"{frozen[key]}: {key!r} is not an expert parameter of the optimizer's MoE groups "
+                f"(expected names like {sorted(want)[:2]}), nor a frozen parameter of every expert "
+                f"of its layer (only of experts {sorted(have)}); the experts were laid out on the "
+                "ranks differently than DeepSpeed's default topology"
+            )
+
+
+def _frozen_expert(key: str, want: dict[str, tuple[int, ...]]) -> bool:
+    """Whether `key`, in no MoE group, is a frozen parameter of an expert the groups do hold (its
+    expert has other, trained parameters): DeepSpeed keeps a frozen parameter out of the
+    optimizer, and its expert file is then its only copy."""
+    m = _LOCAL_RE.match(key)
+    return m is not None and any(k.startswith(f"{m['pre']}{m['i']}.") for k in want)
 
 
 def check_expert_values(eg: ExpertGroups, read_master: Callable[[str], np.ndarray]) -> None:

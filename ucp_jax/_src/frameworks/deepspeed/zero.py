@@ -347,7 +347,8 @@ def _frozen_z3(lay: RankFiles, merger: Merger, d: int, m: int, t: int) -> None:
 
 
 def _module_fallback(lay: RankFiles, merger: Merger) -> None:
-    """Parameters without optimizer state (never got a gradient, frozen): fp32 from the module."""
+    """Parameters without optimizer state (never got a gradient, frozen): fp32 from the module;
+    frozen expert parameters from their expert files."""
     if lay.stage >= 3:
         return
     for mp, path in sorted(lay.model.items()):
@@ -368,6 +369,10 @@ def _module_fallback(lay: RankFiles, merger: Merger) -> None:
                 merger.shapes[name][t] = tuple(tensor.shape)
             flat = tensor.numpy().astype(np.float32).reshape(-1)
             merger.put(name, t, "fp32", flat, 0, keep=None)
+    for name, path in sorted((lay.experts.frozen if lay.experts else {}).items()):
+        tensor = load(path)[name]  # a frozen expert parameter: its expert file is its only copy
+        merger.shapes[name] = [tuple(tensor.shape)] * lay.tp
+        merger.put(name, 0, "fp32", tensor.numpy().astype(np.float32).reshape(-1), 0, keep=None)
     merger.check_done()
 
 
