@@ -369,3 +369,29 @@ def test_deepspeed_universal_folder(box, ds_ckpts):  # noqa: F811
                 os.path.join(zero, "emb.weight", "...pt"))  # fmt: skip
     with box.refused(UnsafePathError, "slot"):
         import_deepspeed_universal(tagdir, box.out, progress=False)
+
+
+def test_dcp_import_of_a_wrong_path_says_what_it_is(tmp_path):
+    """A missing path, a file and a ucp checkpoint given to the DCP importer: each said as such."""
+    import numpy as np
+
+    from ucp_jax._src.frameworks.dcp.read import import_dcp
+
+    with pytest.raises(ucp.NotACheckpointError, match="nowhere: does not exist"):
+        import_dcp(tmp_path / "nowhere", tmp_path / "o1")
+    (tmp_path / "w.safetensors").write_bytes(b"x")
+    with pytest.raises(ucp.NotACheckpointError, match="a file: `ucp convert safetensors`"):
+        import_dcp(tmp_path / "w.safetensors", tmp_path / "o2")
+    ucp.save(tmp_path / "ck", {"w": np.ones(2, np.float32)})
+    with pytest.raises(ucp.NotACheckpointError, match="a ucp_jax checkpoint already"):
+        import_dcp(tmp_path / "ck", tmp_path / "o3")
+
+
+def test_megatron_import_of_a_plain_dcp_folder_points_to_convert_dcp(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from ucp_jax._src.frameworks.megatron.read import import_megatron
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    with pytest.raises(ucp.NotACheckpointError, match="`ucp convert dcp` reads it"):
+        import_megatron(tmp_path / "d", tmp_path / "o")

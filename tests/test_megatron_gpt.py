@@ -369,7 +369,9 @@ def test_a_master_that_is_not_its_weight_is_refused(mcore_gpt_ckpts, tmp_path): 
 
 
 def test_megatron_lm_finds_the_export_and_the_import_takes_its_save_folder(
-    mcore_gpt_ckpts, imported, tmp_path  # noqa: F811
+    mcore_gpt_ckpts,
+    imported,
+    tmp_path,  # noqa: F811
 ):
     """An export into <save>/iter_XXXXXXX points <save>'s latest_checkpointed_iteration.txt at it:
     Megatron-LM's own lookup (`--load <save>`) finds and loads it (without the tracker it would

@@ -52,9 +52,17 @@ def read_metadata(folder: str) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = os.path.join(folder, ".metadata")
+    if not os.path.exists(folder):
+        raise NotACheckpointError(f"{folder}: does not exist")
     if not os.path.isfile(path):
+        hint = ""
+        if os.path.isfile(folder):
+            hint = (" (a file: `ucp convert safetensors` reads .safetensors files, `ucp convert "
+                    "deepspeed` DeepSpeed's folders)")  # fmt: skip
+        elif os.path.exists(os.path.join(folder, "manifest.json")):
+            hint = " (a ucp_jax checkpoint already: `ucp inspect` it, `ucp export dcp` writes DCP)"
         raise NotACheckpointError(
-            f"{folder}: no .metadata file; not a torch.distributed.checkpoint"
+            f"{folder}: no .metadata file; not a torch.distributed.checkpoint{hint}"
         )
     md = load_pickle(refuse_symlinks(folder, ".metadata", "DCP metadata"), _metadata_globals())
     if not (

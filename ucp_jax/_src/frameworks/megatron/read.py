@@ -77,8 +77,11 @@ _CHAINED_BUCKETS = re.compile(r"^chained_\d+\.optimizer\.distributed\.")
 def _check_backend(folder: str) -> None:
     path = os.path.join(folder, "metadata.json")
     if not os.path.isfile(path):
+        hint = ""
+        if os.path.isfile(os.path.join(folder, ".metadata")):
+            hint = " (a plain torch.distributed.checkpoint folder: `ucp convert dcp` reads it)"
         raise NotACheckpointError(
-            f"{folder}: no metadata.json; not a Megatron-Core dist_checkpointing folder"
+            f"{folder}: no metadata.json; not a Megatron-Core dist_checkpointing folder{hint}"
         )
     if os.path.islink(path):
         raise MegatronFormatError(
