@@ -368,11 +368,7 @@ def test_a_master_that_is_not_its_weight_is_refused(mcore_gpt_ckpts, tmp_path): 
     assert not os.path.exists(tmp_path / "u")
 
 
-def test_megatron_lm_finds_the_export_and_the_import_takes_its_save_folder(
-    mcore_gpt_ckpts,
-    imported,
-    tmp_path,  # noqa: F811
-):
+def test_megatron_lm_finds_the_export_and_the_import_takes_its_save_folder(imported, tmp_path):
     """An export into <save>/iter_XXXXXXX points <save>'s latest_checkpointed_iteration.txt at it:
     Megatron-LM's own lookup (`--load <save>`) finds and loads it (without the tracker it would
     start from random weights); the importer takes <save> too, reading the iteration it names."""
@@ -401,3 +397,32 @@ def test_megatron_lm_finds_the_export_and_the_import_takes_its_save_folder(
         with pytest.raises(MegatronExportError, match=rf"padded_vocab={bad} \(--padded-vocab\)"):
             export_megatron(imported["g_tp2"], tmp_path / f"v{bad}", padded_vocab=bad)
         assert not os.path.exists(tmp_path / f"v{bad}")
+
+
+def test_a_weights_only_export_writes_no_optimizer_state(tmp_path, caplog):
+    """A Hugging Face model (weights, no Adam moments) exported to Megatron: no optimizer tensors,
+    no optimizer param groups (Megatron would ask for moments that are not there), a warning
+    naming how to load it; the weights are transformers' (read back by torch's DCP)."""
+    import logging
+
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ucp_jax.torch import import_hf
+
+    cfg = transformers.LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    u = import_hf(tmp_path / "hf", tmp_path / "u")
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        export_megatron(u, tmp_path / "m")
+    assert "no Adam moments" in caplog.text and "--no-load-optim" in caplog.text
+    dcp_to_torch_save(str(tmp_path / "m"), str(tmp_path / "m.pt"))
+    sd = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert not [k for k in sd if "optimizer" in k]
+    assert "optimizer" not in sd["common_state/shard_0_1"][0]
+    emb = sd["embedding.word_embeddings.weight"][:60]
+    assert torch.equal(emb, model.model.embed_tokens.weight.detach())

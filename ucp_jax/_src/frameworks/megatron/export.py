@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from typing import Any
 
@@ -35,6 +36,8 @@ from ...format import space
 from ...llama_config import LlamaConfig, config_from_checkpoint
 from .common import EXPERTS, LAYERS, TENSORS, atom_of, model_keys
 from .tracker import write_tracker
+
+log = logging.getLogger("ucp_jax")
 
 _LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
             "mlp.linear_fc2")  # fmt: skip
@@ -239,6 +242,12 @@ def export_megatron(
     step = ck.step or 0
     model_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     master = "param" if optimizer == "distributed" else "fp32_param" if dtype == "bf16" else None
+    moments = any("exp_avg" in a.slots for a in ck.atoms.values())
+    if not moments:  # weights only (from Hugging Face, say): no optimizer state Megatron could load
+        master = None
+        log.warning("export_megatron %s: the checkpoint has no Adam moments; the export holds "
+                    "the weights only: load it without the optimizer (Megatron-LM: --no-load-optim, "
+                    "or --finetune)", ck.path)  # fmt: skip
     chained = bool(cfg.n_experts) and (
         expert_parallel > 1 if expert_parallel else _source_chained(ck) in (True, None)
     )
@@ -257,10 +266,12 @@ def export_megatron(
             if master:
                 sd[f"{chain}optimizer.state.{master}.{key}"] = t
     sd |= _extra_states(cfg)
-    if chained:
+    if not moments:
+        common: dict[str, Any] = {"iteration": step}
+    elif chained:
         opts = [_common_optimizer(_param_groups(ck, cfg, e, lr, weight_decay), step, dtype,
                                   optimizer) for e in (False, True)]  # fmt: skip
-        common: dict[str, Any] = {"optimizer": dict(enumerate(opts)), "iteration": step}
+        common = {"optimizer": dict(enumerate(opts)), "iteration": step}
     else:
         groups = _param_groups(ck, cfg, False, lr, weight_decay)
         common = {"optimizer": _common_optimizer(groups, step, dtype, optimizer), "iteration": step}
