@@ -8,8 +8,9 @@ job dies. Then:
 
 - one process (1 x 8 devices, a smaller mesh) restores copies of the job's shared memory that
   lack every pair of nodes in turn: step 3, rebuilt bit-exact (its own extra too when node 0 is
-  lost); with a stale Q parity (the previous step's) and the two data nodes of its stripe lost,
-  the rebuild is detected as wrong and it restores step 2 instead; with three nodes lost it
+  lost); with a stale Q parity (the previous step's, committed so) and the two data nodes of its
+  stripe lost, the rebuild is detected as wrong and it restores step 2 instead; the same bytes
+  written after the commit fail the blob's CRC-32 before anything is decoded (step 2 again); with three nodes lost it
   falls back to the persisted step 2 and says which nodes are lost;
 - with the shared memory of nodes 1 and 2 wiped, a 4 x 2 job (the same mesh) resumes step 3
   bit-exact from P and Q, every process with its own extra, and trains on with the same bits;
@@ -57,7 +58,8 @@ def rs2(tmp_path_factory):
         assert [job.procs[v].returncode for v in (1, 2)] == [-signal.SIGKILL] * 2
 
         cases = {f"lost{a}{b}": {"lost": [a, b]} for a, b in PAIRS}
-        cases["stale"] = {"lost": [2, 3], "stale": True}
+        cases["stale"] = {"lost": [2, 3], "stale": "committed"}
+        cases["damaged"] = {"lost": [2, 3], "stale": "after"}
         cases["three"] = {"lost": [1, 2, 3]}
         cfg = dict(base, cases=cases, report=str(root / "cases.json"))
         ((_, err),) = run_job(lambda i, addr: [str(WORKER), json.dumps(cfg)], 1, 300, devices=8)
@@ -91,6 +93,13 @@ def test_a_stale_parity_is_detected_and_an_older_step_restored(rs2):
     log = rs2["cases_log"]
     assert "step 3 is not restorable from shared memory" in log
     assert "does not match the digest" in log and "stale or damaged" in log
+
+
+def test_a_parity_damaged_after_its_commit_fails_its_crc_and_an_older_step_is_restored(rs2):
+    # the same bytes written after the commit: the blob's CRC-32 no longer matches, so the node
+    # keeping that parity counts as lost too (three of the group: step 3 is not decodable)
+    _case(rs2, "damaged", 2, "redundancy", [2, 3])
+    assert "fail their CRC-32 check" in rs2["cases_log"]
 
 
 def test_three_lost_nodes_fall_back_to_the_persisted_checkpoint_naming_them(rs2):

@@ -5,10 +5,10 @@ with mem_worker.py and two of its processes were killed:
 
     python tests/mp/rs2_worker.py CONFIG_JSON
 
-CONFIG: {"namespace", "ckpt", "report", "cases": {name: {"lost": [nodes], "stale": bool}}}. For
+CONFIG: {"namespace", "ckpt", "report", "cases": {name: {"lost": [nodes], "stale": ...}}}. For
 each case it copies the job's shared memory into a namespace of its own without the lost nodes'
 folders (with "stale": with the newest step's Q parity of stripe 0 replaced by the previous
-step's bytes, as a parity that missed a snapshot), restores with a SnapshotManager onto a 1 x 8
+step's bytes, as a parity that missed a snapshot, "committed" so or "after" the commit), restores with a SnapshotManager onto a 1 x 8
 mesh (a smaller one than the job's 4 x 2), and reports the step, source, lost nodes, reason, this
 process's extra and the state's crc32s; then deletes that namespace.
 """
@@ -19,6 +19,7 @@ import json
 import logging
 import shutil
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,11 @@ import numpy as np
 from mp.mem_worker import digest, targets
 
 
-def _make_stale(ns_dir: Path) -> None:
-    """Node 1 keeps stripe 0's Q: put the previous step's Q into the newest step's blob."""
+def _make_stale(ns_dir: Path, committed: bool) -> None:
+    """Put the previous step's Q of stripe 0 into the newest step's blob of the node keeping it:
+    with `committed`, as a parity that missed the snapshot and was committed so (the index's
+    CRC-32 of the blob matches: the group's digests must catch it); else as damage after the
+    commit (the blob's CRC-32 catches it before anything is decoded)."""
     from ucp_jax._src.memory.layout import SnapshotLayout
     from ucp_jax._src.memory.schemes import scheme_for
 
@@ -44,6 +48,14 @@ def _make_stale(ns_dir: Path) -> None:
     assert (old[off : off + n] != new[off : off + n]).any(), "Q did not change between steps"
     new[off : off + n] = old[off : off + n]
     new.tofile(steps[-1] / "data.bin")
+    if committed:
+        from ucp_jax._src.memory import shm
+
+        index = json.loads((steps[-1] / shm.INDEX).read_text())
+        index["crc32"] = f"{shm.blob_crc(new):08x}"
+        raw = json.dumps(index, sort_keys=True).encode()
+        (steps[-1] / shm.INDEX).write_bytes(raw)
+        (steps[-1] / shm.COMMIT).write_text(f"{shm.FORMAT} {zlib.crc32(raw):08x}\n")
 
 
 def main() -> None:
@@ -64,7 +76,7 @@ def main() -> None:
             src, dst, ignore=lambda d, names, lost=lost: lost & set(names) if Path(d) == src else ()
         )
         if case.get("stale"):
-            _make_stale(dst)
+            _make_stale(dst, case["stale"] == "committed")
         mgr = SnapshotManager(cfg["ckpt"], redundancy="rs2", namespace=ns)
         try:
             params, opt_state = mgr.restore(pt, ot)

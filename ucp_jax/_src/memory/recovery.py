@@ -272,7 +272,8 @@ def recover(
             except ParityMismatch as e:  # a stale or damaged parity: never restore wrong values
                 failed = str(e)
             # Every process restores the same step: one that failed a check makes all try the
-            # next (only a rebuilt node is checked, and every process knows whether one is).
+            # next (here only a rebuilt node is checked, against its group's digests, and every
+            # process knows whether one is; the blobs read as they are were checked above).
             # The same round carries the extras records a lost node's process rebuilds its from.
             said = {"failed": failed, "extras": extra_mod.seen(chosen) if chosen.lost else {}}
             checked = exchange.allgather_json(said, f"{sub}/checked") if chosen.lost else [said]
