@@ -432,7 +432,8 @@ class SnapshotManager:
         """The step `restore()` would resume from, as this process sees it (no communication).
 
         The newest step committed (or decodable) on every node of its job, else the newest
-        persisted checkpoint's step, else None.
+        persisted checkpoint's step, else None. The blobs' CRC-32s are checked by `restore`
+        only: a step found damaged there is passed over for an older one.
         """
         cands = recovery.candidates(self.root)
         if cands:
