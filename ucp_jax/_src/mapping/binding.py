@@ -129,7 +129,10 @@ def bind_state(
             shape, dtype, sharding = _leaf_meta(leaf, o.name)
             if o.param is not None:
                 p = by_name[o.param]
-                ctx = LeafContext(o.name, p.ctx.match, mesh_axes(sharding), base=o.param)
+                # a moment mirrors its parameter element for element: its global layout (a
+                # fused kernel's per-shard order) is the parameter's, whatever the moment's own
+                # sharding (on the host, on another mesh): the parameter's mesh axes apply
+                ctx = LeafContext(o.name, p.ctx.match, p.ctx.mesh_axes, base=o.param)
                 b = LeafBinding(o.name, "opt", o.param, o.slot or "", None, p.rule, p.chain, ctx,
                                 shape, dtype, sharding, leaf, p.legacy, impl)  # fmt: skip
             else:

@@ -492,9 +492,24 @@ def chain_pieces(
 
 
 def atom_shapes(chain: PatternChain, ctx: LeafContext, leaf_shape: Sequence[int]) -> dict[str, Any]:
-    """All atoms a leaf maps to, with their shapes and fused marks: {name: (shape, fused)}."""
+    """All atoms a leaf maps to, with their shapes and fused marks: {name: (shape, fused)}.
+
+    Raises:
+        PatternError: two parts of the leaf map to the same place of one atom (a `Stacked`
+            template without `{i}`, a name given twice in `Fused(atoms=...)`): one would be lost.
+    """
     out: dict[str, Any] = {}
+    covered: dict[str, int] = {}
     for p in chain_pieces(chain, ctx, leaf_shape, full_box(leaf_shape)):
         if p.atom is not None:
             out.setdefault(p.atom, (p.atom_shape, p.fused))
+            covered[p.atom] = covered.get(p.atom, 0) + box_size(p.atom_box)
+    for atom, n in covered.items():
+        if n > box_size(full_box(out[atom][0])):
+            raise PatternError(
+                f"{ctx.name}: its rules map several parts of it to the same elements of atom "
+                f"{atom!r} ({n} elements written into {box_size(full_box(out[atom][0]))}), so all "
+                "but one would be lost; give each part its own atom (a Stacked template needs "
+                "'{i}', Fused(atoms=...) distinct names)"
+            )
     return out
