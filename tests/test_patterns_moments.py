@@ -74,3 +74,44 @@ def test_a_fused_atom_named_twice_is_refused(tmp_path):
     rules = [("qkv", ucp.Fused(SIZES, 1, None, atoms=("q", "kv", "kv")))]
     with pytest.raises(ucp.PatternError, match="same elements of atom 'kv'"):
         ucp.save(tmp_path / "ck", {"qkv": qkv}, step=1, rules=rules)
+
+
+@pytest.mark.parametrize("optimizer", ["multi_transform", "masked", "adam"])
+def test_masked_optimizer_states_are_slots_of_their_parameters(tmp_path, optimizer):
+    """optax.multi_transform / optax.masked hold their inner states with `MaskedNode`s where a
+    parameter is left out: those moments mirror the parameters they cover, are slots of their
+    atoms (they were plain leaves, restored in the saved TP order), and come back in TP-2 order
+    from a TP-4 save, as plain adam's do (the control)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    subs = [rng.standard_normal((8, n)).astype(np.float32) for n in SIZES]
+    msub = [rng.standard_normal((8, n)).astype(np.float32) for n in SIZES]
+    rules = [("qkv", ucp.Fused(SIZES, axis=1, shard_axis="tensor"))]
+    opt = {
+        "multi_transform": lambda: optax.multi_transform(
+            {"a": optax.adam(1e-3), "b": optax.sgd(1e-2)}, {"qkv": "a", "bias": "b"}
+        ),
+        "masked": lambda: optax.masked(optax.adam(1e-3), {"qkv": True, "bias": False}),
+        "adam": lambda: optax.adam(1e-3),
+    }[optimizer]()
+    tp4 = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    tp2 = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tensor"))
+    params = {"qkv": jax.device_put(fuse(subs, 4), NamedSharding(tp4, P(None, "tensor"))),
+              "bias": jax.device_put(np.zeros(4, np.float32), NamedSharding(tp4, P()))}  # fmt: skip
+    moment = jax.device_put(fuse(msub, 4), NamedSharding(tp4, P(None, "tensor")))
+    state = jax.tree.map(lambda x: moment if x.shape == (8, 16) else x, opt.init(params))
+    ucp.save(tmp_path / "ck", params, state, step=1, rules=rules)
+    ck = ucp.open(tmp_path / "ck")
+    assert {"exp_avg", "exp_avg_sq"} <= set(ck.atoms["qkv"].slots)
+    np.testing.assert_array_equal(ck.read("qkv", "exp_avg"), np.concatenate(msub, 1))
+    pt = {"qkv": jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(tp2, P(None, "tensor"))),
+          "bias": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(tp2, P()))}  # fmt: skip
+    _, ot = ucp.targets(pt, tp2, {"qkv": P(None, "tensor"), "bias": P()},
+                        opt_state=jax.eval_shape(opt.init, pt))  # fmt: skip
+    got_p, got = ucp.restore(tmp_path / "ck", pt, ot, rules=rules)
+    np.testing.assert_array_equal(np.asarray(got_p["qkv"]), fuse(subs, 2))
+    moments = [np.asarray(x) for x in jax.tree.leaves(got) if x.shape == (8, 16)]
+    assert len(moments) == 2
+    for m in moments:
+        np.testing.assert_array_equal(m, fuse(msub, 2))

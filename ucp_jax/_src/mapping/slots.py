@@ -35,6 +35,11 @@ class OptLeaf:
     leaf: Any
 
 
+def _empty(x: Any) -> bool:
+    """An empty pytree node standing for a left-out parameter (optax's `MaskedNode`)."""
+    return type(x).__name__ == "MaskedNode" and not jax.tree_util.tree_leaves(x)
+
+
 def _shape(x: Any) -> tuple[int, ...] | None:
     s = getattr(x, "shape", None)
     return tuple(s) if s is not None else None
@@ -47,7 +52,8 @@ def classify_opt_state(
 
     A subtree mirrors the parameters when it has the params' tree structure (or their leaf names,
     as when NNX holds them) and leaf shapes (adam's
-    mu/nu, sgd's trace, MultiSteps' acc_grads, ...). Its slot is the field name that holds it,
+    mu/nu, sgd's trace, MultiSteps' acc_grads, ...), some of them possibly left out as
+    `optax.MaskedNode`s (the inner states of `optax.masked` and `multi_transform`). Its slot is the field name that holds it,
     renamed as DeepSpeed names it (mu -> exp_avg, nu -> exp_avg_sq); if two subtrees would share a
     slot name, both use their full path instead.
 
@@ -61,29 +67,42 @@ def classify_opt_state(
         One OptLeaf per leaf of `opt_state`, in jax's leaf order.
     """
     shapes = [tuple(s) for s in param_shapes]
-    mirrors: list[tuple[tuple[Any, ...], str]] = []
+    mirrors: list[tuple[tuple[Any, ...], str, frozenset[str]]] = []
     out: list[OptLeaf] = []
 
-    def is_mirror(node: Any) -> bool:
-        if [_shape(x) for x in jax.tree_util.tree_leaves(node)] != shapes:
-            return False
-        if jax.tree_util.tree_structure(node) == params_def:
-            return True
-        try:  # the same parameter names, held another way (NNX variables, nnx.State, ...)
-            return [n for n, _, _ in named_leaves(node)] == list(param_names)
-        except ValueError:
-            return False
+    def mirrored(node: Any) -> list[str] | None:
+        """The parameter names a subtree mirrors, leaf for leaf, or None. Some parameters may be
+        left out as empty nodes (`optax.masked` / `multi_transform`: `MaskedNode`)."""
+        leaves = jax.tree_util.tree_leaves(node)
+        if [_shape(x) for x in leaves] == shapes:
+            if jax.tree_util.tree_structure(node) == params_def:
+                return list(param_names)
+            try:  # the same parameter names, held another way (NNX variables, nnx.State, ...)
+                if [n for n, _, _ in named_leaves(node)] == list(param_names):
+                    return list(param_names)
+            except ValueError:
+                pass
+        if not leaves or len(leaves) >= len(shapes):
+            return None
+        holes = jax.tree_util.tree_leaves(node, is_leaf=_empty)
+        if jax.tree_util.tree_structure(node, is_leaf=_empty) != params_def:
+            return None
+        kept = [i for i, x in enumerate(holes) if not _empty(x)]
+        if [_shape(holes[i]) for i in kept] != [shapes[i] for i in kept]:
+            return None
+        return [param_names[i] for i in kept]
 
     def walk(node: Any, path: tuple[Any, ...], npath: tuple[Any, ...], container: str) -> None:
         # path: jax's key path; npath: the same without the `.value` of NNX variables
         if not jax.tree_util.tree_leaves(node):
             return
         field = key_to_str(npath[-1]) if npath else "state"
-        if shapes and is_mirror(node):
+        names = mirrored(node) if shapes else None
+        if names is not None:
             slot = SLOT_ALIASES.get(field, field)
-            mirrors.append((path, slot))
+            mirrors.append((path, slot, frozenset(names)))
             head = path_to_name(npath, OPT_PREFIX)
-            for (sub_name, sub, leaf), pname in zip(named_leaves(node), param_names):
+            for (sub_name, sub, leaf), pname in zip(named_leaves(node), names):
                 name = f"{head}.{sub_name}" if sub_name else head
                 out.append(OptLeaf(path + tuple(sub), name, pname, slot, None, leaf))
             return
@@ -100,11 +119,14 @@ def classify_opt_state(
             walk(child, path + sub, npath + nsub, kind)
 
     walk(opt_state, (), (), type(opt_state).__name__)
-    # Resolve clashing slot names (e.g. two momentum traces in one chain) by their full path.
-    counts: dict[str, int] = {}
-    for _, slot in mirrors:
-        counts[slot] = counts.get(slot, 0) + 1
-    clashing = {p: path_to_name(p) for p, s in mirrors if counts[s] > 1}
+    # Resolve clashing slot names (e.g. two momentum traces in one chain) by their full path;
+    # masked states of disjoint parameters (multi_transform's) share their slot names.
+    claimed: dict[tuple[str, str], int] = {}
+    for _, slot, names in mirrors:
+        for n in names:
+            claimed[(n, slot)] = claimed.get((n, slot), 0) + 1
+    twice = {s for (_, s), k in claimed.items() if k > 1}
+    clashing = {p: path_to_name(p) for p, s, _ in mirrors if s in twice}
     if clashing:
         fixed = []
         for leaf in out:
