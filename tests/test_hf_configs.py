@@ -288,6 +288,16 @@ def test_generation_config_goes_through(tmp_path: Path) -> None:
     got = T.GenerationConfig.from_pretrained(tmp_path / "out").to_dict()
     want.pop("transformers_version"), got.pop("transformers_version")
     assert got == want and got["eos_token_id"] == [2, 7, 9]
+    # a model trained in JAX and saved with ucp_extra(cfg, source=<its import>) keeps it too
+    cfg = L.config_from_checkpoint(ck)
+    params, _ = ucp.restore(ck, L.abstract_params(cfg, Layout(), L.make_mesh(Layout())),
+                            rules=L.ucp_rules(cfg, Layout()))  # fmt: skip
+    ucp.save(tmp_path / "ft", params, rules=L.ucp_rules(cfg, Layout()),
+             extra=L.ucp_extra(cfg, source=ck))  # fmt: skip
+    export_hf(tmp_path / "ft", tmp_path / "out_ft")
+    got = T.GenerationConfig.from_pretrained(tmp_path / "out_ft").to_dict()
+    got.pop("transformers_version")
+    assert got == want
     # a folder without one exports without one (transformers then derives it from config.json)
     src2 = tmp_path / "hf2"
     shutil.copytree(src, src2)

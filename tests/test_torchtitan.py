@@ -310,3 +310,27 @@ def test_bounded_reads(tmp_path):
         pickle.dump(md, f)
     with pytest.raises(DCPFormatError, match="w2"):
         import_torchtitan(bad, tmp_path / "u", heads=HEADS)
+
+
+def test_a_jax_adam_count_is_every_exported_step(imported, tmp_path):
+    """One more JAX step (optax's count 2 -> 3), saved without `step=`: torchtitan's and the
+    Hugging Face-named DCP export write 3 as every parameter's Adam step (they wrote the
+    checkpoint's step, None -> 0: a resumed torch AdamW would redo its bias correction)."""
+    cfg, mesh, params, state = _restore(imported["np1"], Layout(), _adamw(1e-3))
+    rec = RECORDS["fixed"][0]
+    tokens = np.load(os.path.join(DATA, "fixed", f"tokens_step{rec['step']}.npy"))
+    step = L.make_train_step(cfg, Layout(), mesh, _adamw(1e-3))
+    params, state, _ = step(params, state, tokens.astype(np.int32))
+    ucp.save(
+        tmp_path / "j", params, state, extra=L.ucp_extra(cfg), rules=L.ucp_rules(cfg, Layout())
+    )
+    assert ucp.open(tmp_path / "j").step is None
+    export_torchtitan(tmp_path / "j", tmp_path / "tt", progress=False)
+    export_dcp(tmp_path / "j", tmp_path / "hf", names="hf", progress=False)
+    for out in ("tt", "hf"):
+        sd = merged(str(tmp_path / out), tmp_path)
+        steps = {k: float(v) for k, v in sd.items() if k.endswith(".step")}
+        assert steps and set(steps.values()) == {3.0}, (
+            out,
+            {k: v for k, v in steps.items() if v != 3.0},
+        )

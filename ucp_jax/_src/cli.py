@@ -135,7 +135,10 @@ _FLOATS = "as float32, bfloat16 or float16 (fp32, bf16, fp16; default: as stored
 def _add_torch_commands(sub: Any) -> None:
     """`ucp convert deepspeed|safetensors|hf|dcp|megatron|torchtitan|orbax|maxtext SRC DST`;
     `ucp export deepspeed-universal|hf|megatron|torchtitan|dcp|maxtext|orbax SRC DST`."""
-    conv = sub.add_parser("convert", help="import a PyTorch checkpoint as a universal checkpoint")
+    conv = sub.add_parser(
+        "convert",
+        help="import a checkpoint of another trainer (PyTorch, Orbax, MaxText) as a universal one",
+    )
     kinds = conv.add_subparsers(dest="kind", required=True)
     p = kinds.add_parser(
         "deepspeed", help="DeepSpeed ZeRO-1/2/3 folder (or ds_to_universal output)"

@@ -450,19 +450,30 @@ def _gpt_config(cfg: Mapping[str, Any], where: str) -> LlamaConfig:
     )  # fmt: skip
 
 
-def ucp_extra(config: LlamaConfig) -> dict[str, Any]:
+def ucp_extra(config: LlamaConfig, source: Any = None) -> dict[str, Any]:
     """What to pass as ``extra=`` to ``ucp.save`` so that ``export_hf`` finds the config.
 
     Args:
         config: the model configuration.
+        source: the checkpoint the model came from (``import_hf``'s): what it kept of the
+            Hugging Face folder beyond ``config.json`` (``generation_config.json``: end tokens,
+            sampling defaults) is carried over, so the export writes it back.
 
     Returns:
-        ``{"hf_config": <config.json dict>}``.
+        ``{"hf_config": <config.json dict>}``, with ``"hf_generation_config"`` from `source`.
 
     >>> ucp_extra(LlamaConfig())["hf_config"]["model_type"]
     'llama'
     """
-    return {"hf_config": config.to_hf()}
+    out: dict[str, Any] = {"hf_config": config.to_hf()}
+    if source is not None:
+        from .checkpoint import Checkpoint
+
+        ck = source if isinstance(source, Checkpoint) else Checkpoint(source)
+        kept = ck.manifest.extra if isinstance(ck.manifest.extra, dict) else {}
+        if isinstance(kept.get("hf_generation_config"), dict):
+            out["hf_generation_config"] = kept["hf_generation_config"]
+    return out
 
 
 def config_from_checkpoint(path: Any) -> LlamaConfig:

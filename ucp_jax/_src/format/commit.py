@@ -122,7 +122,7 @@ class Staging:
                 index.heal(self.final, marker)
             raise FileExistsError(
                 f"{self.final.url} already holds a committed checkpoint; pass overwrite=True "
-                "or save to a new path"
+                "(--overwrite) or save to a new path"
             )
 
     def prepare(self) -> None:

@@ -20,6 +20,7 @@ from ...format.manifest import PARAM_SLOT
 from ...llama_config import LlamaConfig
 from . import llama_names as N
 from .dcp_write import LazyTensor
+from .optax_count import adam_step
 from .torch_arrays import to_torch, torch_dtype
 
 
@@ -85,7 +86,8 @@ def optimizer_entries(
     """``prefix + <param>.<slot>`` -> LazyTensor of every optimizer slot of every parameter.
 
     With ``fuse_qkv`` (torchtitan), q / k / v make one ``wqkv`` parameter. A scalar slot (AdamW's
-    ``step``) is written once per parameter; without one, the checkpoint's step is used.
+    ``step``) is written once per parameter; without one, optax's count (else the checkpoint's
+    step) is used.
     """
     slots = param_slots(ck, cfg)
     if not slots:
@@ -102,7 +104,7 @@ def optimizer_entries(
         for slot in slots:
             info = ck.atoms[atom].slots.get(slot)
             if info is None or ck.atoms[atom].slot_shape(slot) == ():
-                value = ck.read(atom, slot) if info is not None else np.float32(ck.step or 0)
+                value = ck.read(atom, slot) if info is not None else np.float32(adam_step(ck))
                 t = to_torch(np.asarray(value, np.float32))
                 out[f"{prefix}{param}.{slot}"] = LazyTensor((), torch.float32, _const(t))
                 continue

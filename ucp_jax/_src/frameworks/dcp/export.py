@@ -32,6 +32,7 @@ from ...format.manifest import PARAM_SLOT
 from ...llama_config import config_from_checkpoint
 from ..common import llama_export as X
 from ..common.dcp_write import LazyTensor, RawBlob, write_dcp
+from ..common.optax_count import adam_step
 from ..common.torch_arrays import to_torch, torch_dtype
 
 NAMES = ("atoms", "hf", "torchtitan")
@@ -57,9 +58,7 @@ def _atom_entries(ck: Checkpoint, model: str, optim: str, optimizer: bool) -> di
     Adam moments without a ``step`` slot (state saved by JAX: optax keeps one count) get one
     per parameter, as torch keeps it: optax's count (else the checkpoint's step)."""
     unprefixed = set(_dcp_source(ck).get("unprefixed") or ())
-    counts = {float(ck.read(n, next(iter(a.slots)))) for n, a in ck.atoms.items()
-              if a.role and a.role.endswith(".count") and tuple(a.shape) == ()}  # fmt: skip
-    adam_step = counts.pop() if len(counts) == 1 else float(ck.step or 0)  # optax's count
+    step_value = adam_step(ck)  # optax's count
     out: dict[str, Any] = {}
     for name, info in ck.atoms.items():
         for slot, s in info.slots.items():
@@ -75,7 +74,7 @@ def _atom_entries(ck: Checkpoint, model: str, optim: str, optimizer: bool) -> di
 
             out[key] = LazyTensor(tuple(info.slot_shape(slot)), torch_dtype(s.dtype), load)
         if optimizer and info.role is None and "exp_avg" in info.slots and "step" not in info.slots:
-            step: torch.Tensor = to_torch(np.asarray(adam_step, np.float32))
+            step: torch.Tensor = to_torch(np.asarray(step_value, np.float32))
             out[f"{optim}state.{name}.step"] = LazyTensor((), torch.float32, step.clone)
     return out
 

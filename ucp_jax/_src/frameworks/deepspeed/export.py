@@ -31,6 +31,7 @@ from ...format import space
 from ...format.manifest import PARAM_SLOT, STEP_SLOT
 from ...mapping.patterns import Partitioned, VocabPadded, chain_from_json
 from ...untrusted.paths import check_component, join_inside
+from ..common.optax_count import optax_count
 from ..common.progress import Progress
 from ..common.torch_arrays import to_torch
 
@@ -38,17 +39,6 @@ DS_VERSION = "0.19.8"  # written when the source was not DeepSpeed; DeepSpeed ch
 MOMENT_SLOTS = ("exp_avg", "exp_avg_sq")
 EMPTY_GROUPS = 64  # DeepSpeed zips these with its own param groups: extra empty ones are ignored
 _EXPERT_RE = re.compile(r"^(?P<pre>.*\.deepspeed_experts\.)(?P<e>\d+)(?P<post>\..*)$")
-
-
-def _count(ck: Checkpoint) -> float | None:
-    """The optimizer step of a checkpoint saved from optax: its Adam-like count atom."""
-    roles = {n: a.role for n, a in ck.atoms.items() if a.role and a.role.endswith(".count")}
-    if not roles:
-        return None
-    pick = [n for n, r in roles.items() if r == "ScaleByAdamState.count"] or sorted(roles)
-    name = pick[0]
-    slot = next(iter(ck.atoms[name].slots))
-    return float(np.asarray(ck.read(name, slot)))
 
 
 def _save(obj: Any, path: str) -> None:
@@ -104,7 +94,9 @@ def export_deepspeed_universal(
     src = (ck.manifest.source or {}).get("deepspeed") or {}
     stacks = _expert_stacks(params, _ep_of(expert_parallel, src))
     if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
+        raise FileExistsError(
+            f"{dst} exists; pass overwrite=True (--overwrite) or export to a new folder"
+        )
     largest = max((ck.atoms[a].nbytes for a in params), default=0)  # a whole atom, as fp32 too
     space.require_memory(3 * largest, f"{dst}: the export", space.EXPORT_FIX)
     bar = Progress(progress, sum(ck.atoms[a].nbytes for a in params), "ucp export")
@@ -112,7 +104,7 @@ def export_deepspeed_universal(
         with space.folder_in_place(dst, "the export") as tmp:  # an old dst goes at the end
             zero = os.path.join(tmp, "zero")
             os.makedirs(zero)
-            shapes, step_value = _write_params(ck, params, stacks, zero, _count(ck), bar)
+            shapes, step_value = _write_params(ck, params, stacks, zero, optax_count(ck), bar)
             groups = param_groups if param_groups is not None else src.get("param_groups")
             groups = [_group(g) for g in groups or [{} for _ in range(EMPTY_GROUPS)]]
             version = src.get("ds_version") or DS_VERSION

@@ -225,7 +225,9 @@ def write_folder(
     """
     dst = os.path.abspath(os.fspath(dst))
     if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"{dst} exists; pass overwrite=True or export to a new folder")
+        raise FileExistsError(
+            f"{dst} exists; pass overwrite=True (--overwrite) or export to a new folder"
+        )
     for t in tensors:
         check_component(t.name, f"export: tensor name {t.name!r}")
     shards = shard(tensors, parse_size(max_shard_size))

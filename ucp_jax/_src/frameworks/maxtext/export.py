@@ -189,7 +189,8 @@ def export_maxtext(
     if step_dir is None:
         if ck.step is None or ck.step < 1:
             raise MaxTextFormatError(
-                f"{ck.path}: step {ck.step}: MaxText's folder N holds step N + 1; pass step_dir"
+                f"{ck.path}: step {ck.step}: MaxText's folder N holds step N + 1; pass step_dir= (--step-dir) "
+                "(0 for a model that never trained, as one imported from Hugging Face)"
             )
         step_dir = int(ck.step) - 1
     state = maxtext_state(ck, model, params_only=params_only)

@@ -24,6 +24,7 @@ from ...errors import UcpError
 from ...llama_config import config_from_checkpoint
 from ..common import llama_export as X
 from ..common.dcp_write import write_dcp
+from ..common.optax_count import adam_step
 
 
 class TorchtitanExportError(UcpError, ValueError):
@@ -110,7 +111,8 @@ def export_torchtitan(
     extra = ck.manifest.extra if isinstance(ck.manifest.extra, dict) else {}
     found = extra.get("torchtitan")
     tt: dict[str, Any] = found if isinstance(found, dict) else {}
-    step = int(ck.step or 0)
+    # the training step: the checkpoint's, else (saved from JAX without one) optax's count
+    step = int(ck.step) if ck.step is not None else int(adam_step(ck))
     try:
         entries = X.model_entries(ck, cfg, "torchtitan")
     except KeyError as e:
