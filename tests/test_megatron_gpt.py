@@ -320,12 +320,13 @@ def test_refuses_what_the_model_does_not_compute(mcore_gpt_ckpts, tmp_path):  # 
 
 
 def _with_megatron_lm_args(mcore_gpt_ckpts, dst, *flags: str) -> str:  # noqa: F811
-    """g_tp2's tensors with the `args` Megatron-LM's own parse_args gives (tests/mcore/real_args.py)."""
+    """g_tp2's tensors with the `args` Megatron-LM's own parse_args gives (tests/mcore/megatron_lm.py)."""
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "mcore", "real_args.py")
-    subprocess.run([sys.executable, script, mcore_gpt_ckpts.torch_save("g_tp2"), str(dst), *flags],
+    script = os.path.join(os.path.dirname(__file__), "mcore", "megatron_lm.py")
+    subprocess.run([sys.executable, script, "args", mcore_gpt_ckpts.torch_save("g_tp2"), str(dst),
+                    *flags],
                    check=True, capture_output=True, timeout=300)  # fmt: skip
     return str(dst)
 
@@ -379,8 +380,8 @@ def test_megatron_lm_finds_the_export_and_the_import_takes_its_save_folder(impor
     save = tmp_path / "save"
     out = export_megatron(imported["g_tp2"], save / "iter_0000002")
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
-    script = os.path.join(os.path.dirname(__file__), "mcore", "mlm_lookup.py")
-    run = subprocess.run([sys.executable, script, str(save)], capture_output=True, text=True,
+    script = os.path.join(os.path.dirname(__file__), "mcore", "megatron_lm.py")
+    run = subprocess.run([sys.executable, script, "lookup", str(save)], capture_output=True, text=True,
                          timeout=300, check=True)  # fmt: skip
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {"found": out, "loaded": True}
     back = ucp.Checkpoint(import_megatron(save, tmp_path / "u", heads=HEADS, vocab_size=VOCAB))

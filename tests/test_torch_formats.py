@@ -425,6 +425,17 @@ def test_dcp_entries_of_every_kind_come_back_as_saved(tmp_path):
         assert torch.equal(t, m2.state_dict()[k]), k
 
 
+def _dcp_saved(make, folder):
+    """A torch model and optimizer from `make(0)`, saved as DCP {"model", "optim"} in `folder`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m, o = make(0)
+    msd, osd = get_state_dict(m, o)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(folder), no_dist=True)
+    return m, o
+
+
 def test_dcp_of_a_model_whose_own_names_start_with_the_prefix(tmp_path):
     """Hugging Face's *ForCausalLM keeps its layers under `model.`: the model's DCP entries are
     `model.model.<...>`, the optimizer's `optim.state.model.<...>`; both land on one atom, and the
@@ -445,9 +456,7 @@ def test_dcp_of_a_model_whose_own_names_start_with_the_prefix(tmp_path):
         o.step()
         return m, o
 
-    m, o = make(0)
-    msd, osd = get_state_dict(m, o)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "src"), no_dist=True)
+    _, o = _dcp_saved(make, tmp_path / "src")
     ck = ucp.open(import_dcp(tmp_path / "src", tmp_path / "u", progress=False))
     assert sorted(ck.atoms) == ["lm_head.weight", "model.proj.bias", "model.proj.weight"]
     for atom in ck.atoms.values():
@@ -490,9 +499,7 @@ def test_jax_adam_state_exported_to_dcp_resumes_torch_adam(tmp_path):
             o.zero_grad()
         return m, o
 
-    m, o = make(0)
-    msd, osd = get_state_dict(m, o)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    m, o = _dcp_saved(make, tmp_path / "dcp")
     ck = ucp.open(import_dcp(tmp_path / "dcp", tmp_path / "u", progress=False))
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
     target: dict = {}

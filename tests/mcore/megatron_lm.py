@@ -1,11 +1,16 @@
-"""Replace the `args` of a Megatron checkpoint's common state with Megatron-LM's own.
+"""Megatron-LM itself (its training package, not megatron-core alone), for two referees:
 
-    python real_args.py SRC.pt DST [megatron-lm flags...]
+    python megatron_lm.py args SRC.pt DST [megatron-lm flags...]
+    python megatron_lm.py lookup DIR
 
-SRC.pt: torch's `dcp_to_torch_save` of a checkpoint (every tensor and the common state); DST: a
-torch_dist folder of the same tensors whose `args` are what `megatron.training.arguments
-.parse_args()` gives for the model's shape and the flags, as Megatron-LM's `pretrain_gpt.py`
-saves them (an argparse.Namespace holding enums: `attention_backend`, `exit_signal`).
+`args`: SRC.pt is torch's `dcp_to_torch_save` of a checkpoint (every tensor and the common
+state); DST becomes a torch_dist folder of the same tensors whose `args` are what
+`megatron.training.arguments.parse_args()` gives for the model's shape and the flags, as
+Megatron-LM's `pretrain_gpt.py` saves them (an argparse.Namespace holding enums:
+`attention_backend`, `exit_signal`).
+`lookup`: Megatron-LM's own checkpoint lookup on a save folder (what `--load DIR` does first);
+prints one JSON line: the folder `checkpointing._load_base_checkpoint` found (null: none, so
+Megatron-LM would start from random weights) and whether its state dict loaded.
 Runs in its own process: Megatron-LM's training package is imported here, never by the tests.
 """
 
@@ -31,8 +36,19 @@ typing.override = getattr(typing, "override", lambda f: f)  # type: ignore[attr-
 HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ, VOCAB = 32, 4, 2, 48, 4, 16, 64
 
 
-def main() -> None:
-    src, dst, *flags = sys.argv[1:]
+def lookup(load: str) -> None:
+    sys.argv = ["pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "32",
+                "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings",
+                "16", "--micro-batch-size", "2", "--ckpt-format", "torch_dist", "--load", load]  # fmt: skip
+    from megatron.training import checkpointing
+    from megatron.training.arguments import parse_args
+
+    args = parse_args()
+    state, name, _release, _kind = checkpointing._load_base_checkpoint(load, args, rank0=True)
+    print(json.dumps({"found": name, "loaded": state is not None}))
+
+
+def with_args(src: str, dst: str, *flags: str) -> None:
     from megatron.training.arguments import parse_args
 
     argv = ["pretrain_gpt.py", "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
@@ -55,4 +71,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "lookup":
+        lookup(sys.argv[2])
+    else:
+        with_args(*sys.argv[2:])
