@@ -51,11 +51,11 @@ def classify_opt_state(
     """Split an optax state into parameter-mirroring leaves and the rest.
 
     A subtree mirrors the parameters when it has the params' tree structure (or their leaf names,
-    as when NNX holds them) and leaf shapes (adam's
-    mu/nu, sgd's trace, MultiSteps' acc_grads, ...), some of them possibly left out as
-    `optax.MaskedNode`s (the inner states of `optax.masked` and `multi_transform`). Its slot is the field name that holds it,
-    renamed as DeepSpeed names it (mu -> exp_avg, nu -> exp_avg_sq); if two subtrees would share a
-    slot name, both use their full path instead.
+    as when NNX holds them) and leaf shapes (adam's mu/nu, sgd's trace, MultiSteps' acc_grads,
+    ...), some of them possibly left out as `optax.MaskedNode`s (the inner states of
+    `optax.masked` and `multi_transform`). Its slot is the field name that holds it, renamed as
+    DeepSpeed names it (mu -> exp_avg, nu -> exp_avg_sq); if two subtrees would give one
+    parameter the same slot name, they use their full paths instead.
 
     Args:
         opt_state: the optax state (arrays or ShapeDtypeStructs).

@@ -13,7 +13,6 @@ with every process (one small exchange) so that all restore the same step the sa
 from __future__ import annotations
 
 import dataclasses
-import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -21,8 +20,6 @@ import jax
 from . import exchange
 from .candidate import Candidate
 from .shm import DATA, Blob, blob_crc
-
-log = logging.getLogger("ucp_jax")
 
 
 def checker(node: int, present: dict[int, list[int]]) -> int:
