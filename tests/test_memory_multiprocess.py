@@ -351,3 +351,22 @@ def test_cluster_xor_decodes_a_lost_machine_from_bytes_of_the_others(machines):
     assert reports[2]["lost"] == [2]
     assert reports[2]["fetched_bytes"] > 0  # lanes and parity of nodes 0, 1 and 3
     assert "decoded from xor" in machines["xor_replaced_log"]
+
+
+def test_a_snapshot_damaged_before_its_persist_is_persisted_by_no_process(tmp_path_factory):
+    """A byte of process 1's step-2 snapshot flipped after its commit, before its persist: every
+    process skips that persist alike (one process raising alone left the other in the next
+    snapshot's collective: the job hung), logs why, and training goes on to the end."""
+    with _scenario(tmp_path_factory, "persist_damage") as (root, _, base):
+        job = Job(root, "train", 2, 4, mode="train", steps=3, persist_every=2,
+                  redundancy="replica", persist_damage={"pid": 1, "step": 2}, **base)  # fmt: skip
+        job.wait_for("SNAPSHOTS DONE")
+        reports = job.reports()
+        job.kill_all()
+        assert [sorted(r["digests"]) for r in reports] == [["1", "2", "3", "4"]] * 2
+        for i in range(2):
+            assert "step 2 not persisted (on any process)" in job.stderr(i)
+            assert "process(es) [1]" in job.stderr(i)
+        import ucp_jax as ucp
+
+        assert ucp.list_checkpoints(base["ckpt"]) == []

@@ -160,6 +160,19 @@ def main() -> None:
     timing["init"] = time.perf_counter() - T0
     from ucp_jax.memory import SnapshotManager
 
+    damage = cfg.get("persist_damage")  # {"pid", "step"}: flip a byte of that snapshot's blob
+    if damage and damage["pid"] == cfg["pid"]:  # after its commit, just before its persist
+        from ucp_jax._src.memory import persist
+
+        write = persist.write
+
+        def damaged_write(job: Any, blob: Any, *a: Any, **k: Any) -> bool:
+            if job.manifest.step == damage["step"]:
+                blob.array[blob.nbytes // 2] ^= 0xFF
+            return write(job, blob, *a, **k)
+
+        persist.write = damaged_write
+
     devs = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
     mesh = jax.sharding.Mesh(devs.reshape(n, -1), ("data", "model"))
     mgr = SnapshotManager(

@@ -150,6 +150,7 @@ class SnapshotManager:
         self._peers = extras.PeerExchange(f"ucp-memory/{self.namespace}/{self.run}/extra")
         self._extra_seq: int | None = None
         self._fill_s = 0.0
+        self._persist_seq = 0
 
     # ------------------------------------------------------------------------------- snapshot
 
@@ -373,12 +374,14 @@ class SnapshotManager:
                 self._persisting.result()  # one persist at a time, in step order
             with self._lock:
                 self._pinned.add(entry.path)
-            self._persisting = self._persister.submit(self._persist, job, entry, layout)
+            self._persist_seq += 1  # (the same sequence on every process: snapshots in order)
+            tag = f"ucp-memory/{self.namespace}/{self.run}/persist-{self._persist_seq}"
+            self._persisting = self._persister.submit(self._persist, job, entry, layout, tag)
         self._retire()
 
-    def _persist(self, job: Any, entry: Any, layout: SnapshotLayout) -> None:
+    def _persist(self, job: Any, entry: Any, layout: SnapshotLayout, tag: str) -> None:
         try:
-            persist.write(job, self.store.live[entry.path], layout, self.node, entry.crc32)
+            persist.write(job, self.store.live[entry.path], layout, self.node, entry.crc32, tag)
         finally:
             with self._lock:
                 self._pinned.discard(entry.path)

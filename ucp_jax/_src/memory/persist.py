@@ -7,12 +7,14 @@ background, from the pieces' bytes in shared memory: the devices are never read 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from typing import Any
 
-from ..errors import ChecksumError
+import jax
+
 from ..mapping.boxes import box_shape
 from ..mapping.rules import Rule
 from ..save import SaveJob
@@ -45,21 +47,38 @@ def make_job(directory: Any, step: int, params: Any, opt_state: Any, rules: tupl
                    extra=manifest_extra(extras), overwrite=True)  # fmt: skip
 
 
-def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int, crc32: int | None = None
-          ) -> None:  # fmt: skip
+def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int, crc32: int | None = None,
+          tag: str = "") -> bool:  # fmt: skip
     """Write this process's share of the checkpoint from the snapshot's bytes, then commit.
 
-    Raises:
-        ChecksumError: the snapshot's bytes no longer match `crc32`, the CRC-32 of its commit
-            (damaged in shared memory since): nothing is written.
+    Every process first checks its snapshot's bytes against `crc32`, the CRC-32 of its commit,
+    and (with `tag`, several processes) all agree on the verdict: a snapshot damaged in shared
+    memory since its commit is persisted by no process (its bytes would be sealed with fresh
+    checksums and pass every later check), and every process goes on training alike (an error
+    raised on some processes only would leave the others in the next collective). Logged as
+    an error; the next persisted snapshot is written from fresh bytes.
+
+    Returns:
+        Whether the checkpoint was written.
     """
     t0 = time.perf_counter()
+    why = ""
     if crc32 is not None and (got := blob_crc(blob.array)) != crc32:
-        raise ChecksumError(
-            f"ucp.memory: not persisting step {job.manifest.step}: {blob.path} has CRC-32 "
-            f"{got:#010x}, not the {crc32:#010x} it was committed with (damaged in shared "
-            "memory since); the next persisted snapshot is written from fresh bytes"
-        )
+        why = f"{blob.path} has CRC-32 {got:#010x}, not the {crc32:#010x} it was committed with"
+    verdicts = [why]
+    if tag and jax.process_count() > 1:
+        from .exchange import allgather_json
+
+        verdicts = allgather_json(why, f"{tag}/crc")
+    bad = [(i, w) for i, w in enumerate(verdicts) if w]
+    if bad:
+        with contextlib.suppress(Exception):
+            job.staging.release()
+        log.error("ucp.memory: step %s not persisted (on any process): the snapshot of "
+                  "process(es) %s was damaged in shared memory since its commit (%s); the next "
+                  "persisted snapshot is written from fresh bytes", job.manifest.step,
+                  [i for i, _ in bad], bad[0][1])  # fmt: skip
+        return False
     by_key = {(layout.leaves[p.leaf].name, p.box): p for p in layout.by_node[node]}
     host = []
     for t in job.tasks:
@@ -78,6 +97,7 @@ def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int, crc32: in
         job.loc.url,
         time.perf_counter() - t0,
     )
+    return True
 
 
 def remove_steps(directory: Any, steps: list[int]) -> None:
