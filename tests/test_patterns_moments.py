@@ -115,3 +115,54 @@ def test_masked_optimizer_states_are_slots_of_their_parameters(tmp_path, optimiz
     assert len(moments) == 2
     for m in moments:
         np.testing.assert_array_equal(m, fuse(msub, 2))
+
+
+@pytest.mark.parametrize("optimizer", ["prefix_mask", "prefix_labels", "lookahead"])
+def test_moments_of_part_of_the_params_follow_their_parameters(tmp_path, optimizer):
+    """A prefix mask (one MaskedNode for a whole subtree), prefix labels of multi_transform, and
+    lookahead's fast_state (the state of params.fast only) mirror the parameters they cover by
+    name: their moments are slots of those atoms, back in TP-2 order from a TP-4 save."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    subs = [rng.standard_normal((8, n)).astype(np.float32) for n in SIZES]
+    msub = [rng.standard_normal((8, n)).astype(np.float32) for n in SIZES]
+    tp4 = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    tp2 = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tensor"))
+
+    def tree(qkv, mesh):
+        spec = NamedSharding(mesh, P(None, "tensor"))
+        rep = NamedSharding(mesh, P())
+        if isinstance(qkv, np.ndarray):
+            put = jax.device_put
+        else:
+            put = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+        mlp = np.ones((4, 4), np.float32)
+        t = {"attn": {"qkv": put(qkv, spec)}, "mlp": {"kernel": put(mlp, rep)}}
+        return optax.LookaheadParams(t, t) if optimizer == "lookahead" else t
+
+    if optimizer == "prefix_mask":
+        opt = optax.masked(optax.adam(1e-3), {"attn": True, "mlp": False})
+    elif optimizer == "prefix_labels":
+        opt = optax.multi_transform({"a": optax.adam(1e-3), "z": optax.set_to_zero()},
+                                    {"attn": "a", "mlp": "z"})  # fmt: skip
+    else:
+        opt = optax.lookahead(optax.adam(1e-3), sync_period=5, slow_step_size=0.5)
+    names = r"(fast\.|slow\.)?attn\.qkv" if optimizer == "lookahead" else r"attn\.qkv"
+    rules = [(names, ucp.Fused(SIZES, axis=1, shard_axis="tensor"))]
+    params = tree(fuse(subs, 4), tp4)
+    moment = jax.device_put(fuse(msub, 4), NamedSharding(tp4, P(None, "tensor")))
+    state = jax.tree.map(lambda x: moment if x.shape == (8, 16) else x, opt.init(params))
+    ucp.save(tmp_path / "ck", params, state, step=1, rules=rules)
+    ck = ucp.open(tmp_path / "ck")
+    atom = "fast.attn.qkv" if optimizer == "lookahead" else "attn.qkv"
+    np.testing.assert_array_equal(ck.read(atom, "exp_avg"), np.concatenate(msub, 1))
+    pt = tree(jnp.zeros((8, 16), jnp.float32), tp2)
+    rep = NamedSharding(tp2, P())
+    ot = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                      jax.eval_shape(opt.init, pt))  # fmt: skip
+    _, got = ucp.restore(tmp_path / "ck", pt, ot, rules=rules)
+    moments = [np.asarray(x) for x in jax.tree.leaves(got) if x.shape == (8, 16)]
+    assert len(moments) == 2
+    for m in moments:
+        np.testing.assert_array_equal(m, fuse(msub, 2))

@@ -67,6 +67,11 @@ def classify_opt_state(
         One OptLeaf per leaf of `opt_state`, in jax's leaf order.
     """
     shapes = [tuple(s) for s in param_shapes]
+    by_name: dict[str, tuple[int, ...] | None] = dict(zip(param_names, shapes))
+    prefixes: dict[str, list[str]] = {}  # a name's tail after a '.' -> the heads before it
+    for n in param_names:
+        for at in [0, *(i + 1 for i, c in enumerate(n) if c == ".")]:
+            prefixes.setdefault(n[at:], []).append(n[:at])
     mirrors: list[tuple[tuple[Any, ...], str, frozenset[str]]] = []
     out: list[OptLeaf] = []
 
@@ -82,15 +87,32 @@ def classify_opt_state(
                     return list(param_names)
             except ValueError:
                 pass
-        if not leaves or len(leaves) >= len(shapes):
+        if not leaves or len(leaves) > len(shapes):
             return None
         holes = jax.tree_util.tree_leaves(node, is_leaf=_empty)
-        if jax.tree_util.tree_structure(node, is_leaf=_empty) != params_def:
+        if jax.tree_util.tree_structure(node, is_leaf=_empty) == params_def:
+            kept = [i for i, x in enumerate(holes) if not _empty(x)]
+            if [_shape(holes[i]) for i in kept] == [shapes[i] for i in kept]:
+                return [param_names[i] for i in kept]
+        return by_names(node)
+
+    def by_names(node: Any) -> list[str] | None:
+        """A subtree whose leaves are named as parameters (under one common prefix), with their
+        shapes: a prefix mask's state (one `MaskedNode` for a whole subtree), an NNX state with
+        parameters left out, a state of part of the params (`lookahead`'s `fast_state`)."""
+        try:
+            named = named_leaves(node)
+        except ValueError:
             return None
-        kept = [i for i, x in enumerate(holes) if not _empty(x)]
-        if [_shape(holes[i]) for i in kept] != [shapes[i] for i in kept]:
+        if not named or any(not sub for sub, _, _ in named):
             return None
-        return [param_names[i] for i in kept]
+        for prefix in prefixes.get(named[0][0], ()):
+            names = [prefix + sub for sub, _, _ in named]
+            if len(set(names)) == len(names) and all(
+                by_name.get(n, ()) == _shape(leaf) for n, (_, _, leaf) in zip(names, named)
+            ):
+                return names
+        return None
 
     def walk(node: Any, path: tuple[Any, ...], npath: tuple[Any, ...], container: str) -> None:
         # path: jax's key path; npath: the same without the `.value` of NNX variables
