@@ -477,7 +477,7 @@ def test_damaged_snapshot_bytes_are_never_restored(tmp_path, shm_dir, caplog, wh
     with caplog.at_level(logging.WARNING, logger="ucp_jax"):
         p, o = again.restore(pt, ot)
     assert (again.restored.step, again.restored.source) == (4, "memory")
-    assert "step 5: node(s) [0] fail their CRC-32 check" in caplog.text
+    assert "step 5: node(s) [0] fail their CRC-32 check (node 0: " in caplog.text
     assert_tree_bitexact(jax.device_get((p, o)), hist[4])
     again.close()
     _damage(node / "step_4" / shm.DATA)

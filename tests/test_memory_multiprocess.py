@@ -290,7 +290,7 @@ def test_xor_parity_rebuilds_a_node_damaged_in_shared_memory(xor):
     # node, never read as it is
     _check(xor["damaged"], xor["train"], 3, "redundancy")
     assert xor["damaged"][0]["lost"] == [2]
-    assert "node(s) [2] fail their CRC-32 check" in xor["damaged_log"]
+    assert "node(s) [2] fail their CRC-32 check (node 2: " in xor["damaged_log"]
 
 
 def test_xor_two_lost_nodes_fall_back(xor):

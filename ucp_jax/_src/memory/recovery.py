@@ -255,7 +255,8 @@ def recover(
         if damaged:
             chosen = integrity.without(chosen, damaged)
             log.warning("ucp.memory: step %d: node(s) %s fail their CRC-32 check (%s); counted "
-                        "as lost", chosen.step, sorted(damaged), next(iter(damaged.values())))  # fmt: skip
+                        "as lost", chosen.step, sorted(damaged),
+                        "; ".join(f"node {n}: {w}" for n, w in sorted(damaged.items())))  # fmt: skip
             bad = [n for n in chosen.lost if not _decodable(chosen.layout, n, chosen.present)]
             if bad:
                 for b in opened.values():
