@@ -326,7 +326,7 @@ def test_digests_are_zlibs_crc32_so_older_snapshots_still_verify():
     """zlib-ng computes the digests now; the values are zlib's CRC-32, as before."""
     import zlib
 
-    from ucp_jax._src.memory.rs2 import _crc
+    from ucp_jax._src.memory.shm import blob_crc as _crc
 
     rng = np.random.default_rng(3)
     for n in (0, 1, 63, 4096, 1 << 20):

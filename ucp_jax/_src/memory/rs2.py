@@ -39,7 +39,6 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
-from zlib_ng import zlib_ng
 
 from .gf256 import (
     COEFFS,
@@ -61,13 +60,7 @@ from .scheme_base import (
     Wanted,
     align,
 )
-
-
-def _crc(a: np.ndarray) -> int:
-    """The CRC-32 of a byte range (a contiguous uint8 array): zlib's CRC-32, computed by
-    zlib-ng (carry-less multiplication: ~5x zlib 1.2.13's speed; the same values)."""
-    return int(zlib_ng.crc32(np.ascontiguousarray(a).data))
-
+from .shm import blob_crc
 
 LANE_ALIGN = 512  # C / 8 (a packet) is a multiple of 64 bytes
 _MAGIC = int.from_bytes(b"ucp-rs2\x01", "little")
@@ -422,7 +415,7 @@ class RS2(RS2Extras, RedundancyScheme):
         table = self._table(layout, h, blobs[h])
         a, b = self.lane(layout, n, s)
         want = int(table[1 + use[0] * len(g) + g.index(n)])
-        got = _crc(out[n][a:b])
+        got = blob_crc(out[n][a:b])
         if got != want:
             raise ParityMismatch(
                 f"rs2: node {n}'s lane of stripe {s}, rebuilt from the parities of node(s) "
@@ -456,7 +449,7 @@ class RS2(RS2Extras, RedundancyScheme):
         """
         if len(layout.group_of[node]) < 2:
             return None
-        return [_crc(blob[a:b]) for a, b in
+        return [blob_crc(blob[a:b]) for a, b in
                 (self.lane(layout, node, s) for s in self.stripes_of(layout, node))]  # fmt: skip
 
     def keep_digests(

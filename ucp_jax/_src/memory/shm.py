@@ -131,13 +131,15 @@ _CRC_CHUNK = 1 << 28
 
 
 def blob_crc(data: np.ndarray) -> int:
-    """The CRC-32 (zlib's polynomial, zlib-ng's code: ~35 GB/s on one core) of a flat uint8
-    array, in chunks (no length limit).
+    """The CRC-32 of a uint8 array's bytes (a snapshot's blob, rs2's lanes): zlib's CRC-32,
+    computed by zlib-ng (carry-less multiplication: ~35 GB/s on one core, the same values), in
+    chunks (no length limit); a strided view is copied first.
 
     >>> import zlib
     >>> blob_crc(np.frombuffer(b"snapshot", np.uint8)) == zlib.crc32(b"snapshot")
     True
     """
+    data = np.ascontiguousarray(data).reshape(-1)
     crc = 0
     for at in range(0, data.size, _CRC_CHUNK):
         crc = zlib_ng.crc32(data[at : at + _CRC_CHUNK].data, crc)
@@ -229,6 +231,12 @@ def _map_new(fd: int, nbytes: int, path: Path) -> mmap.mmap:
     return mm
 
 
+_ROOM_FIX = (
+    "keep fewer snapshots (keep=; keep=K needs room for K + 1), free old namespaces "
+    "(SnapshotManager.free), or give the tmpfs more room (mount -o remount,size=...)"
+)
+
+
 def _no_room(fd: int, path: Path, nbytes: int) -> OSError:
     st = os.statvfs(path.parent)
     got = os.fstat(fd).st_blocks * 512  # given back when the file is removed
@@ -236,9 +244,7 @@ def _no_room(fd: int, path: Path, nbytes: int) -> OSError:
     return OSError(
         errno.ENOSPC,
         f"ucp.memory: no room for a {nbytes / 2**20:.1f} MiB snapshot in {path.parent.parent} "
-        f"({free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB); keep fewer snapshots "
-        "(keep=; keep=K needs room for K + 1), free old namespaces (SnapshotManager.free), or give the tmpfs more room "
-        "(mount -o remount,size=...)",
+        f"({free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB); {_ROOM_FIX}",
     )
 
 
@@ -314,9 +320,7 @@ class Writer:
                 e.errno,
                 f"ucp.memory: no room to commit the snapshot {self.path} (its index: "
                 f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of "
-                f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB once it was removed); keep fewer "
-                "snapshots (keep=; keep=K needs room for K + 1), free old namespaces "
-                "(SnapshotManager.free), or give the tmpfs more room (mount -o remount,size=...)",
+                f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB once it was removed); {_ROOM_FIX}",
             ) from e
         self.store.live[self.path] = self.blob
         entry = read_entry(self.path)
