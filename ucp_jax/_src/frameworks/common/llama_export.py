@@ -92,8 +92,10 @@ def optimizer_entries(
     slots = param_slots(ck, cfg)
     if not slots:
         return {}
+    fallback = None  # the step of parameters without a `step` slot: read once
     if "step" not in slots:
         slots.append("step")
+        fallback = np.float32(adam_step(ck))
     out: dict[str, Any] = {}
     for row, i in N.rows_of(cfg):
         atom = N.fill(row.atom, i)
@@ -104,7 +106,7 @@ def optimizer_entries(
         for slot in slots:
             info = ck.atoms[atom].slots.get(slot)
             if info is None or ck.atoms[atom].slot_shape(slot) == ():
-                value = ck.read(atom, slot) if info is not None else np.float32(adam_step(ck))
+                value = ck.read(atom, slot) if info is not None else fallback
                 t = to_torch(np.asarray(value, np.float32))
                 out[f"{prefix}{param}.{slot}"] = LazyTensor((), torch.float32, _const(t))
                 continue

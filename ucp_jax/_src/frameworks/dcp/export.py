@@ -102,7 +102,7 @@ def _source_objects(ck: Checkpoint) -> dict[str, Any]:
 
 
 def _param_group_entries(
-    ck: Checkpoint, entries: dict[str, Any], optim: str, param_group: dict[str, Any]
+    entries: dict[str, Any], optim: str, param_group: dict[str, Any]
 ) -> dict[str, Any]:
     """``<optim>param_groups.0.*``: one group of every parameter with optimizer state, its
     hyperparameters ``param_group`` (what ``torch.optim.AdamW(...).param_groups[0]`` holds)."""
@@ -144,8 +144,8 @@ def export_dcp(
 
     Returns:
         ``dst``. A checkpoint imported from DCP gets its non-tensor entries back with
-        ``names="atoms"`` (the optimizer's ``param_groups``, ``step``, the user's own), as
-        ``import_dcp`` kept them (JSON: tuples come back as lists).
+        ``names="atoms"`` (the optimizer's ``param_groups``, ``step``, the user's own) as the
+        bytes ``import_dcp`` kept of them (as JSON, tuples as lists, beyond its 64 MiB bound).
 
     Raises:
         DCPExportError: unknown ``names``, or no Llama config for "hf" / "torchtitan".
@@ -160,7 +160,7 @@ def export_dcp(
                 entries[key] = value
         groups = any(k.startswith(optim_prefix + "param_groups.") for k in entries)
         if optimizer and param_group is not None and not groups:
-            entries |= _param_group_entries(ck, entries, optim_prefix, dict(param_group))
+            entries |= _param_group_entries(entries, optim_prefix, dict(param_group))
         elif optimizer and not groups and any(k.startswith(optim_prefix) for k in entries):
             log.warning("export_dcp %s: the checkpoint records no optimizer param_groups; pass "
                         "param_group= (the loading optimizer's hyperparameters), or load the "

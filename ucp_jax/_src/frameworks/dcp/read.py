@@ -122,6 +122,7 @@ def import_dcp(
     bar = Progress(progress, total, "ucp import")
     unprefixed: list[str] = []  # tensors outside the model (under no prefix): written back as such
     blobs: dict[str, str] = {}
+    kept = 0  # bytes of them
     with AtomWriter(dst, overwrite=overwrite) as w:
         try:
             # parameters first, so optimizer slots know their atom's shape
@@ -160,9 +161,9 @@ def import_dcp(
                         objects[fqn] = jsonable(loads(blob, fqn))
                     except UcpError as e:
                         objects[fqn] = f"<not loaded: {e}>"
-                    kept = sum(map(len, blobs.values())) * 3 // 4
                     if kept + len(blob) <= MAX_BLOB_BYTES:  # written back as they were
                         blobs[fqn] = base64.b64encode(blob).decode("ascii")
+                        kept += len(blob)
                     else:
                         log.warning("%s: entry %r (%d bytes) not kept as it was (beyond %d MiB of "
                                     "non-tensor entries): an export writes its JSON form", folder,

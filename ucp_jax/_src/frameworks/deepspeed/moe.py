@@ -164,6 +164,7 @@ def expert_groups(
     shapes = meta.get("param_shapes") or []
     groups: dict[int, int] = {}
     local: dict[tuple[int, str], int] = {}
+    by_name: dict[str, int] = {}
     for g in moe:
         if g >= len(counts) or g >= len(shapes) or not int(counts[g]) or dp % int(counts[g]):
             raise DeepSpeedFormatError(
@@ -178,6 +179,8 @@ def expert_groups(
                 f"partitioned over {counts[g]} of {dp} ranks (expert-parallel size {ep})"
             )
         groups[g] = ep
+        if named:
+            by_name[named[0]] = g
         ids: dict[str, set[int]] = {}
         for n in shapes[g]:
             if m := _LOCAL_RE.match(n):
@@ -188,8 +191,6 @@ def expert_groups(
                     f"{folder}: local experts of {pre!r} are {sorted(seen)}, not 0..{len(seen) - 1}"
                 )
             local[(g, pre)] = len(seen)
-    by_name = {str(pgroups[g]["name"]): g for g in moe  # type: ignore[index]
-               if re.fullmatch(r"ep_size_\d+", str(pgroups[g].get("name", "")))}  # type: ignore[index]  # fmt: skip
     eg = ExpertGroups(groups, local, {}, by_name)
     _check_expert_files(folder, expert_files, eg, shapes)
     return eg
@@ -204,6 +205,10 @@ def _check_expert_files(
         if g in eg.groups:
             for n, s in group.items():
                 want[n] = as_shape(s, f"param_shapes[{g}][{n!r}]", DeepSpeedFormatError)
+    experts: dict[str, set[int]] = {}  # expert-layer prefix -> its experts in the groups
+    for k in want:
+        if m := _LOCAL_RE.match(k):
+            experts.setdefault(m["pre"], set()).add(int(m["i"]))
     for fname in sorted(files):
         path = refuse_symlinks(folder, fname, "expert file")
         sd = load(path)
@@ -215,7 +220,9 @@ def _check_expert_files(
                     f"{path}: entry {key!r} is not a parameter of expert {e}"
                 )
             if key not in want:
-                if _frozen_expert(key, want):  # no optimizer state: the file is its only copy
+                # a frozen parameter of an expert the groups hold (its other parameters are
+                # there): no optimizer state, its expert file is its only copy
+                if int(m["i"]) in experts.get(m["pre"], ()):
                     eg.frozen[key] = path  # (checked below: frozen in every expert)
                     continue
                 raise DeepSpeedFormatError(
@@ -229,7 +236,7 @@ def _check_expert_files(
                     f"{want[key]}"
                 )
             eg.files[key] = path
-    _check_frozen(eg.frozen, want)
+    _check_frozen(eg.frozen, want, experts)
     missing = sorted(set(want) - set(eg.files))
     if missing:
         raise DeepSpeedFormatError(
@@ -238,13 +245,11 @@ def _check_expert_files(
         )
 
 
-def _check_frozen(frozen: dict[str, str], want: dict[str, tuple[int, ...]]) -> None:
+def _check_frozen(
+    frozen: dict[str, str], want: dict[str, tuple[int, ...]], experts: dict[str, set[int]]
+) -> None:
     """A frozen expert parameter is one of every expert of its layer (experts are copies of one
     module): one found in some experts only is not a parameter of this model."""
-    experts: dict[str, set[int]] = {}
-    for k in want:
-        if m := _LOCAL_RE.match(k):
-            experts.setdefault(m["pre"], set()).add(int(m["i"]))
     found: dict[tuple[str, str], set[int]] = {}
     for k in frozen:
         m = _LOCAL_RE.match(k)
@@ -259,14 +264,6 @@ def _check_frozen(frozen: dict[str, str], want: dict[str, tuple[int, ...]]) -> N
                 f"of its layer (only of experts {sorted(have)}); the experts were laid out on the "
                 "ranks differently than DeepSpeed's default topology"
             )
-
-
-def _frozen_expert(key: str, want: dict[str, tuple[int, ...]]) -> bool:
-    """Whether `key`, in no MoE group, is a frozen parameter of an expert the groups do hold (its
-    expert has other, trained parameters): DeepSpeed keeps a frozen parameter out of the
-    optimizer, and its expert file is then its only copy."""
-    m = _LOCAL_RE.match(key)
-    return m is not None and any(k.startswith(f"{m['pre']}{m['i']}.") for k in want)
 
 
 def check_expert_values(eg: ExpertGroups, read_master: Callable[[str], np.ndarray]) -> None:
