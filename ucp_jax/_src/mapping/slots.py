@@ -35,11 +35,6 @@ class OptLeaf:
     leaf: Any
 
 
-def _empty(x: Any) -> bool:
-    """An empty pytree node standing for a left-out parameter (optax's `MaskedNode`)."""
-    return type(x).__name__ == "MaskedNode" and not jax.tree_util.tree_leaves(x)
-
-
 def _shape(x: Any) -> tuple[int, ...] | None:
     s = getattr(x, "shape", None)
     return tuple(s) if s is not None else None
@@ -76,30 +71,23 @@ def classify_opt_state(
     out: list[OptLeaf] = []
 
     def mirrored(node: Any) -> list[str] | None:
-        """The parameter names a subtree mirrors, leaf for leaf, or None. Some parameters may be
-        left out as empty nodes (`optax.masked` / `multi_transform`: `MaskedNode`)."""
+        """The parameter names a subtree mirrors, leaf for leaf, or None: the params' own tree
+        structure and shapes, or leaves named as parameters (`by_names`)."""
         leaves = jax.tree_util.tree_leaves(node)
-        if [_shape(x) for x in leaves] == shapes:
-            if jax.tree_util.tree_structure(node) == params_def:
-                return list(param_names)
-            try:  # the same parameter names, held another way (NNX variables, nnx.State, ...)
-                if [n for n, _, _ in named_leaves(node)] == list(param_names):
-                    return list(param_names)
-            except ValueError:
-                pass
-        if not leaves or len(leaves) > len(shapes):
+        if not leaves:
             return None
-        holes = jax.tree_util.tree_leaves(node, is_leaf=_empty)
-        if jax.tree_util.tree_structure(node, is_leaf=_empty) == params_def:
-            kept = [i for i, x in enumerate(holes) if not _empty(x)]
-            if [_shape(holes[i]) for i in kept] == [shapes[i] for i in kept]:
-                return [param_names[i] for i in kept]
+        if (
+            jax.tree_util.tree_structure(node) == params_def
+            and [_shape(x) for x in leaves] == shapes
+        ):
+            return list(param_names)
         return by_names(node)
 
     def by_names(node: Any) -> list[str] | None:
         """A subtree whose leaves are named as parameters (under one common prefix), with their
-        shapes: a prefix mask's state (one `MaskedNode` for a whole subtree), an NNX state with
-        parameters left out, a state of part of the params (`lookahead`'s `fast_state`)."""
+        shapes: the params held another way (NNX variables, `nnx.State`), `optax.masked` /
+        `multi_transform` states (a `MaskedNode` where a parameter or a whole subtree is left
+        out), a state of part of the params (`lookahead`'s `fast_state`)."""
         try:
             named = named_leaves(node)
         except ValueError:
