@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ...errors import NotACheckpointError, UcpError
+from ...format.manifest import MANIFEST
 from ...untrusted.limits import as_shape, check_range
 from ...untrusted.paths import open_inside, refuse_symlinks
 from ...untrusted.unpickle import load, load_pickle, loads, torch_value_globals
@@ -59,7 +60,7 @@ def read_metadata(folder: str) -> Any:
         if os.path.isfile(folder):
             hint = (" (a file: `ucp convert safetensors` reads .safetensors files, `ucp convert "
                     "deepspeed` DeepSpeed's folders)")  # fmt: skip
-        elif os.path.exists(os.path.join(folder, "manifest.json")):
+        elif os.path.exists(os.path.join(folder, MANIFEST)):
             hint = " (a ucp_jax checkpoint already: `ucp inspect` it, `ucp export dcp` writes DCP)"
         raise NotACheckpointError(
             f"{folder}: no .metadata file; not a torch.distributed.checkpoint{hint}"

@@ -20,6 +20,9 @@ MAX_METADATA_BYTES = (
 )  # metadata.json: {"sharded_backend": ..., "sharded_backend_version": ...}
 
 
+BACKEND_FILE = "metadata.json"  # a dist_checkpointing folder's mark: {"sharded_backend": ...}
+
+
 class MegatronFormatError(UcpError, ValueError):
     """The folder is not a Megatron-Core torch_dist checkpoint this importer understands."""
 

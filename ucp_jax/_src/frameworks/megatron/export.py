@@ -34,7 +34,7 @@ from ...checkpoint import Checkpoint
 from ...errors import UcpError
 from ...format import space
 from ...llama_config import LlamaConfig, config_from_checkpoint
-from .common import EXPERTS, LAYERS, TENSORS, atom_of, model_keys
+from .common import BACKEND_FILE, EXPERTS, LAYERS, TENSORS, atom_of, model_keys
 from .tracker import write_tracker
 
 log = logging.getLogger("ucp_jax")
@@ -283,7 +283,7 @@ def export_megatron(
             no_dist=True,
             planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
         )
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+        with open(os.path.join(tmp, BACKEND_FILE), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
     write_tracker(dst)
     return dst

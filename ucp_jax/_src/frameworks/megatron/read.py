@@ -57,6 +57,7 @@ from ..common.dcp_files import (
 )
 from ..common.writer import AtomWriter, write_rows
 from .common import (
+    BACKEND_FILE,
     EXPERTS,
     LAYERS,
     MASTER_FIELDS,
@@ -75,7 +76,7 @@ _CHAINED_BUCKETS = re.compile(r"^chained_\d+\.optimizer\.distributed\.")
 
 
 def _check_backend(folder: str) -> None:
-    path = os.path.join(folder, "metadata.json")
+    path = os.path.join(folder, BACKEND_FILE)
     if not os.path.isfile(path):
         hint = ""
         if os.path.isfile(os.path.join(folder, ".metadata")):

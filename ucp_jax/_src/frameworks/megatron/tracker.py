@@ -12,7 +12,7 @@ import os
 import re
 
 from ...errors import NotACheckpointError
-from .common import MegatronFormatError
+from .common import BACKEND_FILE, MegatronFormatError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER_RE = re.compile(r"iter_(\d{7})")
@@ -28,7 +28,7 @@ def iteration_folder(folder: str) -> str:
     if not os.path.exists(folder):
         raise NotACheckpointError(f"{folder}: does not exist")
     tracker = os.path.join(folder, TRACKER)
-    if os.path.exists(os.path.join(folder, "metadata.json")) or not os.path.isfile(tracker):
+    if os.path.exists(os.path.join(folder, BACKEND_FILE)) or not os.path.isfile(tracker):
         return folder
     with open(tracker, "rb") as f:
         text = f.read(64).decode("ascii", "replace").strip()
