@@ -491,6 +491,37 @@ def test_damaged_snapshot_bytes_are_never_restored(tmp_path, shm_dir, caplog, wh
     third.close()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "no_index", "index_edited"])
+def test_a_committed_snapshot_with_missing_files_is_named(tmp_path, shm_dir, caplog, damage):
+    # A committed snapshot whose data.bin shrank or whose index.json is gone or edited was
+    # damaged after it committed (a torn one has no COMMIT): the step is passed over for the
+    # older one kept, and the log names the folder and what is wrong with it.
+    mgr = _mgr(tmp_path, shm_dir)
+    params, opt_state, hist = _train(mgr, 3)
+    mgr.wait()
+    mgr.close()
+    folder = shm_dir / "ucp-t" / "0" / "step_3"
+    if damage == "truncated":
+        size = os.path.getsize(folder / shm.DATA)
+        os.truncate(folder / shm.DATA, size - 4096)
+        what = f"its data.bin holds {size - 4096} bytes, its index.json says {size}"
+    elif damage == "no_index":
+        os.unlink(folder / shm.INDEX)
+        what = "its index.json cannot be read (No such file or directory)"
+    else:
+        raw = (folder / shm.INDEX).read_bytes()
+        (folder / shm.INDEX).write_bytes(raw.replace(b'"step": 3', b'"step": 9'))
+        what = "its index.json does not match the CRC-32 in COMMIT"
+    pt, ot = _targets(params, opt_state, mesh_of((2, 4)))
+    again = _mgr(tmp_path, shm_dir)
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        p, o = again.restore(pt, ot)
+    assert (again.restored.step, again.restored.source) == (2, "memory")
+    assert f"in-memory snapshot {folder}: committed, but {what}" in caplog.text
+    assert_tree_bitexact(jax.device_get((p, o)), hist[2])
+    again.close()
+
+
 def test_the_commit_records_the_crc_of_the_blob(tmp_path, shm_dir):
     mgr = _mgr(tmp_path, shm_dir)
     _train(mgr, 2)

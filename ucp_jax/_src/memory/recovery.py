@@ -102,10 +102,13 @@ def _layout(root: Path, digest: str) -> SnapshotLayout | None:
 def _local_entries(root: Path) -> dict[tuple[int, int, str], dict[int, Entry]]:
     """(run, step, layout digest) -> node -> committed snapshot, for the nodes seen here."""
     by_key: dict[tuple[int, int, str], dict[int, Entry]] = {}
+    damaged: list[str] = []
     for n in list_nodes(root):
-        for e in committed(root / str(n)):
+        for e in committed(root / str(n), damaged):
             if e.node == n:
                 by_key.setdefault((e.run, e.step, e.plan), {})[n] = e
+    for what in damaged:
+        log.warning("in-memory snapshot %s", what)
     return by_key
 
 

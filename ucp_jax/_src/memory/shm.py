@@ -78,30 +78,50 @@ class Entry:
         return (self.run, self.step)
 
 
-def read_entry(path: Path) -> Entry | None:
-    """The committed snapshot in `path`, or None when it is torn (no COMMIT, or a stale one)."""
+def read_entry(path: Path, why: list[str] | None = None) -> Entry | None:
+    """The committed snapshot in `path`, or None when it is torn (no COMMIT, or a stale one).
+
+    A folder whose COMMIT matches its index.json but whose index or data.bin is then wrong was
+    damaged after it committed: None too, with what is wrong appended to `why` (a restore logs
+    it; a torn folder is a snapshot cut short by a kill and says nothing).
+    """
     try:
         commit = (path / COMMIT).read_text().strip()
-        raw = (path / INDEX).read_bytes()
     except OSError:
         return None
+    try:
+        raw = (path / INDEX).read_bytes()
+    except OSError as e:
+        _damaged(why, path, f"its {INDEX} cannot be read ({e.strerror or e})")
+        return None
     if commit != f"{FORMAT} {zlib.crc32(raw):08x}":
+        if commit.startswith(f"{FORMAT} "):
+            _damaged(why, path, f"its {INDEX} does not match the CRC-32 in {COMMIT}")
         return None
     try:
         d = json.loads(raw)
         crc = d.get("crc32")
         entry = Entry(int(d["node"]), int(d["step"]), int(d["run"]), str(d["plan"]),
                       int(d["nbytes"]), path, None if crc is None else int(crc, 16))  # fmt: skip
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        _damaged(why, path, f"its {INDEX} is not a snapshot index ({type(e).__name__}: {e})")
         return None
     if d.get("format") != FORMAT:
         return None
     try:
-        if (path / DATA).stat().st_size != entry.nbytes:
-            return None
-    except OSError:
+        size = (path / DATA).stat().st_size
+    except OSError as e:
+        _damaged(why, path, f"its {DATA} cannot be read ({e.strerror or e})")
+        return None
+    if size != entry.nbytes:
+        _damaged(why, path, f"its {DATA} holds {size} bytes, its {INDEX} says {entry.nbytes}")
         return None
     return entry
+
+
+def _damaged(why: list[str] | None, path: Path, what: str) -> None:
+    if why is not None:
+        why.append(f"{path}: committed, but {what}; the node counts as lost there")
 
 
 def list_nodes(root: Path) -> list[int]:
@@ -112,8 +132,8 @@ def list_nodes(root: Path) -> list[int]:
         return []
 
 
-def committed(node_dir: Path) -> list[Entry]:
-    """Committed snapshots of one node folder, newest first."""
+def committed(node_dir: Path, why: list[str] | None = None) -> list[Entry]:
+    """Committed snapshots of one node folder, newest first (damage found goes to `why`)."""
     out = []
     try:
         names = os.listdir(node_dir)
@@ -121,7 +141,7 @@ def committed(node_dir: Path) -> list[Entry]:
         return []
     for n in names:
         if _STEP_RE.fullmatch(n):
-            e = read_entry(node_dir / n)
+            e = read_entry(node_dir / n, why)
             if e is not None:
                 out.append(e)
     return sorted(out, key=lambda e: e.key, reverse=True)
