@@ -8,6 +8,7 @@ from its own checkpoint at that layout, where Megatron can load its own)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -201,6 +202,25 @@ def test_shape_from_args_else_asked(mcore_gpt_ckpts, tmp_path):  # noqa: F811
     assert L.config_from_checkpoint(str(tmp_path / "e")).tie_embeddings
     for p in "bcd":
         assert not os.path.exists(tmp_path / p)
+
+
+def test_values_no_args_record_are_named_when_defaulted(mcore_gpt_ckpts, tmp_path, caplog):  # noqa: F811
+    """Without Megatron-LM's args, the activation of a gated MLP (SwiGLU or GEGLU: the same
+    shapes), the norm epsilon and the RoPE base are Megatron's defaults: the log names each with
+    its flag; values passed, or recorded in args, leave nothing to name."""
+    src = mcore_gpt_ckpts.path("m_ep2")
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        import_megatron(src, tmp_path / "a", heads=HEADS, top_k=TOP_K)
+    assert "no Megatron-LM args" in caplog.text
+    for named in ("activation=silu (--activation)", "norm_eps=1e-05 (--norm-eps)",
+                  "rope_theta=10000 (--rope-theta)"):  # fmt: skip
+        assert named in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        import_megatron(src, tmp_path / "b", heads=HEADS, top_k=TOP_K, activation="silu",
+                        norm_eps=1e-5, rope_theta=10000.0)  # fmt: skip
+        import_megatron(mcore_gpt_ckpts.path("g_tp2"), tmp_path / "c")
+    assert "not recorded" not in caplog.text
 
 
 def _rel(a: float, b: float) -> float:

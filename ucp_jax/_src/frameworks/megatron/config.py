@@ -12,6 +12,7 @@ squared ReLU, a pre-softmax or sigmoid router...), naming the argument.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -30,6 +31,7 @@ _REFUSED = {
     True, "layernorm_zero_centered_gamma": True, "use_rope_scaling": True, "qk_layernorm": True,
     "moe_router_pre_softmax": True, "moe_router_enable_expert_bias": True,
 }  # fmt: skip
+log = logging.getLogger("ucp_jax")
 
 
 def megatron_args(objects: dict[str, Any]) -> Any:
@@ -156,6 +158,9 @@ def infer_config(
     if fc1 not in (ff, 2 * ff):
         raise MegatronFormatError(f"{where}: linear_fc1 has {fc1} rows for {ff} of linear_fc2")
     gated = fc1 == 2 * ff
+    guessed = []  # values no tensor, no args and no caller gave: the defaults, named in the log
+    if activation is None and args is None:
+        guessed.append(f"activation={'silu' if gated else 'gelu'} (--activation)")
     if activation is None:
         activation = "silu" if gated else "gelu"
         if not gated and getattr(args, "openai_gelu", False):
@@ -174,9 +179,19 @@ def infer_config(
     if not 0 < v <= vp:
         raise MegatronFormatError(f"{where}: vocab_size={v} exceeds the stored (padded) {vp}")
     eps = norm_eps or _arg(args, "norm_epsilon", float) or _arg(args, "layernorm_epsilon", float)
+    if not eps:
+        guessed.append("norm_eps=1e-05 (--norm-eps)")
     eps = _positive(eps or 1e-5, "the norm epsilon", where)
-    theta = rope_theta or _arg(args, "rotary_base", (int, float)) or 10000.0
-    theta = _positive(theta, "the RoPE base (rotary_base)", where)
+    theta = rope_theta or _arg(args, "rotary_base", (int, float))
+    if not theta and not has[_POS]:
+        guessed.append("rope_theta=10000 (--rope-theta)")
+    theta = _positive(theta or 10000.0, "the RoPE base (rotary_base)", where)
+    if guessed:
+        log.warning(
+            "%s: not recorded in the checkpoint (%s), so Megatron's defaults are taken: %s; pass "
+            "the model's own values if it was trained with others (the logits depend on them)",
+            where, "no Megatron-LM args" if args is None else "not in its args", ", ".join(guessed),
+        )  # fmt: skip
     cfg: dict[str, Any] = dict(
         vocab_size=v, d_model=d, n_heads=n, n_kv_heads=groups, head_dim=hd, n_layers=layers,
         d_ff=ff, norm_eps=eps, rope_theta=theta,
