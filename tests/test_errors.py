@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,35 @@ def test_wrong_dtype_needs_cast(saved):
     np.testing.assert_array_equal(
         np.asarray(out["w"]), np.asarray(params["w"]).astype(jnp.bfloat16)
     )
+
+
+@pytest.mark.parametrize(
+    "stored, target, bad",
+    [
+        (np.array([2**40, 3], np.int64), np.int32, "holds 1099511627776, outside int32"),
+        (np.array([2**64 - 1, 5], np.uint64), np.int32, "holds 18446744073709551615, outside"),
+        (np.array([-1, 7], np.int32), np.uint8, "holds -1, outside uint8 [0, 255]"),
+        (np.array([1e300, 0.1], np.float64), np.float32, "holds 1e+300, beyond float32's range"),
+        (np.array([70000.0, 1.0], np.float32), np.float16, "holds 70000.0, beyond float16's"),
+        (np.array([-522.5, 1.0], np.float32), np.int8, "holds -522.5, outside int8"),
+        (np.array([np.nan, 1.0], np.float32), np.int32, "holds nan, outside int32"),
+        (np.array([1 + 2j, 3], np.complex64), np.float32, "holds (1+2j), whose imaginary part"),
+    ],
+)
+def test_a_cast_that_loses_values_is_refused(tmp_path, stored, target, bad):
+    # cast=True rounds (fp32 -> bf16); it never wraps an integer, overflows to inf or drops an
+    # imaginary part: that is an error naming the leaf, the value and the fix. The same cast of
+    # values that fit (the last one, repeated) restores them.
+    ucp.save(tmp_path / "ck", {"v": stored})
+    tgt = {"v": jax.ShapeDtypeStruct(stored.shape, target,
+                                     sharding=NamedSharding(mesh_of((1,)), P()))}  # fmt: skip
+    with pytest.raises(ucp.MismatchError, match=re.escape(
+            f"leaf 'v': atom 'v' slot 'fp32', stored as {stored.dtype.name}, {bad}")):  # fmt: skip
+        ucp.restore(tmp_path / "ck", tgt, cast=True)
+    fits = np.repeat(stored[-1:], len(stored))
+    ucp.save(tmp_path / "ok", {"v": fits})
+    out, _ = ucp.restore(tmp_path / "ok", tgt, cast=True)
+    np.testing.assert_array_equal(np.asarray(out["v"]), np.real(fits).astype(target))
 
 
 def test_missing_atom_names_close_matches(saved):

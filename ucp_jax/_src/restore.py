@@ -12,7 +12,7 @@ import numpy as np
 import tensorstore as ts
 
 from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
-from .errors import ChecksumError, HostMemoryError, NotACheckpointError
+from .errors import ChecksumError, HostMemoryError, MismatchError, NotACheckpointError
 from .format import direct, read_batches
 from .format.manifest import COMMIT, STEP_SLOT
 from .format.store import Location, wrap_io_error
@@ -24,6 +24,7 @@ from .placement import Placer
 from .resolve import ResolvedLeaf, resolve_leaf
 from .save_handle import in_flight
 from .util import buffers, config
+from .util.dtypes import cast_loss
 from .util.gcpause import gc_paused
 from .util.inflight import InflightWindow
 
@@ -434,7 +435,8 @@ def _complete(
             if rel is None:
                 _result(ckpt, b, p.atom, fut)
             else:
-                out[rel] = p.atom_to_leaf(_result(ckpt, b, p.atom, fut))
+                out[rel] = _converted(b, r.atom_of[p.atom], r.slot_of[p.atom],
+                                      p.atom_to_leaf(_result(ckpt, b, p.atom, fut)))  # fmt: skip
         if b.sharding is None:
             if isinstance(b.value, PYTHON_NUMBERS):  # a Python number: its type
                 return type(b.value)(out[()].item())
@@ -442,6 +444,22 @@ def _complete(
         out.flags.writeable = False  # it may now back device buffers (CPU places it in place)
         hosts[g.box] = out
     return hosts
+
+
+def _converted(b: LeafBinding, atom: str, slot: str, value: np.ndarray) -> np.ndarray:
+    """A piece stored in another dtype than its leaf's (`cast=True`), refused where the cast
+    would lose a value rather than round it (`cast_loss`)."""
+    loss = cast_loss(value, b.dtype) if value.dtype != b.dtype else None
+    if loss is not None:
+        raise MismatchError(
+            f"restore: leaf {b.name!r}: atom {atom!r} slot {slot!r}, stored as "
+            f"{value.dtype.name}, {loss}; cast=True rounds values but does not lose them: "
+            f"restore it into a target of dtype {value.dtype.name} (a numpy target keeps 64-bit "
+            "types when JAX's are off) or of a type that holds its values",
+            leaf=b.name,
+            kind="dtype",
+        )
+    return np.real(value) if value.dtype.kind == "c" and b.dtype.kind != "c" else value
 
 
 def _place(r: ResolvedLeaf, hosts: dict[Any, np.ndarray], placer: Placer) -> Any:
