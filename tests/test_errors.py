@@ -255,3 +255,18 @@ def test_a_leaf_whose_atom_name_cannot_be_stored_is_named_with_the_rule_that_fix
     }
     got, _ = ucp.restore(tmp_path / "ck", want)
     assert_tree_bitexact(jax.device_get(got), jax.device_get(params))
+
+
+def test_a_lone_params_target_with_both_names_saved_is_ambiguous(tmp_path):
+    # A tree with 'params' beside a top-level 'w' stores atoms 'params.w' and 'w'; a target
+    # holding 'params' alone names its leaf 'w' (the lone collection is left out), which would
+    # take the other leaf's values: refused, naming both; the saved tree's own keys restore.
+    saved = {"params": {"w": np.full(4, 1.0, np.float32)}, "w": np.full(4, 2.0, np.float32)}
+    ucp.save(tmp_path / "ck", saved, step=1)
+    lone = {"params": {"w": np.zeros(4, np.float32)}}
+    with pytest.raises(ucp.MismatchError, match=re.escape(
+            "is atom 'w', but the checkpoint also holds 'params.w'")):  # fmt: skip
+        ucp.restore(tmp_path / "ck", lone)
+    assert "also holds 'params.w'" in str(ucp.plan(tmp_path / "ck", lone))
+    out, _ = ucp.restore(tmp_path / "ck", jax.tree.map(np.zeros_like, saved))
+    assert_tree_bitexact(out, saved)

@@ -70,9 +70,17 @@ def resolve_leaf(
             if p.atom is None or p.atom in atom_of:
                 continue
             name, slot = p.atom, b.slot
+            older = [n for n in legacy_names(name, b.base, b.legacy) if n in ckpt.atoms]
             if name not in ckpt.atoms:  # written before NNX / Linen names were unified?
-                name = next(
-                    (n for n in legacy_names(name, b.base, b.legacy) if n in ckpt.atoms), name
+                name = older[0] if older else name
+            elif older:
+                raise MismatchError(
+                    f"restore: leaf {b.name!r} (named without its lone 'params' collection or "
+                    f"NNX '.value') is atom {name!r}, but the checkpoint also holds {older[0]!r}: "
+                    "it was saved from a tree with 'params' beside other top-level keys, and "
+                    "either may be meant; pass a target with the saved tree's top-level keys",
+                    leaf=b.name,
+                    kind="missing",
                 )
             if b.role is not None and name not in ckpt.atoms:
                 name, slot = _by_role(ckpt, b, read)
