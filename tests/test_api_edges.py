@@ -145,6 +145,12 @@ def test_python_numbers_come_back_as_python_numbers(tmp_path, mesh) -> None:
     assert (got["lr"], got["flag"], got["n"]) == (0.25, True, 3)
     assert [type(got[k]) for k in ("lr", "flag", "n")] == [float, bool, int]
     np.testing.assert_array_equal(got["ts"].params["w"], params["w"])
+    # a complex number is a Python number too; an int beyond 64 bits is named, not 'dtype object'
+    ucp.save(tmp_path / "c", {"z": 1.5 - 2j})
+    got, _ = ucp.restore(tmp_path / "c", {"z": 0j})
+    assert got["z"] == 1.5 - 2j and type(got["z"]) is complex
+    with pytest.raises(TypeError, match="leaf 'big' is a Python int of 71 bits, beyond"):
+        ucp.save(tmp_path / "b", {"big": 2**70})
 
 
 def test_64_bit_leaves_are_not_narrowed_silently(tmp_path, mesh) -> None:

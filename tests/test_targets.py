@@ -66,3 +66,24 @@ def test_targets_spec_tree_and_single_spec():
     assert pt["a"].sharding.spec == P("data") and pt["b"]["c"].sharding.spec == P()
     pt, _ = ucp.targets(tree, mesh)
     assert pt["a"].shape == (8, 2) and pt["a"].sharding.spec == P()
+
+
+def test_64_bit_host_scalars_get_host_targets_while_x64_is_off(tmp_path):
+    # With JAX's 64-bit types off, a device target of an int64/uint64/float64 numpy scalar (a
+    # step or a seed kept on the host) would be narrowed, and restore refuses it; targets gives
+    # such leaves numpy targets of their type, restored on the host bit-exact, in the optax
+    # state too. Arrays stay device templates (np.zeros shapes are float64).
+    assert not jax.config.jax_enable_x64
+    state = {"i": np.int64(2**40), "u": np.uint64(2**64 - 1), "d": np.array(1e300),
+             "w": np.ones((8, 4), np.float32)}  # fmt: skip
+    opt = optax.sgd(0.1, momentum=0.9)
+    ucp.save(tmp_path / "ck", state, opt.init(state))
+    pt, ot = ucp.targets(state, mesh_of((2, 4)), P(), opt_state=opt.init(state))
+    assert isinstance(pt["i"], np.int64) and isinstance(pt["u"], np.uint64)
+    assert isinstance(pt["d"], np.ndarray) and isinstance(pt["w"], jax.ShapeDtypeStruct)
+    params, opt_state = ucp.restore(tmp_path / "ck", pt, ot)
+    assert_tree_bitexact(params, state)
+    assert isinstance(params["u"], np.uint64) and params["d"].dtype == np.float64
+    assert_tree_bitexact(opt_state, opt.init(state))
+    assert isinstance(ucp.targets({"a": np.zeros((8, 2))}, mesh_of((8,)), P("a"))[0]["a"],
+                      jax.ShapeDtypeStruct)  # fmt: skip

@@ -83,6 +83,18 @@ def _spec_for(specs: SpecSource, names: list[str], tree: Any) -> list[PartitionS
     return flat
 
 
+def _host_target(x: Any) -> Any:
+    """A numpy target for a numpy scalar (or 0-d array) of a 64-bit type while JAX's 64-bit
+    types are off, as a train state keeps a step or a seed on the host (on devices JAX would
+    narrow it, so a restore refuses a device target of it): a zero of its type, filled by the
+    restore on the host. None for any other leaf (arrays are shape templates for devices)."""
+    if not isinstance(x, np.ndarray | np.generic) or np.ndim(x):
+        return None
+    if jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype:
+        return None
+    return x.dtype.type(0) if isinstance(x, np.generic) else np.zeros((), x.dtype)
+
+
 def targets(
     params: Any,
     mesh: Mesh,
@@ -105,7 +117,9 @@ def targets(
 
     Returns:
         (params targets, opt_state targets or None): pytrees of jax.ShapeDtypeStruct with
-        shardings; Python numbers (a Linen ``TrainState.step``) stay numbers, restored as such.
+        shardings; Python numbers (a Linen ``TrainState.step``) stay numbers, restored as such;
+        numpy scalars of a 64-bit type while JAX's 64-bit types are off get numpy targets (on
+        devices JAX would narrow them), restored on the host.
 
     Raises:
         ValueError: ``specs`` does not match ``params``, or a spec does not fit its leaf (the
@@ -125,6 +139,11 @@ def targets(
         if isinstance(x, PYTHON_NUMBERS):  # a Python number (a Linen step=0)
             by_name[name] = x  # restored as a number of its type, not onto devices
             out.append(x)
+            continue
+        host = _host_target(x)
+        if host is not None:
+            by_name[name] = host
+            out.append(host)
             continue
         try:
             sharding = NamedSharding(mesh, spec)
@@ -146,6 +165,10 @@ def targets(
     for o in classify_opt_state(opt_state, jax.tree_util.tree_structure(params), names, shapes):
         if isinstance(o.leaf, PYTHON_NUMBERS):
             opt.append(o.leaf)
+            continue
+        host = _host_target(o.leaf)
+        if host is not None:
+            opt.append(host)
             continue
         mirrored = getattr(by_name.get(o.param), "sharding", None) if o.param is not None else None
         opt.append(jax.ShapeDtypeStruct(np.shape(o.leaf), o.leaf.dtype,

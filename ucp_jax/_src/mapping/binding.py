@@ -87,7 +87,12 @@ PYTHON_NUMBERS = (bool, int, float, complex)
 def _leaf_meta(leaf: Any, where: str) -> tuple[tuple[int, ...], np.dtype, Any]:
     if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
         return tuple(leaf.shape), np_dtype(leaf.dtype), getattr(leaf, "sharding", None)
-    if isinstance(leaf, np.ndarray | np.generic | int | float | bool):
+    if isinstance(leaf, int) and not -(2**63) <= leaf < 2**64:
+        raise TypeError(
+            f"leaf {where!r} is a Python int of {leaf.bit_length()} bits, beyond what int64 or "
+            "uint64 hold; store it as a float, a string of digits outside the state, or split"
+        )
+    if isinstance(leaf, np.ndarray | np.generic | int | float | bool | complex):
         arr = np.asarray(leaf)
         return tuple(arr.shape), arr.dtype, None
     raise TypeError(
