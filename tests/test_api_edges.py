@@ -96,6 +96,12 @@ def test_a_bare_array_is_refused_with_the_fix(tmp_path, mesh) -> None:
     ucp.save(tmp_path / "b", a, rules=[(r"", ucp.Renamed("x"))])
     got, _ = ucp.restore(tmp_path / "b", np.zeros(8, np.float32), rules=[(r"", ucp.Renamed("x"))])
     np.testing.assert_array_equal(got, np.arange(8, dtype=np.float32))
+    # a dict key '' names a leaf '' too: the message says so, and its rule renames it
+    tree = {"": np.ones(2, np.float32), "b": np.zeros(2, np.float32)}
+    with pytest.raises(ucp.UnsafePathError, match="a dict key at its top is ''"):
+        ucp.save(tmp_path / "c", tree)
+    ucp.save(tmp_path / "c", tree, rules=[(r"^$", ucp.Renamed("empty"))])
+    assert sorted(ucp.open(tmp_path / "c").atoms) == ["b", "empty"]
 
 
 def test_traced_and_donated_leaves_are_named(tmp_path) -> None:

@@ -102,10 +102,11 @@ class SavePlan:
             try:
                 folder = atom_dir(atom)
             except UnsafePathError as e:
-                if not b.name:  # ucp.save(path, array): the tree is one leaf, with no name
+                if not b.name:  # ucp.save(path, array), or a dict key '': a leaf with no name
                     raise UnsafePathError(
-                        "save: params is a single array, not a tree of named leaves; save "
-                        "{'<name>': array}, or name it with rules=[(r'', ucp.Renamed('<name>'))]"
+                        "save: a leaf has an empty name: params is a single array, not a tree of "
+                        "named leaves, or a dict key at its top is ''; save {'<name>': array}, "
+                        "or name it with rules=[(r'^$', ucp.Renamed('<name>'))]"
                     ) from e
                 raise UnsafePathError(
                     f"save: leaf {b.name[:80]!r} maps to an atom that cannot be stored: {e}; "
