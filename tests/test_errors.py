@@ -270,3 +270,28 @@ def test_a_lone_params_target_with_both_names_saved_is_ambiguous(tmp_path):
     assert "also holds 'params.w'" in str(ucp.plan(tmp_path / "ck", lone))
     out, _ = ucp.restore(tmp_path / "ck", jax.tree.map(np.zeros_like, saved))
     assert_tree_bitexact(out, saved)
+
+
+def test_an_optax_target_built_for_other_params_is_named_first(tmp_path):
+    # Restoring a subset of the params with an optax target built from all of them: the first
+    # problem says so and how to build it; the right target restores the subset.
+    params = {"enc": {"kernel": np.ones((16, 8), np.float32), "bias": np.ones(8, np.float32)},
+              "dec": {"kernel": np.ones((8, 16), np.float32)}}  # fmt: skip
+    opt = optax.adam(1e-2)
+    ucp.save(tmp_path / "ck", params, opt.init(params), step=1)
+    mesh = mesh_of((4, 2))
+    sub = {"enc": params["enc"]}
+    pt, _ = ucp.targets(sub, mesh, P())
+    _, wrong = ucp.targets(params, mesh, P(), opt_state=jax.eval_shape(opt.init, params))
+    with pytest.raises(ucp.RestorePlanError) as e:
+        ucp.restore(tmp_path / "ck", pt, wrong)
+    first = e.value.plan.problems[0]
+    assert (
+        first.kind == "tree"
+        and "state of parameter(s) ['dec.kernel'], which the params target does not have"
+        in first.message
+        and "jax.eval_shape(optimizer.init" in first.message
+    )
+    _, right = ucp.targets(sub, mesh, P(), opt_state=jax.eval_shape(opt.init, sub))
+    p, o = ucp.restore(tmp_path / "ck", pt, right)
+    assert_tree_bitexact((p, o), (sub, opt.init(sub)))

@@ -25,6 +25,7 @@ from .mapping.binding import LeafBinding, bind_state
 from .mapping.boxes import box_size, index_to_box
 from .mapping.rename import Renamed
 from .mapping.rules import CompiledRules, Rule
+from .mapping.slots import OPT_PREFIX
 from .resolve import resolve_leaf
 from .util import config
 from .util.dtypes import np_dtype
@@ -177,10 +178,46 @@ def build(ckpt: Checkpoint, bindings: Sequence[LeafBinding], given: CompiledRule
         out.resolved.append(r)
     used = {a for r in out.resolved for a in r.atom_of.values()}
     out.unexpected = sorted(a for a in ckpt.atoms if a not in used)
+    _other_params(out, ckpt, bindings)
     _suggest(out, bindings)
     if account:
         _account(out, ckpt, budget)
     return out
+
+
+def _other_params(out: RestorePlan, ckpt: Checkpoint, bindings: Sequence[LeafBinding]) -> None:
+    """One problem first when the optax state target mirrors other params than the params
+    target (built from the full params, restored into a subset): its leaves of parameters the
+    params target lacks are then not slots, and their own messages do not say why."""
+    if not any(p.leaf.startswith(OPT_PREFIX + ".") for p in out.problems):
+        return
+    params = {b.base for b in bindings if b.kind == "param"}
+    strays = set()
+    for b in bindings:
+        if b.kind != "opt" or b.role is None:
+            continue
+        parts = b.name.split(".")
+        for i in range(2, len(parts)):
+            tail = ".".join(parts[i:])
+            atom = ckpt.atoms.get(tail)
+            if atom is not None and tail not in params and len(atom.slots) > 1:
+                strays.add(tail)
+                break
+    if strays:
+        names = sorted(strays)
+        out.problems.insert(
+            0,
+            Problem(
+                OPT_PREFIX,
+                "tree",
+                (
+                    f"restore: the optax state target holds state of parameter(s) {names[:4]}"
+                    + (f" (+{len(names) - 4})" if len(names) > 4 else "")
+                    + ", which the params target does not have: it was built for other params; build "
+                    "it from the params target (jax.eval_shape(optimizer.init, params_target))"
+                ),
+            ),
+        )
 
 
 def _suggest(out: RestorePlan, bindings: Sequence[LeafBinding]) -> None:
