@@ -357,6 +357,39 @@ def test_vocab_padded_too_small_and_bad_template(tmp_path):
                     rules=[(r"layers\.(.*)", ucp.Stacked(r"block.{i}.\1", 0))])  # fmt: skip
 
 
+@pytest.mark.parametrize("pad_value", [0.0, 99.0])
+def test_nonzero_vocab_padding_is_named_once(tmp_path, caplog, pad_value):
+    # Rows past VocabPadded's size are stored nowhere: a restore gives zeros. Rows that hold
+    # values there (a true vocabulary given too small) are named in the log, once per leaf
+    # (and process: a second save of it says nothing more).
+    import logging
+
+    from ucp_jax._src import save as save_mod
+
+    save_mod._PADDING_WARNED.clear()
+    mesh = mesh_of((8,), ("data",))
+    host = f32(64, 4)
+    host[50:] = pad_value
+    emb = jax.device_put(host, NamedSharding(mesh, P("data")))
+    rules = [("emb", ucp.VocabPadded(50, 0))]
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        ucp.save(tmp_path / "ck", {"emb": emb}, rules=rules)
+    warned = [r for r in caplog.records if "in its padding" in r.getMessage()]
+    assert len(warned) == (1 if pad_value else 0)
+    if pad_value:
+        assert "leaf 'emb' holds nonzero values" in warned[0].getMessage()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+            ucp.save(tmp_path / "ck2", {"emb": emb}, rules=rules)
+        assert "in its padding" not in caplog.text
+    out, _ = ucp.restore(tmp_path / "ck", {"emb": jax.ShapeDtypeStruct((64, 4), np.float32,
+                                                                       sharding=emb.sharding)},
+                         rules=rules)  # fmt: skip
+    want = host.copy()
+    want[50:] = 0
+    np.testing.assert_array_equal(np.asarray(out["emb"]), want)
+
+
 def test_transposed_bad_perm():
     with pytest.raises(ucp.PatternError, match="not a permutation"):
         ucp.Transposed((0, 0))

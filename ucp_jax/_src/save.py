@@ -29,6 +29,7 @@ from .util.inflight import InflightWindow
 from .util.sync import barrier
 
 log = logging.getLogger("ucp_jax")
+_PADDING_WARNED: set[str] = set()  # leaves whose padding held values (logged once a process)
 # A version-3 save into local files commits transactions of 1/TXN_PARTS of this process's share
 # (at least TXN_MIN, at most budget / TXN_PARTS), of which MAX_COMMITTING may be writing their data
 # files at once: several files written in parallel (one writer thread each), little memory held.
@@ -230,7 +231,14 @@ class SaveJob:
         """
         futs = []
         for p in b.pieces(box):
-            if p.atom is None:
+            if p.atom is None:  # padding: stored nowhere, so it should hold nothing
+                pad = data[relative_slices(p.leaf_box, box)]
+                if b.name not in _PADDING_WARNED and np.any(pad != 0):
+                    _PADDING_WARNED.add(b.name)
+                    log.warning("save: leaf %r holds nonzero values in its padding %s, which no "
+                                "atom stores (restored as zeros); if they are real rows, its "
+                                "VocabPadded size (the true vocabulary) is too small", b.name,
+                                p.leaf_box)  # fmt: skip
                 continue
             chunk = p.leaf_to_atom(data[relative_slices(p.leaf_box, box)])
             key = (p.atom, b.slot)
