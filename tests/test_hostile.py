@@ -97,6 +97,63 @@ def test_symlinks_inside_a_checkpoint_are_refused(ckpt: Path, tmp_path: Path, wh
     )
 
 
+@pytest.fixture
+def within_a_minute():  # type: ignore[no-untyped-def]
+    """A hang (opening a FIFO waits for a writer forever) fails the test instead of CI."""
+    import signal
+
+    def fail(*_):  # type: ignore[no-untyped-def]
+        raise TimeoutError("still waiting after 60 s: a read blocked")
+
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize(
+    "what, kind",
+    [("manifest.json", "fifo"), ("COMMIT", "fifo"), ("manifest.json", "dir"),
+     ("atoms/a/fp32/zarr.json", "fifo"), ("atoms/a/fp32/digests/p0.json", "fifo"),
+     ("atoms/a/fp32/zarr.json", "huge"), ("atoms/a/fp32/digests/p0.json", "huge"),
+     ("manifest.json", "huge")],
+)  # fmt: skip
+def test_special_and_oversized_files_are_refused(ckpt: Path, what: str, kind: str,
+                                                 within_a_minute) -> None:  # fmt: skip
+    # A FIFO blocks whoever opens it (TensorStore's reader thread included) until a writer
+    # comes; a 20 GB sparse metadata file (no disk space, survives tar --sparse) made
+    # TensorStore allocate it whole and abort the interpreter. Both are refused by name.
+    f = ckpt / what
+    if kind == "huge":
+        os.truncate(f, 20 << 30)
+        match = "21474836480 bytes.* more than such a file may hold"
+    else:
+        f.unlink()
+        os.mkfifo(f) if kind == "fifo" else f.mkdir()
+        match = f"is a {'FIFO' if kind == 'fifo' else 'directory'}"
+        match = match if "/" not in what else f"a {'FIFO'} inside array folder"
+    _refused(ckpt, ucp.UnsafePathError, match, at_open="/" not in what)
+
+
+@pytest.mark.parametrize("what", ["fifo", "huge_ocdbt_manifest"])
+def test_special_and_oversized_files_in_a_version_3_checkpoint(tmp_path: Path, what: str,
+                                                               within_a_minute) -> None:  # fmt: skip
+    ck = tmp_path / "ck"
+    ucp.save(ck, {"w": np.ones((64, 8), np.float32)})
+    if what == "fifo":
+        data = next(p for p in ck.rglob("*") if p.is_file() and p.parent.name == "d")
+        data.unlink()
+        os.mkfifo(data)
+        match = "a FIFO inside checkpoint folder"
+    else:
+        os.truncate(ck / "manifest.ocdbt", 20 << 30)
+        match = "manifest.ocdbt: 21474836480 bytes inside checkpoint folder"
+    with pytest.raises(ucp.UnsafePathError, match=match):
+        ucp.open(ck)
+    assert cli_main(["verify", str(ck)]) == 1
+
+
 def test_a_checkpoint_reached_through_a_link_is_fine(pristine: Path, tmp_path: Path) -> None:
     (tmp_path / "latest").symlink_to(pristine)  # the root itself may be a link: the user's choice
     assert ucp.open(tmp_path / "latest").read("s") == np.float32(3.5)

@@ -108,6 +108,14 @@ def setter(name: str, key: str, value: object) -> Callable[[dict], None]:
         (lambda h: h.update(w=[1, 2]), SafetensorsError, "tensor 'w': expected"),
         (lambda h: h["w"].pop("shape"), SafetensorsError, "tensor 'w': expected"),
         (lambda h: h.update(__metadata__=[1]), SafetensorsError, "__metadata__"),
+        # a tensor aliasing another's bytes (the safetensors library refuses it: 'invalid offset')
+        (
+            lambda h: h["b"].update(
+                data_offsets=[h["w"]["data_offsets"][0], h["w"]["data_offsets"][0] + 16]
+            ),
+            SafetensorsError,
+            "share bytes",
+        ),
     ],
 )
 def test_safetensors_header_entries(box, edit, exc, match):
@@ -195,6 +203,25 @@ def test_safetensors_index_outside_the_folder(box, name):
     # the index named directly: the same
     with box.refused(UnsafePathError, "weight_map file"):
         import_safetensors(os.path.join(box.src, "model.safetensors.index.json"), box.out)
+
+
+def test_special_files_in_a_source_folder_are_refused(box):
+    """A FIFO where a safetensors file or config.json should be blocked whoever opened it."""
+    import signal
+
+    signal.alarm(60)  # a regression hangs: fail instead
+    try:
+        save_st(os.path.join(box.src, "a.safetensors"), w=torch.ones(2))
+        os.mkfifo(os.path.join(box.src, "b.safetensors"))
+        with box.refused(UnsafePathError, "b.safetensors: safetensors file is a FIFO"):
+            import_safetensors(box.src, box.out)
+        from ucp_jax._src.llama_config import HFConfigError, read_config_json
+
+        os.mkfifo(os.path.join(box.root, "config.json"))
+        with pytest.raises(HFConfigError, match=r"config.json: .* is a FIFO, not a regular file"):
+            read_config_json(os.path.join(box.root, "config.json"), "model config")
+    finally:
+        signal.alarm(0)
 
 
 def test_safetensors_symlinks_refused(box):

@@ -28,9 +28,27 @@ from .format import (
     store,
 )
 from .format.manifest import AtomInfo, Manifest
-from .format.zarr_json import check_zarr_json
+from .format.zarr_json import MAX_ZARR_JSON_BYTES, check_zarr_json
 from .untrusted import paths
+from .untrusted.json import MAX_JSON_BYTES
 from .util.dtypes import np_dtype
+
+MAX_OCDBT_MANIFEST_BYTES = 64 << 20  # the root of a version-3 checkpoint's database
+
+
+def metadata_bytes(name: str) -> int | None:
+    """The most a checkpoint file named `name` may hold when TensorStore reads it whole before
+    any check of ours (an array's zarr.json, a fingerprint table, the OCDBT manifest); None for
+    data files. A larger one is refused before TensorStore allocates it.
+
+    >>> metadata_bytes("zarr.json"), metadata_bytes("0.0")
+    (1048576, None)
+    """
+    if name == "zarr.json":
+        return MAX_ZARR_JSON_BYTES
+    if name == "manifest.ocdbt":
+        return MAX_OCDBT_MANIFEST_BYTES
+    return MAX_JSON_BYTES if name.endswith(".json") else None
 
 
 class Checkpoint:
@@ -56,7 +74,7 @@ class Checkpoint:
             self._check_layout(self.loc.local_path)
         if self.manifest.version >= aggregate.AGGREGATED_VERSION:
             if self.loc.local_path is not None:
-                paths.check_tree(self.loc.local_path, "checkpoint folder")
+                paths.check_tree(self.loc.local_path, "checkpoint folder", metadata_bytes)
             self.data = aggregate.root_db(self.loc)
         self._arrays: dict[tuple[str, str], Any] = {}  # opened in TensorStore
         # checked (listing, zarr.json, table) but opened in TensorStore only when first read
@@ -201,7 +219,7 @@ class Checkpoint:
             if self.data.local_path is not None:
                 folder = paths.refuse_symlinks(self.data.local_path, si.path, "array folder")
                 if os.path.isdir(folder):  # else: no chunk file, no zarr.json, said below
-                    paths.check_tree(folder, "array folder")
+                    paths.check_tree(folder, "array folder", metadata_bytes)
             if root is not None:
                 started.append((root, None, root.read(f"{si.path}/zarr.json")))
                 continue

@@ -21,13 +21,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from .errors import UcpError
+from .errors import UcpError, UnsafePathError
 from .untrusted.json import read_json
+from .untrusted.paths import open_regular
 
 FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "gpt")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
@@ -219,8 +221,10 @@ def read_config_json(path: str, what: str = "model config") -> dict[str, Any]:
         HFConfigError: unreadable, too large, not JSON, or not an object.
     """
     try:
-        with open(path, "rb") as f:
+        with open_regular(os.fspath(path), what) as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
+    except UnsafePathError as e:
+        raise HFConfigError(str(e)) from e
     except OSError as e:
         raise HFConfigError(
             f"{path}: cannot read the {what} ({e.strerror or e}); a Hugging Face model "

@@ -14,6 +14,7 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import ChecksumError, NotACheckpointError
+from ..untrusted.limits import MAX_MANIFEST_BYTES
 from ..untrusted.paths import read_together, refuse_symlinks
 from ..util.dtypes import zarr_dtype
 from ..util.libc import libc
@@ -370,7 +371,8 @@ def load_manifest(loc: Location) -> Manifest:
     local = loc.local_path  # local: both read through one folder handle (old pair or new pair)
     if local is not None and os.path.exists(local) and not os.path.isdir(local):
         raise NotACheckpointError(f"{local}: a file, not a checkpoint (a checkpoint is a folder)")
-    marker, data = read_together(local, (COMMIT, MANIFEST)) if local else (loc.read(COMMIT), None)
+    marker, data = (read_together(local, (COMMIT, MANIFEST), MAX_MANIFEST_BYTES) if local
+                    else (loc.read(COMMIT), None))  # fmt: skip
     if marker is None:
         hint = "no such checkpoint"
         names = listdir(local) if local is not None else []

@@ -26,6 +26,8 @@ from ..untrusted.json import read_json
 from . import store
 from .manifest import SlotInfo
 
+MAX_ZARR_JSON_BYTES = 1 << 20  # an array's zarr.json (a few hundred bytes when ucp_jax writes it)
+
 __all__ = ["check_zarr_json", "zarr_json_bytes"]
 
 
@@ -137,7 +139,7 @@ _KEEP = 1024
 def _problem(raw: bytes, si: SlotInfo, shape: tuple[int, ...]) -> str | None:
     """What is wrong with zarr.json bytes `raw` for an array of `shape` stored as `si`, or None."""
     try:
-        doc = read_json(raw, "zarr.json", max_bytes=1 << 20, error=ChecksumError)
+        doc = read_json(raw, "zarr.json", max_bytes=MAX_ZARR_JSON_BYTES, error=ChecksumError)
     except ChecksumError as e:
         return str(e)
     want = store.array_spec(store.Location.parse("/"), shape, si)["metadata"]

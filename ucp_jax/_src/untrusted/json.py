@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import NotACheckpointError, UcpError
+from ..errors import NotACheckpointError, UcpError, UnsafePathError
+from .paths import open_regular
 
 MAX_JSON_DEPTH = 64
 MAX_JSON_BYTES = 1 << 30
@@ -117,8 +118,10 @@ def read_json_file(
     if os.path.islink(path):
         raise error(f"{path}: {what} is a symbolic link; a checkpoint's files must be its own")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, f"the {what}") as f:
             raw = f.read(max_bytes + 1)
+    except UnsafePathError as e:
+        raise error(str(e)) from e
     except OSError as e:
         raise error(f"{path}: cannot read the {what} ({e.strerror or e})") from e
     return read_json(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import stat
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from ..errors import UnsafePathError
@@ -107,22 +107,56 @@ def refuse_symlinks(root: str, rel: str, what: str) -> str:
     return os.path.join(root, *split_relative(rel, what))
 
 
+_READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+               | getattr(os, "O_NONBLOCK", 0))  # fmt: skip
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link")):  # fmt: skip
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def regular_fd(fd: int, path: str, what: str) -> int:
+    """`fd` (opened with `_READ_FLAGS`) back in blocking mode once it is a regular file; closed
+    and UnsafePathError otherwise (reading a FIFO would wait forever, a device never end)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafePathError(
+            f"{path}: {what} is {_kind(st.st_mode)}, not a regular file; a checkpoint or source "
+            "folder holds files and folders only"
+        )
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_regular(path: str, what: str, *, dir_fd: int | None = None) -> IO[bytes]:
+    """Open a regular file for binary reading, without following a symbolic link and without
+    blocking on a FIFO (refused, as any other special file, with UnsafePathError)."""
+    return os.fdopen(regular_fd(os.open(path, _READ_FLAGS, dir_fd=dir_fd), path, what), "rb")
+
+
 def open_inside(root: str, rel: str, what: str) -> IO[bytes]:
     """Open `root/rel` for binary reading: inside `root`, and no symbolic link on the way.
 
     Raises:
-        UnsafePathError: see `refuse_symlinks`.
+        UnsafePathError: see `refuse_symlinks`; or not a regular file (a FIFO, a device...).
         OSError: the file cannot be opened.
     """
-    path = refuse_symlinks(root, rel, what)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    return os.fdopen(fd, "rb")
+    return open_regular(refuse_symlinks(root, rel, what), what)
 
 
-def check_tree(root: str, what: str) -> None:
-    """Refuse a folder with a symbolic link anywhere below it (files and folders alike).
+def check_tree(root: str, what: str, max_bytes: Callable[[str], int | None] | None = None) -> None:
+    """Refuse a folder with a symbolic link or a special file (a FIFO, a socket, a device: the
+    storage library would wait on it forever) anywhere below it, or a file larger than
+    `max_bytes(its name)` (metadata the storage library reads whole, before any check).
 
-    One `scandir` per folder; the entry types come with the listing (no `lstat` per file).
+    One `scandir` per folder; the entry types come with the listing (an `lstat` only for the
+    files `max_bytes` bounds).
     """
     todo = [root]
     while todo:
@@ -135,6 +169,20 @@ def check_tree(root: str, what: str) -> None:
                     )
                 if e.is_dir(follow_symlinks=False):
                     todo.append(e.path)
+                elif not e.is_file(follow_symlinks=False):
+                    mode = e.stat(follow_symlinks=False).st_mode
+                    raise UnsafePathError(
+                        f"{e.path}: {_kind(mode)} inside {what} {root}; a checkpoint holds "
+                        "files and folders only"
+                    )
+                elif max_bytes is not None and (bound := max_bytes(e.name)) is not None:
+                    size = e.stat(follow_symlinks=False).st_size
+                    if size > bound:
+                        raise UnsafePathError(
+                            f"{e.path}: {size} bytes inside {what} {root}, more than such a "
+                            f"file may hold ({bound}); the checkpoint is damaged or not one "
+                            "ucp_jax wrote"
+                        )
 
 
 def atom_dir(atom: str) -> str:
@@ -150,12 +198,16 @@ def atom_dir(atom: str) -> str:
     return "atoms/" + check_component(quoted, "atom name, used as atom folder")
 
 
-def read_together(folder: str, names: Sequence[str]) -> list[bytes | None]:
+def read_together(
+    folder: str, names: Sequence[str], max_bytes: int | None = None
+) -> list[bytes | None]:
     """The files `names` of one folder, read through one handle on it (None: missing).
 
     All come from the same folder even when its path is swapped for another meanwhile (an
     overwrite that publishes a checkpoint atomically): never one file of the old and one of the
-    new. A name that is a symbolic link reads as missing (callers refuse links first).
+    new. A name that is a symbolic link reads as missing (callers refuse links first). A FIFO
+    or another special file is refused (UnsafePathError), and so is a file over `max_bytes`
+    before it is read.
     """
     try:
         dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -165,11 +217,18 @@ def read_together(folder: str, names: Sequence[str]) -> list[bytes | None]:
     try:
         for name in names:
             try:
-                fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dfd)
+                fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
             except OSError:
                 out.append(None)
                 continue
-            with os.fdopen(fd, "rb") as f:
+            with os.fdopen(regular_fd(fd, os.path.join(folder, name), "it"), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if max_bytes is not None and size > max_bytes:
+                    raise UnsafePathError(
+                        f"{os.path.join(folder, name)}: {size} bytes, more than such a file "
+                        f"may hold ({max_bytes}); the checkpoint is damaged or not one ucp_jax "
+                        "wrote"
+                    )
                 out.append(f.read())
     finally:
         os.close(dfd)

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import HostMemoryError, NotACheckpointError, UcpError
 from .json import read_json
 from .limits import as_int, as_shape, numel
-from .paths import join_inside, open_inside
+from .paths import join_inside, open_inside, open_regular
 
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -42,7 +42,8 @@ class SafetensorsFile:
 
     The header is checked before any tensor is touched: its length against the file, its JSON
     nesting, and for every tensor a known dtype, a shape of non-negative integers, and
-    `data_offsets` inside the data section that hold exactly shape x itemsize bytes.
+    `data_offsets` inside the data section that hold exactly shape x itemsize bytes, no two of
+    them sharing bytes.
     `root`/`rel`: open `root/rel`, refusing names that leave `root` and symbolic links.
     """
 
@@ -80,6 +81,7 @@ class SafetensorsFile:
         data = size - self.base
         for name, h in self.header.items():
             _check_entry(path, name, h, data)
+        _check_disjoint(path, self.header)
 
     @property
     def names(self) -> list[str]:
@@ -105,7 +107,7 @@ def _open(path: str, root: str | None, what: str) -> IO[bytes]:
     """`path` (the file the user named), or `root/<path relative to root>` confined to `root`."""
     try:
         if root is None:
-            return open(path, "rb")  # the file the user named
+            return open_regular(path, f"the {what}")  # the file the user named
         return open_inside(root, os.path.relpath(path, root), what)
     except OSError as e:
         raise SafetensorsError(f"{path}: cannot open the {what} ({e.strerror or e})") from e
@@ -141,6 +143,22 @@ def _check_entry(path: str, name: str, h: Any, data: int) -> None:
             f"{count * itemsize} bytes (shape {list(shape)} x {itemsize} bytes of {code}); the "
             "file is damaged"
         )
+
+
+def _check_disjoint(path: str, header: dict[str, dict[str, Any]]) -> None:
+    """No two tensors share bytes (the safetensors library refuses such a file too): a tensor
+    aliasing another's bytes would import as that tensor's values."""
+    spans = sorted((h["data_offsets"][0], h["data_offsets"][1], n) for n, h in header.items())
+    prev_end, prev = 0, None
+    for b, e, name in spans:
+        if b == e:
+            continue
+        if b < prev_end:
+            raise SafetensorsError(
+                f"{path}: tensors {prev!r} and {name!r} share bytes (data_offsets overlap at "
+                f"{b}); the file is damaged or crafted, and the safetensors library refuses it too"
+            )
+        prev_end, prev = e, name
 
 
 def _load_index(path: str, root: str | None) -> dict[str, str]:

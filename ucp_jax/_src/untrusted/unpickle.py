@@ -26,7 +26,8 @@ import zipfile
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import UcpError
+from ..errors import UcpError, UnsafePathError
+from .paths import open_regular
 
 
 class UnsafePickleError(UcpError, pickle.UnpicklingError):
@@ -376,7 +377,11 @@ def torch_value_globals() -> dict[str, Any]:
 def load_pickle(path: str | os.PathLike[str], allowed: dict[str, Any]) -> Any:
     """Load a plain pickle file resolving only `allowed` globals (see RestrictedUnpickler)."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    try:
+        f = open_regular(path, "the pickle")
+    except UnsafePathError as e:
+        raise UnsafePickleError(str(e)) from e
+    with f:
         try:
             return RestrictedUnpickler(f, allowed, path).load()
         except UnsafePickleError:

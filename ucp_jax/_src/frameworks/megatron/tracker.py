@@ -12,6 +12,7 @@ import os
 import re
 
 from ...errors import NotACheckpointError
+from ...untrusted.paths import open_regular
 from .common import BACKEND_FILE, MegatronFormatError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -30,7 +31,7 @@ def iteration_folder(folder: str) -> str:
     tracker = os.path.join(folder, TRACKER)
     if os.path.exists(os.path.join(folder, BACKEND_FILE)) or not os.path.isfile(tracker):
         return folder
-    with open(tracker, "rb") as f:
+    with open_regular(tracker, "Megatron-LM's tracker file") as f:
         text = f.read(64).decode("ascii", "replace").strip()
     if text == "release":
         name = "release"
