@@ -295,6 +295,20 @@ def test_malformed_slot_fields(ckpt: Path, field: str, value: object, match: str
         (lambda m: m.update(atoms=[]), "'atoms' is not an object"),
         (lambda m: m["atoms"]["a"].update(slots={}), "no slots"),
         (lambda m: m["atoms"]["a"]["slots"].update({"../x": {}}), "slot name"),
+        # every row padding: no region would read the atom, so no shape check would run, and
+        # the restore gave zeros
+        (
+            lambda m: m["atoms"]["a"].update(pattern=[{"type": "VocabPadded", "size": 0}]),
+            "VocabPadded: size=0; expected the true vocabulary",
+        ),
+        (
+            lambda m: m["rules"].append(["a", [{"type": "VocabPadded", "size": -1}]]),
+            "VocabPadded: size=-1",
+        ),
+        (
+            lambda m: m["rules"].append(["a", [{"type": "Fused", "sizes": [0, 4], "axis": 0}]]),
+            "positive sub-param sizes",
+        ),
     ],
 )
 def test_malformed_manifest_fields(ckpt: Path, edit, match: str) -> None:  # type: ignore[no-untyped-def]

@@ -390,6 +390,23 @@ def test_nonzero_vocab_padding_is_named_once(tmp_path, caplog, pad_value):
     np.testing.assert_array_equal(np.asarray(out["emb"]), want)
 
 
+def test_pattern_sizes_and_templates_that_cannot_be(tmp_path):
+    # VocabPadded(0) would make every row padding (stored nowhere, restored as zeros); a template
+    # naming a regex group its rule lacks was a bare re.error: both are PatternErrors.
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ucp.PatternError, match=f"VocabPadded: size={bad!r}"):
+            ucp.VocabPadded(bad)
+    assert ucp.VocabPadded(np.int64(50)).size == 50
+    with pytest.raises(ucp.PatternError, match="positive sub-param sizes"):
+        ucp.Fused((8, 0), 0, "tensor")
+    mesh = mesh_of((8,), ("data",))
+    stacked = jax.device_put(f32(4, 3), NamedSharding(mesh, P()))
+    with pytest.raises(ucp.PatternError, match=r"template 'blocks.\{i}.\\\\9' does not expand"):
+        ucp.save(tmp_path / "ck", {"layers": {"w": stacked}},
+                 rules=[(r"layers\.(.*)", ucp.Stacked(r"blocks.{i}.\9", 0))])  # fmt: skip
+    assert not (tmp_path / "ck").exists()
+
+
 def test_transposed_bad_perm():
     with pytest.raises(ucp.PatternError, match="not a permutation"):
         ucp.Transposed((0, 0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -118,7 +119,13 @@ def _replace(t: tuple[Any, ...], i: int, v: Any) -> tuple[Any, ...]:
 
 
 def expand_template(template: str, ctx: LeafContext, env: tuple[tuple[str, int], ...]) -> str:
-    name = ctx.match.expand(template) if ctx.match and "\\" in template else template  # re parses
+    try:
+        name = ctx.match.expand(template) if ctx.match and "\\" in template else template
+    except (re.error, IndexError) as e:
+        raise PatternError(
+            f"leaf {ctx.name!r}: the atom name template {template!r:.80} does not expand with "
+            f"its rule's regex groups ({e}); fix the template or the rule's regex"
+        ) from e
     for key, val in env:
         name = name.replace("{" + key + "}", str(val))
     return name
@@ -216,6 +223,18 @@ class VocabPadded(Pattern):
     axis: int = 0
     kind: ClassVar[str] = "VocabPadded"
 
+    def __post_init__(self) -> None:
+        try:
+            size = -1 if isinstance(self.size, bool) else operator.index(self.size)
+        except TypeError:
+            size = -1
+        object.__setattr__(self, "size", size if size > 0 else self.size)
+        if size < 1:
+            raise PatternError(
+                f"VocabPadded: size={self.size!r}; expected the true vocabulary, a positive "
+                "integer (a size of 0 would make every row padding, stored nowhere)"
+            )
+
     def split(self, node: Node, ctx: LeafContext) -> list[Node]:
         ax = _axis(self.axis, node.shape, ctx, self)
         if node.shape[ax] < self.size:
@@ -254,6 +273,8 @@ class Fused(Pattern):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if not self.sizes or min(self.sizes) < 1:
+            raise PatternError(f"Fused: sizes {self.sizes}; expected positive sub-param sizes")
         if self.atoms is not None:
             object.__setattr__(self, "atoms", tuple(self.atoms))
             if len(self.atoms) != len(self.sizes):
