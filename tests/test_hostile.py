@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import assert_tree_bitexact
@@ -316,6 +318,33 @@ def test_malformed_manifest_fields(ckpt: Path, edit, match: str) -> None:  # typ
     _refused(ckpt, (ucp.NotACheckpointError, ucp.UnsafePathError), match, at_open=True)
 
 
+@pytest.mark.parametrize(
+    "regex, outcome",
+    [("(a+)+$", "contradicts itself"), ("(.*)(.*)(.*)(.*)(.*)x", "contradicts itself"),
+     ("(?=a)(a+)+$", "has a repeat of a group"), ("(a)(.*)(.*)(.*)\\1", "has a backreference")],
+)  # fmt: skip
+def test_a_catastrophic_regex_in_the_manifest_rules(ckpt: Path, regex: str, outcome: str,
+                                                    within_a_minute) -> None:  # fmt: skip
+    # Python's re takes exponential (or high polynomial) time for these against a name the same
+    # manifest chose ('a' * 40 + '!': about a day): the open must end in seconds. Rules RE2
+    # takes are matched in linear time (here they match nothing, so the leaf records, which say
+    # rule #k, contradict them); those it does not take are used only in a shape that cannot
+    # backtrack badly, else refused, naming the rule.
+    import time
+
+    name = "a" * 40 + "!"
+
+    def edit(m):  # type: ignore[no-untyped-def]
+        m["rules"].append([regex, []])
+        m["leaves"][name] = dict(m["leaves"]["a"], rule=len(m["rules"]) - 1, base=name)
+
+    _edit(ckpt, edit, reseal=True)
+    t = time.monotonic()
+    with pytest.raises(ucp.NotACheckpointError, match=re.escape(outcome)):
+        ucp.open(ckpt)
+    assert time.monotonic() - t < 5
+
+
 def test_deeply_nested_manifest(ckpt: Path) -> None:
     data = (ckpt / "manifest.json").read_bytes()
     deep = data.replace(b'"extra": null', b'"extra": ' + b"[" * 100_000 + b"]" * 100_000)
@@ -425,3 +454,14 @@ def test_leftover_of_a_killed_overwrite_is_removed(tmp_path: Path) -> None:
     ucp.save(tmp_path / "step_2", {"x": np.ones(3, np.float32)})
     assert not old.exists()
     assert sorted(os.listdir(tmp_path)) == ["step_2"]
+
+
+def test_rules_re2_does_not_take_still_restore(tmp_path: Path) -> None:
+    # Neighbour of the catastrophic rules: a user's rule with a lookahead (RE2 has none) and a
+    # shape that cannot backtrack badly is read back with Python's re, and restores.
+    params = {"enc": {"w": np.arange(8, dtype=np.float32)}, "dec": {"w": np.ones(8, np.float32)}}
+    rules = [(r"(?!dec)(\w+)\.w", ucp.Renamed(r"blocks.\1.weight"))]
+    ucp.save(tmp_path / "ck", params, rules=rules)
+    assert sorted(ucp.open(tmp_path / "ck").atoms) == ["blocks.enc.weight", "dec.w"]
+    out, _ = ucp.restore(tmp_path / "ck", jax.tree.map(np.zeros_like, params))
+    assert_tree_bitexact(out, params)

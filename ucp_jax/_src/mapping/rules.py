@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import PatternError
+from ..untrusted.regex import compile_untrusted
 from .patterns import PatternChain, as_chain, chain_from_json, chain_to_json
 from .rename import Renamed as Renamed  # registered, so manifests that record it read back
 
@@ -16,8 +17,9 @@ Rule = tuple[str, Any]
 class CompiledRules:
     """Rules compiled once; `match` gives the first rule that fully matches a name."""
 
-    def __init__(self, rules: Sequence[Rule]) -> None:
-        self.rules: list[tuple[str, re.Pattern[str], PatternChain]] = []
+    def __init__(self, rules: Sequence[Rule], *, untrusted: bool = False) -> None:
+        """`untrusted`: regexes read from a checkpoint, matched in bounded time (RE2)."""
+        self.rules: list[tuple[str, Any, PatternChain]] = []
         for i, rule in enumerate(rules):
             try:
                 regex, pat = rule
@@ -26,6 +28,10 @@ class CompiledRules:
                     f"rule #{i} {rule!r} is not a (regex, pattern) pair; write (r'name\\.regex', "
                     "ucp.Fused(...)) or (regex, (pattern, pattern, ...))"
                 ) from None
+            if untrusted:
+                compiled = compile_untrusted(regex, f"rule #{i}")
+                self.rules.append((regex, compiled, as_chain(pat)))
+                continue
             try:
                 compiled = re.compile(regex)
             except re.error as e:
@@ -36,7 +42,7 @@ class CompiledRules:
     def __bool__(self) -> bool:
         return bool(self.rules)
 
-    def match(self, name: str) -> tuple[int | None, re.Match[str] | None, PatternChain]:
+    def match(self, name: str) -> tuple[int | None, Any, PatternChain]:
         """(rule index, regex match, chain) of the first matching rule; (None, None, ()) if none."""
         for i, (_, rx, chain) in enumerate(self.rules):
             m = rx.fullmatch(name)
@@ -61,4 +67,4 @@ class CompiledRules:
     @classmethod
     def from_json(cls, data: Sequence[Sequence[Any]]) -> CompiledRules:
         rules: list[Rule] = [(regex, chain_from_json(chain)) for regex, chain in data]
-        return cls(rules)
+        return cls(rules, untrusted=True)
