@@ -18,7 +18,14 @@ import zipfile
 from typing import Any
 
 from ..errors import LimitError, UcpError
-from .unpickle import STAND_INS, RestrictedUnpickler, UnsafePickleError, numpy_globals
+from .unpickle import (
+    STAND_INS,
+    RestrictedUnpickler,
+    UnsafePickleError,
+    numpy_globals,
+    pickle_globals,
+    zip_member,
+)
 
 _STORAGE_DTYPES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
@@ -228,6 +235,14 @@ def _rebuild_from_type_v2(func: Any, _new_type: Any, args: Any, _state: Any) -> 
     return func(*args)
 
 
+def _bytearray(*args: Any) -> bytearray:
+    """`bytearray` as pickles rebuild one (from bytes, or a str and its encoding), never of a
+    length: `bytearray(6_000_000_000)` in a 200-byte pickle allocates 6 GB."""
+    if not args or isinstance(args[0], int):
+        raise UnsafePickleError(f"bytearray{args!r:.40}: only bytearrays of given bytes are read")
+    return bytearray(*args)
+
+
 def _lazy_globals() -> dict[str, Any]:
     import codecs
     import collections
@@ -239,7 +254,7 @@ def _lazy_globals() -> dict[str, Any]:
     out.update({
         "collections.OrderedDict": collections.OrderedDict,
         "builtins.set": set, "builtins.frozenset": frozenset, "builtins.complex": complex,
-        "builtins.slice": slice, "builtins.bytearray": bytearray, "_codecs.encode": codecs.encode,
+        "builtins.slice": slice, "builtins.bytearray": _bytearray, "_codecs.encode": codecs.encode,
         "torch.Size": TorchSize,
         "torch.device": lambda *a: str(a[0]) if a else "cpu",
         "torch.serialization._get_layout": str,
@@ -336,11 +351,16 @@ def load_lazy(path: str | os.PathLike[str]) -> Any:
                     f"{start + info.file_size}) of a {size}-byte file; the file is truncated"
                 )
             storages[info.filename[len(prefix) + 5 :]] = (start, info.file_size)
-        data = z.read(names[0])
+        data = zip_member(z, names[0], path)
     try:
+        pickle_globals(data)  # memo indices bounded before C's unpickler sizes its memo by them
         return _LazyUnpickler(io.BytesIO(data), path, storages, order).load()
+    except UnsafePickleError as e:
+        raise e if str(e).startswith(path) else UnsafePickleError(f"{path}: {e}") from None
     except UcpError:
         raise
+    except MemoryError as e:
+        raise UnsafePickleError(f"{path}: its pickle asks for more memory than there is") from e
     except Exception as e:
         raise UnsafePickleError(f"{path}: not a readable torch file ({e})") from e
 

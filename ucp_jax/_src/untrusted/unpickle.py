@@ -169,6 +169,10 @@ def allowed(name: str) -> bool:
 # --------------------------------------------------------------------------- gate 1: the scan
 
 
+MAX_PICKLE_BYTES = 256 << 20  # a pickle of metadata (tensor bytes live beside it)
+MEMO_SLACK = 1024  # memo indices may run this far ahead of the entries stored
+
+
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING",
                "BINSTRING", "STRING"}  # fmt: skip
 _REFUSED_OPS = {"EXT1", "EXT2", "EXT4"}  # the copyreg extension registry: names hidden by number
@@ -185,6 +189,12 @@ def pickle_globals(data: bytes) -> list[str]:
     recent: list[Any] = []  # values of the last pushes, for STACK_GLOBAL
     next_memo = 0
     for op, arg, _pos in pickletools.genops(data):
+        if op.name in ("BINPUT", "LONG_BINPUT", "PUT") and int(arg or 0) > next_memo + MEMO_SLACK:
+            # picklers number memo entries 0, 1, 2...; C's unpickler sizes its memo by the index
+            raise UnsafePickleError(
+                f"the pickle stores memo entry {arg} after {next_memo} entries (an unpickler "
+                "would allocate memory for all of them); refusing it"
+            )
         name = op.name
         if name in ("GLOBAL", "INST"):
             module, _, qual = str(arg).partition(" ")
@@ -209,6 +219,7 @@ def pickle_globals(data: bytes) -> list[str]:
             next_memo += 1
         elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
             memo[int(arg or 0)] = recent[-1] if recent else None
+            next_memo += 1
         elif name not in ("FRAME", "PROTO"):
             recent.append(None)
         if len(recent) > 8:
@@ -268,6 +279,22 @@ def _stand_ins_registered() -> Iterator[None]:
                 torch.serialization._weights_only_unpickler._remove_safe_globals(_safe_list())
 
 
+def zip_member(z: zipfile.ZipFile, name: str, where: str) -> bytes:
+    """A zip member's bytes, refused before it is inflated when it claims (or inflates to) more
+    than MAX_PICKLE_BYTES: a few MB of deflated zeros inflate to gigabytes."""
+    size = z.getinfo(name).file_size
+    if size > MAX_PICKLE_BYTES:
+        raise UnsafePickleError(
+            f"{where}: its {name} holds {size} bytes once inflated, more than a pickle of "
+            f"tensor metadata may ({MAX_PICKLE_BYTES}); damaged or not a torch checkpoint"
+        )
+    with z.open(name) as f:
+        data = f.read(MAX_PICKLE_BYTES + 1)
+    if len(data) > MAX_PICKLE_BYTES:
+        raise UnsafePickleError(f"{where}: its {name} inflates beyond {MAX_PICKLE_BYTES} bytes")
+    return data
+
+
 def _zip_pickle(path: str) -> bytes | None:
     """The main pickle of a zip-format torch file, or None for the legacy format."""
     if not zipfile.is_zipfile(path):
@@ -278,7 +305,7 @@ def _zip_pickle(path: str) -> bytes | None:
             raise UnsafePickleError(
                 f"{path}: a zip file without exactly one data.pkl ({names[:3]})"
             )
-        return z.read(names[0])
+        return zip_member(z, names[0], path)
 
 
 def load(path: str | os.PathLike[str], *, mmap: bool = True) -> Any:
@@ -318,7 +345,7 @@ def loads(data: bytes, where: str = "<bytes>") -> Any:
             names = [n for n in z.namelist() if n.endswith("data.pkl")]
             if len(names) != 1:
                 raise UnsafePickleError(f"{where}: a zip file without exactly one data.pkl")
-            check_pickle(z.read(names[0]), where)
+            check_pickle(zip_member(z, names[0], where), where)
     buf.seek(0)
     try:
         with _stand_ins_registered():
@@ -382,6 +409,16 @@ def load_pickle(path: str | os.PathLike[str], allowed: dict[str, Any]) -> Any:
     except UnsafePathError as e:
         raise UnsafePickleError(str(e)) from e
     with f:
+        data = f.read(MAX_PICKLE_BYTES + 1)
+    if len(data) > MAX_PICKLE_BYTES:
+        raise UnsafePickleError(f"{path}: more than {MAX_PICKLE_BYTES} bytes of pickle")
+    try:
+        pickle_globals(data)  # memo indices bounded before C's unpickler sizes its memo by them
+    except UnsafePickleError as e:
+        raise UnsafePickleError(f"{path}: {e}") from None
+    except Exception as e:
+        raise UnsafePickleError(f"{path}: not a readable pickle ({e})") from e
+    with io.BytesIO(data) as f:
         try:
             return RestrictedUnpickler(f, allowed, path).load()
         except UnsafePickleError:
