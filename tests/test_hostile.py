@@ -273,6 +273,7 @@ def test_manifest_shape_disagreeing_with_zarr_json(ckpt: Path) -> None:
         ("dtype", "foo", "unknown dtype"),
         ("dtype", 123, "unknown dtype"),
         ("dtype", "object", "unknown dtype"),
+        ("dtype", ">f4", "unknown dtype .>f4."),  # a float32 by another name: one name per type
         ("chunks", [0, 32], "ints >= 1"),
         ("chunks", [32], "chunks"),
         ("chunks", "32", "list of"),

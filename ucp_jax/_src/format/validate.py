@@ -61,8 +61,8 @@ def check_slot(atom: str, slot: Any, d: Any, atom_shape: tuple[int, ...], where:
         if not isinstance(dt, str):
             raise TypeError
         dtype = np_dtype(dt)
-        if dtype.kind not in "biufcV" or dtype.itemsize == 0:
-            raise TypeError
+        if dtype.kind not in "biufcV" or dtype.itemsize == 0 or dtype.name != dt:
+            raise TypeError  # writers record a canonical name ('float32', never '>f4')
     except (TypeError, ValueError) as e:
         raise NotACheckpointError(f"{what}: unknown dtype {dt!r}; the manifest is damaged") from e
     shape = check_shape(d["shape"], f"{what}: shape") if d.get("shape") is not None else atom_shape
