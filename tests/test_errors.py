@@ -295,3 +295,25 @@ def test_an_optax_target_built_for_other_params_is_named_first(tmp_path):
     _, right = ucp.targets(sub, mesh, P(), opt_state=jax.eval_shape(opt.init, sub))
     p, o = ucp.restore(tmp_path / "ck", pt, right)
     assert_tree_bitexact((p, o), (sub, opt.init(sub)))
+
+
+def test_moments_of_another_optimizer_are_named(tmp_path, caplog):
+    # Slots match by name (adam's mu/nu are exp_avg/exp_avg_sq), so adam's state restores into
+    # adabelief, whose nu is another statistic: the log says whose state went where. The same
+    # optimizer in another structure (adam -> chain(clip, adamw)) says nothing.
+    import logging
+
+    params = {"w": np.ones((8, 4), np.float32)}
+    adam = optax.adam(1e-2)
+    ucp.save(tmp_path / "ck", params, adam.init(params), step=1)
+    for opt, warned in ((optax.adabelief(1e-2), True),
+                        (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), False)):  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+            _, got = ucp.restore(tmp_path / "ck", params, opt.init(params))
+        assert (
+            "slot 'exp_avg_sq': saved from ScaleByAdamState.nu, restored into "
+            "ScaleByBeliefState.nu" in caplog.text
+        ) is warned, caplog.text
+        assert ("saved by another optax state" in caplog.text) is warned
+        assert_tree_bitexact(jax.tree.leaves(got), jax.tree.leaves(adam.init(params)))

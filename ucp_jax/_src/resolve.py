@@ -122,6 +122,29 @@ def resolve_leaf(
     return ResolvedLeaf(b, groups, slot_of, atom_of)
 
 
+def other_optimizer(ckpt: Checkpoint, bindings: Sequence[LeafBinding]) -> list[str]:
+    """Slots restored into another optax state than the one that saved them (adam's `nu` into
+    adabelief's, whose `nu` is another statistic): one line per (slot, saved, target), empty
+    when every slot's saving state is the target's or was not recorded (imports, older saves)."""
+    saved: dict[tuple[str, str], str] = {}
+    for rec in ckpt.manifest.leaves.values():
+        if isinstance(rec, dict) and isinstance(rec.get("owner"), str):
+            saved[(str(rec.get("base")), str(rec.get("slot")))] = rec["owner"]
+    out: dict[tuple[str, str, str], None] = {}
+    for b in bindings:
+        was = saved.get((b.base, b.slot)) if b.owner else None
+        if was is not None and b.owner is not None and _optax_state(was) and _optax_state(
+            b.owner) and was.split(".")[0] != b.owner.split(".")[0]:  # fmt: skip
+            out[(b.slot, was, b.owner)] = None
+    return [f"slot {s!r}: saved from {w}, restored into {t}" for s, w, t in out]
+
+
+def _optax_state(owner: str) -> bool:
+    """An optax state class ('ScaleByAdamState.mu'), not a container (a dict, NNX's State)."""
+    cls = owner.split(".")[0]
+    return cls.endswith("State") and cls not in ("State", "VariableState")
+
+
 def _by_role(ckpt: Checkpoint, b: LeafBinding, read: bool = True) -> tuple[str, str]:
     """An optimizer leaf mirroring no parameter, found by its role in another optax structure.
 

@@ -21,7 +21,7 @@ from .mapping.boxes import box_shape, box_size, index_to_box, relative_slices, t
 from .mapping.keys import rewrap
 from .mapping.rules import CompiledRules, Rule
 from .placement import Placer
-from .resolve import ResolvedLeaf, resolve_leaf
+from .resolve import ResolvedLeaf, other_optimizer, resolve_leaf
 from .save_handle import in_flight
 from .util import buffers, config
 from .util.dtypes import cast_loss
@@ -182,6 +182,11 @@ def _restore(
 
     report = build(ckpt, pbind + obind, compiled if rules else None, cast, budget, account=False)
     report.raise_if_problems()
+    if other := other_optimizer(ckpt, obind):
+        log.warning("restore %s: optimizer state saved by another optax state (%s): its "
+                    "statistics may mean something else there; if that was not meant, restore "
+                    "params only (opt_state_target=None) and start the optimizer afresh",
+                    ckpt.path, "; ".join(other))  # fmt: skip
     resolved = report.resolved
     if any(r.slot_of.get(a) == STEP_SLOT for r in resolved for a in r.slot_of):
         resolved = [resolve_leaf(ckpt, r.binding, cast) for r in resolved]  # counts: steps agree?

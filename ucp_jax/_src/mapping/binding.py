@@ -45,6 +45,8 @@ class LeafBinding:
             `.value`, a Linen `params.` prefix): checkpoints written before names were unified.
         key_impl: for a typed PRNG key leaf, its impl's name; `value`, shape and dtype are then
             those of its key data (see `keys.py`).
+        owner: for an optimizer leaf in a slot, the optax state field holding it
+            ('ScaleByAdamState.mu').
     """
 
     name: str
@@ -61,6 +63,7 @@ class LeafBinding:
     value: Any
     legacy: str | None = None
     key_impl: str | None = None
+    owner: str | None = None
 
     def pieces(self, box: Box) -> list[Piece]:
         """Atom pieces filling `box` of this leaf."""
@@ -139,7 +142,7 @@ def bind_state(
                 # sharding (on the host, on another mesh): the parameter's mesh axes apply
                 ctx = LeafContext(o.name, p.ctx.match, p.ctx.mesh_axes, base=o.param)
                 b = LeafBinding(o.name, "opt", o.param, o.slot or "", None, p.rule, p.chain, ctx,
-                                shape, dtype, sharding, leaf, p.legacy, impl)  # fmt: skip
+                                shape, dtype, sharding, leaf, p.legacy, impl, o.owner)  # fmt: skip
             else:
                 idx, m, chain = rules.match(o.name)
                 ctx = LeafContext(o.name, m, mesh_axes(sharding))
@@ -383,6 +386,7 @@ def describe_leaf(b: LeafBinding) -> dict[str, Any]:
         "mesh": b.ctx.mesh_axes,
         "spec": None if spec is None else str(spec),
         **({"key_impl": b.key_impl} if b.key_impl else {}),
+        **({"owner": b.owner} if b.owner else {}),
     }
 
 

@@ -25,6 +25,8 @@ class OptLeaf:
         slot: the slot it is stored in when it mirrors a parameter ('exp_avg', 'exp_avg_sq', ...).
         role: '<StateClass>.<field>' of its container, used to match a different optax structure.
         leaf: the leaf itself.
+        owner: for a leaf in a slot, '<StateClass>.<field>' of the subtree holding it
+            ('ScaleByAdamState.mu'): which optimizer's state the slot is.
     """
 
     path: tuple[Any, ...]
@@ -33,6 +35,7 @@ class OptLeaf:
     slot: str | None
     role: str | None
     leaf: Any
+    owner: str | None = None
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:
@@ -114,7 +117,8 @@ def classify_opt_state(
             head = path_to_name(npath, OPT_PREFIX)
             for (sub_name, sub, leaf), pname in zip(named_leaves(node), names):
                 name = f"{head}.{sub_name}" if sub_name else head
-                out.append(OptLeaf(path + tuple(sub), name, pname, slot, None, leaf))
+                out.append(OptLeaf(path + tuple(sub), name, pname, slot, None, leaf,
+                                   f"{container}.{field}"))  # fmt: skip
             return
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node)):
             name = path_to_name(npath, OPT_PREFIX)
