@@ -52,3 +52,17 @@ def test_convert_safetensors_and_dcp(tmp_path, capsys):
         dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=tmp_path / "d", no_dist=True)
     assert main(["convert", "dcp", str(tmp_path / "d"), str(tmp_path / "u")]) == 0
     np.testing.assert_array_equal(ucp.open(tmp_path / "u").read("w"), np.ones(4))
+
+
+@pytest.mark.parametrize("kind", ["hf", "deepspeed-universal", "dcp", "megatron", "torchtitan"])
+@pytest.mark.parametrize("url", ["s3://bucket/out", "gs://bucket/out"])
+def test_an_export_to_a_url_is_refused_not_written_to_a_folder_named_s3(tmp_path, capsys,
+                                                                         monkeypatch, kind, url):  # fmt: skip
+    # Exporters write through the filesystem: an s3:// destination became ./s3:/bucket/out, and
+    # the export reported success with nothing in the bucket. Now: one line naming the fix.
+    monkeypatch.chdir(tmp_path)
+    ucp.save(tmp_path / "ck", {"w": np.ones((4, 4), np.float32)}, step=1)
+    assert main(["export", kind, str(tmp_path / "ck"), url]) == 1
+    err = capsys.readouterr().err
+    assert f"{url}: " in err and "write it locally and copy it to the store" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

@@ -32,6 +32,7 @@ from ...format.manifest import PARAM_SLOT
 from ...llama_config import config_from_checkpoint
 from ..common import llama_export as X
 from ..common.dcp_write import LazyTensor, RawBlob, write_dcp
+from ..common.destination import local_destination
 from ..common.optax_count import adam_step
 from ..common.torch_arrays import to_torch, torch_dtype
 
@@ -150,6 +151,7 @@ def export_dcp(
     Raises:
         DCPExportError: unknown ``names``, or no Llama config for "hf" / "torchtitan".
     """
+    dst = local_destination(dst, "the torch.distributed.checkpoint folder")
     if names not in NAMES:
         raise DCPExportError(f"export_dcp: names={names!r}; expected one of {NAMES}")
     ck = Checkpoint(src)

@@ -31,6 +31,7 @@ from ...format import space
 from ...format.manifest import PARAM_SLOT, STEP_SLOT
 from ...mapping.patterns import Partitioned, VocabPadded, chain_from_json
 from ...untrusted.paths import check_component, join_inside
+from ..common.destination import local_destination
 from ..common.optax_count import optax_count
 from ..common.progress import Progress
 from ..common.torch_arrays import to_torch
@@ -88,6 +89,7 @@ def export_deepspeed_universal(
 
     >>> ucp.torch.export_deepspeed_universal("/tmp/ucp/step_3", "ds_univ/global_step3")  # doctest: +SKIP
     """
+    dst = local_destination(dst, "the DeepSpeed universal folder")
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     dst = os.path.abspath(os.fspath(dst))
     params = _parameters(ck, _renamer(names))  # names checked before anything is written

@@ -27,6 +27,7 @@ from ...format.manifest import PARAM_SLOT
 from ...llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
 from ...untrusted.paths import check_component
 from ...untrusted.safetensors import DTYPES, INDEX
+from ..common.destination import local_destination
 from ..common.model_dtype import model_float
 from ..common.progress import Progress
 from .read import GENERATION, hf_mapping, hf_shapes
@@ -301,6 +302,7 @@ def export_hf(
 
     >>> ucp.torch.export_hf("/tmp/ucp/llama_step100", "llama-ft/", max_shard_size="2GB")  # doctest: +SKIP
     """
+    dst = local_destination(dst, "the Hugging Face model folder")
     dtype = model_float(dtype, f"export_hf(dtype=...) to {dst}")
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     extra = ck.manifest.extra if isinstance(ck.manifest.extra, dict) else {}

@@ -34,6 +34,7 @@ from ...checkpoint import Checkpoint
 from ...errors import UcpError
 from ...format import space
 from ...llama_config import LlamaConfig, config_from_checkpoint
+from ..common.destination import local_destination
 from .common import BACKEND_FILE, EXPERTS, LAYERS, TENSORS, atom_of, model_keys
 from .tracker import write_tracker
 
@@ -209,6 +210,7 @@ def export_megatron(
 
     >>> ucp.torch.export_megatron("/tmp/ucp/gpt", "ckpt/iter_0000002")  # doctest: +SKIP
     """
+    dst = local_destination(dst, "the Megatron checkpoint folder")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 

@@ -24,6 +24,7 @@ from ...errors import UcpError
 from ...llama_config import config_from_checkpoint
 from ..common import llama_export as X
 from ..common.dcp_write import write_dcp
+from ..common.destination import local_destination
 from ..common.optax_count import adam_step
 
 
@@ -101,6 +102,7 @@ def export_torchtitan(
         TorchtitanExportError: not a dense, untied Llama without biases.
         FileExistsError: ``dst`` exists and ``overwrite`` is not set.
     """
+    dst = local_destination(dst, "the torchtitan step folder")
     ck = Checkpoint(src)
     cfg = config_from_checkpoint(ck)
     if cfg.n_experts or cfg.qkv_bias or cfg.tie_embeddings or cfg.sliding_window:
