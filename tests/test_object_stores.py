@@ -26,7 +26,7 @@ from mp.runner import free_port, run_and_kill, run_job
 
 import ucp_jax as ucp
 from ucp_jax._src.cli import main as cli_main
-from ucp_jax._src.format import aggregate
+from ucp_jax._src.format import aggregate, store
 
 BUCKET = "ucp-test"
 KILL_WORKER = Path(__file__).parent / "mp" / "kill_remote_worker.py"
@@ -347,6 +347,9 @@ def test_s3_orbax_checkpoint_manager(s3):
     assert ucp.list_checkpoints(f"{root}/2") == [f"{root}/2/default"]
     with pytest.raises(ucp.NotACheckpointError):
         ucp.open(f"{root}/1/default")
+    # no listing index in the step folder: Orbax took its folder for an item ('.ucp-index'
+    # in item_metadata, a warning on every restore, mngr.restore(2) without args failing)
+    assert not store.Location.parse(f"{root}/2/.ucp-index").has_any()
 
 
 def test_gcs_save_restore_list_verify(gcs, capsys):

@@ -25,12 +25,15 @@ from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, commit_marker
 from .store import Location, fsync_dir, listdir
 
 
-def write_commit(loc: Location, manifest_bytes: bytes) -> None:
+def write_commit(loc: Location, manifest_bytes: bytes, *, listed: bool = True) -> None:
     """Write the COMMIT marker (with the manifest's sha256): the last write of every protocol;
-    in an object store, then the checkpoint's entry in its folder's index (index.py)."""
+    in an object store, then the checkpoint's entry in its folder's index (index.py), unless
+    not `listed` (an Orbax item: Orbax lists its step folder, and would take the index's
+    folder for an item)."""
     marker = commit_marker(manifest_bytes)
     loc.write(COMMIT, marker)
-    index.add(loc, marker)
+    if listed:
+        index.add(loc, marker)
 
 
 def seal(target: Location, manifest: Manifest) -> bytes:

@@ -197,7 +197,7 @@ class UniversalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"{loc.url}: finalize called but manifest.json is missing; the universal save "
                 "into this folder did not finish"
             )
-        commit.write_commit(loc, data)
+        commit.write_commit(loc, data, listed=False)  # Orbax lists its own steps
 
     def restore(self, directory: Any, args: UniversalRestore | None = None) -> UniversalState:
         """Restore onto the targets' shardings (any mesh); `rules` when the layout changed."""
