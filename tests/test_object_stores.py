@@ -564,3 +564,22 @@ def test_an_endpoint_that_is_a_web_server(monkeypatch, capsys):
             assert "answered with a web page" in err and endpoint in err, err
     finally:
         server.shutdown()
+
+
+def test_a_killed_saves_claim_is_waited_out_with_a_word(s3, monkeypatch, caplog):
+    # A save killed mid-way leaves its claim on the path; the next save waits UCP_WRITER_CLAIM_S
+    # to see whether it renews (alive) or not (killed). That wait said nothing: a minute of
+    # silence. Now the log says what it waits for, and the save then commits.
+    import logging
+
+    monkeypatch.setenv("UCP_WRITER_CLAIM_S", "1")
+    root = f"s3://{BUCKET}/claimed"
+    store.Location.parse(root).write(".step_1.ucp-writer", b"deadbeef pid 1 on gone")
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        ucp.save(f"{root}/step_1", _state(1), step=1)
+    assert (
+        "another save's claim is on this path (.step_1.ucp-writer: 'deadbeef pid 1 on gone')"
+        in caplog.text
+        and "(UCP_WRITER_CLAIM_S)" in caplog.text
+    )
+    _assert_restores(f"{root}/step_1", seed=1)

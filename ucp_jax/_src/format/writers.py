@@ -187,6 +187,12 @@ class Token:
         if r.state == "value":  # held: by a live save (it renews) or a dead one (it does not)
             period = config.writer_claim_s()
             deadline = time.monotonic() + period
+            log.warning(
+                "%s: another save's claim is on this path (%s: %r); waiting up to %.0f s "
+                "(UCP_WRITER_CLAIM_S) to see whether that save is alive (it renews its claim) "
+                "or was killed (its claim is then taken over)", self.url, self.key,
+                bytes(r.value).decode(errors="replace")[:80], period,
+            )  # fmt: skip
             while time.monotonic() < deadline:
                 time.sleep(min(period / 8, 1.0))
                 now = self._read()
