@@ -112,6 +112,56 @@ def test_async_save_never_waited_for_commits_before_exit(tmp_path, how):
     )
 
 
+@pytest.mark.parametrize("own_handler", [False, True])
+def test_an_async_save_pending_at_sigterm_commits_then_the_process_dies(tmp_path, own_handler):
+    """SIGTERM (a scheduler's preemption) with a background save in flight: Python's default
+    ended the process at once, the save lost without a word. The save now finishes, then the
+    process dies of SIGTERM as before (exit 143 for a shell). A handler of the program's own
+    is left in place: it decides (here it exits at once, and the save is lost)."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    import numpy as np
+    from mp.runner import worker_env
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os, signal, sys, time
+        import numpy as np
+        import ucp_jax as ucp
+        from ucp_jax._src.format import commit
+        if {own_handler}:
+            signal.signal(signal.SIGTERM, lambda *a: os._exit(3))
+        seal = commit.seal
+        def slow(*a, **k):  # the save is still writing when SIGTERM comes
+            time.sleep(1.0)
+            return seal(*a, **k)
+        commit.seal = slow
+        state = {{"w": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)}}
+        ucp.async_save(sys.argv[1], state, step=7)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        print("not reached")
+    """)
+    )
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "final")], env=worker_env(8),
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "not reached" not in out.stdout
+    if own_handler:
+        assert out.returncode == 3 and ucp.list_checkpoints(tmp_path) == []
+        return
+    assert out.returncode == -signal.SIGTERM, out.stderr
+    assert "SIGTERM: finishing a background save before the process ends" in out.stderr
+    ck = ucp.open(tmp_path / "final")
+    assert ck.step == 7
+    np.testing.assert_array_equal(
+        ck.read("w"), np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)
+    )
+
+
 def test_a_job_ending_without_waiting_commits_its_save_and_persist(tmp_path):
     """Two jax.distributed processes return right after an `async_save` and a snapshot that
     persists: both checkpoints are committed before the processes exit (the exit hooks run while

@@ -5,7 +5,8 @@ the next save (`finish_pending`), and once at interpreter exit if nobody waited.
 
 A script that ends with an `async_save` it never waited for gets its checkpoint committed before
 the interpreter exits (`util.at_exit`; as an `atexit` hook the wait came too late, and the save
-failed with "cannot schedule new futures after interpreter shutdown", the checkpoint lost).
+failed with "cannot schedule new futures after interpreter shutdown", the checkpoint lost); so
+does one ended by SIGTERM, a scheduler's preemption (`util.at_exit.finish_on_sigterm`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from .errors import in_background
 from .format import remote
-from .util.at_exit import finish_before_exit
+from .util.at_exit import finish_before_exit, finish_on_sigterm
 
 
 class SaveHandle:
@@ -96,4 +97,10 @@ def start(job: Any, host: list[Any]) -> SaveHandle:
     handle = SaveHandle(job, host)
     with _lock:
         _pending = handle
+    finish_on_sigterm(_finish_quietly, "a background save")
     return handle
+
+
+def _finish_quietly() -> None:
+    """The save in flight, waited for (SIGTERM): its error is printed by the caller."""
+    finish_pending()

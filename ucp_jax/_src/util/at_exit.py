@@ -13,6 +13,8 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import logging
+import os
+import signal
 import sys
 import threading
 import weakref
@@ -41,6 +43,40 @@ def finish_before_exit(fn: Callable[[], None], what: str) -> None:
         atexit.register(hook)
     else:
         register(hook)
+
+
+def finish_on_sigterm(fn: Callable[[], None], what: str) -> bool:
+    """Run `fn` when SIGTERM (what a scheduler sends before it preempts a job) ends the process,
+    then die of SIGTERM as before; Python's default is to die at once, without exit hooks, and
+    a background save was lost. Installed only from the main thread, and only while SIGTERM has
+    its default action (a handler of the program's own is left alone: it decides). Returns
+    whether the handler is in place.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return signal.getsignal(signal.SIGTERM) is _on_sigterm
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm:
+        _SIGTERM_WORK[what] = fn
+        return True
+    if current is not signal.SIG_DFL:
+        return False
+    _SIGTERM_WORK[what] = fn
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return True
+
+
+_SIGTERM_WORK: dict[str, Callable[[], None]] = {}
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    for what, fn in list(_SIGTERM_WORK.items()):
+        log.warning("SIGTERM: finishing %s before the process ends", what)
+        try:
+            fn()
+        except BaseException as e:
+            print(f"ucp_jax: {what}: {e}", file=sys.stderr)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends as it would have
 
 
 _OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
