@@ -7,6 +7,17 @@ from typing import Any
 from ...errors import ArgumentError
 
 
+def not_local(path: Any) -> bool:
+    """Whether `path` names a store, not a local folder: a URL other than ``file://``, or a
+    kvstore spec.
+
+    >>> not_local("gs://b/x"), not_local("file:///x"), not_local("/x")
+    (True, False, False)
+    """
+    return isinstance(path, dict) or (isinstance(path, str) and "://" in path
+                                      and not path.startswith("file://"))  # fmt: skip
+
+
 def local_destination(dst: Any, what: str) -> Any:
     """`dst` as the local folder an exporter writes (``file://`` taken off).
 
@@ -24,8 +35,7 @@ def local_destination(dst: Any, what: str) -> Any:
     ...
     ucp_jax._src.errors.ArgumentError: s3://bucket/hf: the model folder is written to a local folder (it is written through the filesystem, as the trainer reads it); write it locally and copy it to the store (universal checkpoints themselves go to s3:// and gs:// directly)
     """
-    if isinstance(dst, dict) or (isinstance(dst, str) and "://" in dst
-                                 and not dst.startswith("file://")):  # fmt: skip
+    if not_local(dst):
         raise ArgumentError(
             f"{str(dst)[:200]}: {what} is written to a local folder (it is written through the "
             "filesystem, as the trainer reads it); write it locally and copy it to the store "

@@ -31,6 +31,7 @@ import numpy as np
 
 from ...errors import ArgumentError, NotACheckpointError, UcpError
 from ...untrusted.paths import check_component, refuse_symlinks
+from .destination import not_local
 
 METADATA = "_METADATA"  # an Orbax PyTree item's tree metadata
 STEP_METADATA = "_CHECKPOINT_METADATA"  # an Orbax step folder's metadata
@@ -122,8 +123,7 @@ def local_folder(path: Any, what: str) -> str:
         ArgumentError: a URL (``s3://``, ``gs://``) or a kvstore spec: such a path is not
             turned into a local folder of that name.
     """
-    if isinstance(path, dict) or (isinstance(path, str) and "://" in path
-                                  and not path.startswith("file://")):  # fmt: skip
+    if not_local(path):
         raise ArgumentError(
             f"{str(path)[:200]}: {what} is a local folder here (Orbax's own readers and writers "
             "are used); copy it from the store first, or write it locally and copy it there "
