@@ -27,28 +27,11 @@ from .format import (
     process_tables,
     store,
 )
+from .format.folders import metadata_bytes
 from .format.manifest import AtomInfo, Manifest
-from .format.zarr_json import MAX_ZARR_JSON_BYTES, check_zarr_json
+from .format.zarr_json import check_zarr_json
 from .untrusted import paths
-from .untrusted.json import MAX_JSON_BYTES
 from .util.dtypes import np_dtype
-
-MAX_OCDBT_MANIFEST_BYTES = 64 << 20  # the root of a version-3 checkpoint's database
-
-
-def metadata_bytes(name: str) -> int | None:
-    """The most a checkpoint file named `name` may hold when TensorStore reads it whole before
-    any check of ours (an array's zarr.json, a fingerprint table, the OCDBT manifest); None for
-    data files. A larger one is refused before TensorStore allocates it.
-
-    >>> metadata_bytes("zarr.json"), metadata_bytes("0.0")
-    (1048576, None)
-    """
-    if name == "zarr.json":
-        return MAX_ZARR_JSON_BYTES
-    if name == "manifest.ocdbt":
-        return MAX_OCDBT_MANIFEST_BYTES
-    return MAX_JSON_BYTES if name.endswith(".json") else None
 
 
 class Checkpoint:

@@ -132,17 +132,20 @@ def other_optimizer(ckpt: Checkpoint, bindings: Sequence[LeafBinding]) -> list[s
             saved[(str(rec.get("base")), str(rec.get("slot")))] = rec["owner"]
     out: dict[tuple[str, str, str], None] = {}
     for b in bindings:
-        was = saved.get((b.base, b.slot)) if b.owner else None
-        if was is not None and b.owner is not None and _optax_state(was) and _optax_state(
-            b.owner) and was.split(".")[0] != b.owner.split(".")[0]:  # fmt: skip
+        was = saved.get((b.base, b.slot)) if b.owner is not None else None
+        if was is None or b.owner is None:
+            continue
+        before, now = _optax_class(was), _optax_class(b.owner)
+        if before is not None and now is not None and before != now:
             out[(b.slot, was, b.owner)] = None
     return [f"slot {s!r}: saved from {w}, restored into {t}" for s, w, t in out]
 
 
-def _optax_state(owner: str) -> bool:
-    """An optax state class ('ScaleByAdamState.mu'), not a container (a dict, NNX's State)."""
+def _optax_class(owner: str) -> str | None:
+    """The optax state class of an owner ('ScaleByAdamState' of 'ScaleByAdamState.mu'), None
+    for a container (a dict, NNX's State)."""
     cls = owner.split(".")[0]
-    return cls.endswith("State") and cls not in ("State", "VariableState")
+    return cls if cls.endswith("State") and cls not in ("State", "VariableState") else None
 
 
 def _by_role(ckpt: Checkpoint, b: LeafBinding, read: bool = True) -> tuple[str, str]:

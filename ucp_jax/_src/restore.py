@@ -454,7 +454,7 @@ def _complete(
 def _converted(b: LeafBinding, atom: str, slot: str, value: np.ndarray) -> np.ndarray:
     """A piece stored in another dtype than its leaf's (`cast=True`), refused where the cast
     would lose a value rather than round it (`cast_loss`)."""
-    loss = cast_loss(value, b.dtype) if value.dtype != b.dtype else None
+    loss = cast_loss(value, b.dtype)
     if loss is not None:
         raise MismatchError(
             f"restore: leaf {b.name!r}: atom {atom!r} slot {slot!r}, stored as "

@@ -97,10 +97,5 @@ def start(job: Any, host: list[Any]) -> SaveHandle:
     handle = SaveHandle(job, host)
     with _lock:
         _pending = handle
-    finish_on_sigterm(_finish_quietly, "a background save")
+    finish_on_sigterm(finish_pending, "a background save")
     return handle
-
-
-def _finish_quietly() -> None:
-    """The save in flight, waited for (SIGTERM): its error is printed by the caller."""
-    finish_pending()

@@ -1,7 +1,7 @@
 """What a local folder at a checkpoint's path holds: a checkpoint's own entries, or an Orbax one's.
 
 A save refuses a folder with anything else (someone's data); ``load_manifest`` says what a
-folder without ``COMMIT`` is.
+folder without ``COMMIT`` is. ``metadata_bytes`` bounds the files TensorStore reads whole.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 
+from ..untrusted.json import MAX_JSON_BYTES
 from .integrity import DIGEST_DIR
 from .manifest import COMMIT, MANIFEST
 
@@ -19,6 +20,8 @@ _OWN = frozenset({MANIFEST, COMMIT, "manifest.ocdbt", "d", "atoms", DIGEST_DIR})
 _PROCESS_DB = re.compile(re.escape(PROCESS_PREFIX) + r"\d+")  # not Orbax's `ocdbt.process_0`
 # Orbax's own files (its OCDBT `manifest.ocdbt` and `d/` are a version-3 checkpoint's names too)
 _ORBAX_MARKS = ("_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt")
+MAX_ZARR_JSON_BYTES = 1 << 20  # an array's zarr.json (a few hundred bytes when ucp_jax writes it)
+MAX_OCDBT_MANIFEST_BYTES = 64 << 20  # the root of a version-3 checkpoint's database
 
 
 def checkpoint_entry(name: str) -> bool:
@@ -43,3 +46,18 @@ def listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+def metadata_bytes(name: str) -> int | None:
+    """The most a checkpoint file named `name` may hold when TensorStore reads it whole before
+    any check of ours (an array's zarr.json, a fingerprint table, the OCDBT manifest); None for
+    data files. A larger one is refused before TensorStore allocates it.
+
+    >>> metadata_bytes("zarr.json"), metadata_bytes("0.0")
+    (1048576, None)
+    """
+    if name == "zarr.json":
+        return MAX_ZARR_JSON_BYTES
+    if name == "manifest.ocdbt":
+        return MAX_OCDBT_MANIFEST_BYTES
+    return MAX_JSON_BYTES if name.endswith(".json") else None

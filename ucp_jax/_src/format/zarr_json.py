@@ -24,9 +24,8 @@ from typing import Any
 from ..errors import ChecksumError
 from ..untrusted.json import read_json
 from . import store
+from .folders import MAX_ZARR_JSON_BYTES
 from .manifest import SlotInfo
-
-MAX_ZARR_JSON_BYTES = 1 << 20  # an array's zarr.json (a few hundred bytes when ucp_jax writes it)
 
 __all__ = ["check_zarr_json", "zarr_json_bytes"]
 

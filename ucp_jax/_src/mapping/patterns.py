@@ -225,15 +225,15 @@ class VocabPadded(Pattern):
 
     def __post_init__(self) -> None:
         try:
-            size = -1 if isinstance(self.size, bool) else operator.index(self.size)
+            size = 0 if isinstance(self.size, bool) else operator.index(self.size)
         except TypeError:
-            size = -1
-        object.__setattr__(self, "size", size if size > 0 else self.size)
+            size = 0
         if size < 1:
             raise PatternError(
                 f"VocabPadded: size={self.size!r}; expected the true vocabulary, a positive "
                 "integer (a size of 0 would make every row padding, stored nowhere)"
             )
+        object.__setattr__(self, "size", size)
 
     def split(self, node: Node, ctx: LeafContext) -> list[Node]:
         ax = _axis(self.axis, node.shape, ctx, self)

@@ -30,12 +30,11 @@ class CompiledRules:
                 ) from None
             if untrusted:
                 compiled = compile_untrusted(regex, f"rule #{i}")
-                self.rules.append((regex, compiled, as_chain(pat)))
-                continue
-            try:
-                compiled = re.compile(regex)
-            except re.error as e:
-                raise PatternError(f"rule #{i}: {regex!r} is not a valid regex ({e})") from e
+            else:
+                try:
+                    compiled = re.compile(regex)
+                except re.error as e:
+                    raise PatternError(f"rule #{i}: {regex!r} is not a valid regex ({e})") from e
             self.rules.append((regex, compiled, as_chain(pat)))
         self.used = [False] * len(self.rules)
 

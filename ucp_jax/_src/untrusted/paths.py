@@ -120,16 +120,30 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def regular_fd(fd: int, path: str, what: str) -> int:
-    """`fd` (opened with `_READ_FLAGS`) back in blocking mode once it is a regular file; closed
-    and UnsafePathError otherwise (reading a FIFO would wait forever, a device never end)."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
+def _check_size(path: str, size: int, bound: int | None, where: str = "") -> None:
+    """UnsafePathError when a file of `size` bytes is over `bound` (None: no bound)."""
+    if bound is not None and size > bound:
         raise UnsafePathError(
-            f"{path}: {what} is {_kind(st.st_mode)}, not a regular file; a checkpoint or source "
-            "folder holds files and folders only"
+            f"{path}: {size} bytes{where}, more than such a file may hold ({bound}); the "
+            "checkpoint is damaged or not one ucp_jax wrote"
         )
+
+
+def regular_fd(fd: int, path: str, what: str, max_bytes: int | None = None) -> int:
+    """`fd` (opened with `_READ_FLAGS`) back in blocking mode once it is a regular file of at
+    most `max_bytes`; closed and UnsafePathError otherwise (reading a FIFO would wait forever,
+    a device never end)."""
+    st = os.fstat(fd)
+    try:
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(
+                f"{path}: {what} is {_kind(st.st_mode)}, not a regular file; a checkpoint or "
+                "source folder holds files and folders only"
+            )
+        _check_size(path, st.st_size, max_bytes)
+    except UnsafePathError:
+        os.close(fd)
+        raise
     os.set_blocking(fd, True)
     return fd
 
@@ -177,12 +191,7 @@ def check_tree(root: str, what: str, max_bytes: Callable[[str], int | None] | No
                     )
                 elif max_bytes is not None and (bound := max_bytes(e.name)) is not None:
                     size = e.stat(follow_symlinks=False).st_size
-                    if size > bound:
-                        raise UnsafePathError(
-                            f"{e.path}: {size} bytes inside {what} {root}, more than such a "
-                            f"file may hold ({bound}); the checkpoint is damaged or not one "
-                            "ucp_jax wrote"
-                        )
+                    _check_size(e.path, size, bound, f" inside {what} {root}")
 
 
 def atom_dir(atom: str) -> str:
@@ -221,14 +230,8 @@ def read_together(
             except OSError:
                 out.append(None)
                 continue
-            with os.fdopen(regular_fd(fd, os.path.join(folder, name), "it"), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if max_bytes is not None and size > max_bytes:
-                    raise UnsafePathError(
-                        f"{os.path.join(folder, name)}: {size} bytes, more than such a file "
-                        f"may hold ({max_bytes}); the checkpoint is damaged or not one ucp_jax "
-                        "wrote"
-                    )
+            fd = regular_fd(fd, os.path.join(folder, name), "it", max_bytes)
+            with os.fdopen(fd, "rb") as f:
                 out.append(f.read())
     finally:
         os.close(dfd)

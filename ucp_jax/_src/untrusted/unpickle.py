@@ -227,17 +227,21 @@ def pickle_globals(data: bytes) -> list[str]:
     return out
 
 
-def check_pickle(data: bytes, where: str) -> None:
-    """Refuse a pickle that names any global outside the allow-list, naming the global."""
+def scan_pickle(data: bytes, where: str) -> list[str]:
+    """`pickle_globals(data)`, its refusals and a garbled pickle's errors named for `where`."""
     try:
-        names = pickle_globals(data)
+        return pickle_globals(data)
     except UnsafePickleError as e:
         raise UnsafePickleError(
             f"{where}: {e}; ucp_jax never runs code from checkpoint files"
         ) from None
     except Exception as e:  # a truncated or garbled pickle
         raise UnsafePickleError(f"{where}: not a readable pickle ({e})") from e
-    for n in names:
+
+
+def check_pickle(data: bytes, where: str) -> None:
+    """Refuse a pickle that names any global outside the allow-list, naming the global."""
+    for n in scan_pickle(data, where):
         if not allowed(n):
             raise UnsafePickleError(
                 f"{where}: refusing to load: the pickle asks for the global {n!r}, which is not on "
@@ -412,12 +416,7 @@ def load_pickle(path: str | os.PathLike[str], allowed: dict[str, Any]) -> Any:
         data = f.read(MAX_PICKLE_BYTES + 1)
     if len(data) > MAX_PICKLE_BYTES:
         raise UnsafePickleError(f"{path}: more than {MAX_PICKLE_BYTES} bytes of pickle")
-    try:
-        pickle_globals(data)  # memo indices bounded before C's unpickler sizes its memo by them
-    except UnsafePickleError as e:
-        raise UnsafePickleError(f"{path}: {e}") from None
-    except Exception as e:
-        raise UnsafePickleError(f"{path}: not a readable pickle ({e})") from e
+    scan_pickle(data, path)  # memo indices bounded before C's unpickler sizes its memo by them
     with io.BytesIO(data) as f:
         try:
             return RestrictedUnpickler(f, allowed, path).load()

@@ -52,16 +52,13 @@ def finish_on_sigterm(fn: Callable[[], None], what: str) -> bool:
     its default action (a handler of the program's own is left alone: it decides). Returns
     whether the handler is in place.
     """
-    if threading.current_thread() is not threading.main_thread():
-        return signal.getsignal(signal.SIGTERM) is _on_sigterm
     current = signal.getsignal(signal.SIGTERM)
-    if current is _on_sigterm:
-        _SIGTERM_WORK[what] = fn
-        return True
-    if current is not signal.SIG_DFL:
+    main = threading.current_thread() is threading.main_thread()
+    if current is not _on_sigterm and not (main and current is signal.SIG_DFL):
         return False
     _SIGTERM_WORK[what] = fn
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    if current is not _on_sigterm:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     return True
 
 

@@ -159,12 +159,12 @@ def infer_config(
         raise MegatronFormatError(f"{where}: linear_fc1 has {fc1} rows for {ff} of linear_fc2")
     gated = fc1 == 2 * ff
     guessed = []  # values no tensor, no args and no caller gave: the defaults, named in the log
-    if activation is None and args is None:
-        guessed.append(f"activation={'silu' if gated else 'gelu'} (--activation)")
     if activation is None:
         activation = "silu" if gated else "gelu"
         if not gated and getattr(args, "openai_gelu", False):
             activation = "gelu_pytorch_tanh"
+        if args is None:
+            guessed.append(f"activation={activation} (--activation)")
     k = top_k or _arg(args, "moe_router_topk", int) or 0
     if sparse and not k:
         raise MegatronFormatError(
