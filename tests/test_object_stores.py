@@ -243,9 +243,11 @@ def test_s3_two_processes(s3):
     assert digests == {"digests/p0.json", "digests/p1.json"}
 
 
-def test_s3_kill_during_save(s3, tmp_path):
+def test_s3_kill_during_save(s3, tmp_path, monkeypatch):
     """A save SIGKILLed while it writes leaves objects but no COMMIT: never listed or opened;
     the next save to the same path clears them and commits."""
+    # the next save waits out the killed save's claim: 2 s here, not the default minute
+    monkeypatch.setenv("UCP_WRITER_CLAIM_S", "2")
     root = f"s3://{BUCKET}/killed"
     run_and_kill([str(KILL_WORKER), root], tmp_path / "stderr.txt", 120, ["STEP1 DONE"])
     leftovers = ucp.Location.parse(f"{root}/step_2").kv().list().result()
