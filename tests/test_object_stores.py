@@ -585,3 +585,12 @@ def test_a_killed_saves_claim_is_waited_out_with_a_word(s3, monkeypatch, caplog)
         and "(UCP_WRITER_CLAIM_S)" in caplog.text
     )
     _assert_restores(f"{root}/step_1", seed=1)
+
+
+def test_a_save_to_a_gcs_bucket_that_does_not_exist_is_refused_by_name(gcs):
+    # GCS answers a write to a missing bucket with a bare 404 (S3 says NoSuchBucket): the save
+    # raised TensorStore's "ValueError: NOT_FOUND" without the bucket's name or a fix.
+    with pytest.raises(ucp.StoreError, match="no such bucket") as err:
+        ucp.save("gs://no-such-bucket/run/step_1", _state(1), step=1)
+    assert "gs://no-such-bucket/run/step_1" in str(err.value)
+    assert "check the bucket name, that it exists" in str(err.value)

@@ -40,7 +40,7 @@ class SaveHandle:
         try:
             job.write(host)
         except BaseException as e:  # re-raised on wait() or on the next save
-            self._error = remote.translate(e, job.loc.kvstore, "the save's writes")
+            self._error = remote.translate(e, job.loc.kvstore, "the save's writes", writing=True)
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""

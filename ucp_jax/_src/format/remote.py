@@ -295,13 +295,22 @@ def looks_unreachable(e: BaseException) -> bool:
     return any(w in msg for w in _UNREACHABLE)
 
 
-def translate(e: BaseException, spec: dict[str, Any], what: str) -> BaseException:
+def translate(
+    e: BaseException, spec: dict[str, Any], what: str, *, writing: bool = False
+) -> BaseException:
     """A TensorStore error of a remote store's request as a StoreUnreachableError when it means
     the store stopped answering (after its retries), as a StoreError when it refused (bucket,
     permissions, credentials); any other error as it is.
 
+    `writing`: the requests were a save's. A key a save reads may be missing (TensorStore says
+    so without an error), so a 404 there means no bucket: GCS answers a write to a bucket that
+    does not exist with a bare 404, where S3 says NoSuchBucket.
+
     >>> type(translate(ValueError("CURL error Could not connect"), {"driver": "s3"}, "x")).__name__
     'StoreUnreachableError'
+    >>> nf = ValueError("NOT_FOUND: Not Found [http_response_code='404']")
+    >>> type(translate(nf, {"driver": "gcs", "bucket": "b"}, "x", writing=True)).__name__
+    'StoreError'
     """
     if not (is_remote(spec) and isinstance(e, ValueError | NotImplementedError)) or isinstance(
         e, UcpError
@@ -310,6 +319,8 @@ def translate(e: BaseException, spec: dict[str, Any], what: str) -> BaseExceptio
     text = str(e)
     if any(w in text for w in _REFUSED):
         out: StoreError = refused(spec, what, text[:300])
+    elif writing and "http_response_code='404'" in text:
+        out = refused(spec, what, f"404 Not Found: no such bucket; {text[:200]}")
     elif "<html" in text.lower() or "<!doctype" in text.lower():  # a web server, not a store
         out = StoreError(
             f"{describe(spec)}: {what} was answered with a web page, not by an object store "
