@@ -484,6 +484,51 @@ def test_store_gone_during_a_save(s3, monkeypatch):
     assert took < 15, f"{took:.1f} s"
 
 
+def test_store_gone_during_a_restore(s3, monkeypatch):
+    """An S3 server stopped while a restore reads: StoreUnreachableError naming the checkpoint
+    and the endpoint after the bounded retries (it was TensorStore's bare ValueError)."""
+    import jax
+    from moto.server import ThreadedMotoServer  # the s3 fixture made sure it is there
+
+    from ucp_jax._src import restore as restore_mod
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    monkeypatch.setenv("UCP_STORE_TIMEOUT_S", "3")
+    monkeypatch.setenv("UCP_STORE_RETRIES", "3")
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    sharding = jax.sharding.NamedSharding(mesh_of((8,)), jax.sharding.PartitionSpec("a"))
+    base = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    state = {f"w{i}": jax.device_put(base + i, sharding) for i in range(8)}
+    path = f"s3://{BUCKET}/gone_r/step_1"
+    ucp.save(path, state, step=1)
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
+    )
+    issue = restore_mod._issue
+    issued = threading.Event()
+
+    def stop_at_the_first_read(*args, **kw):  # type: ignore[no-untyped-def]
+        if not issued.is_set():
+            issued.set()
+            server.stop()  # the store goes away before the first chunk is read
+        return issue(*args, **kw)
+
+    monkeypatch.setattr(restore_mod, "_issue", stop_at_the_first_read)
+    t0 = time.monotonic()
+    with pytest.raises(ucp.StoreUnreachableError) as err:
+        ucp.restore(path, target)
+    assert issued.is_set(), "the restore read nothing: the test tested nothing"
+    assert path in str(err.value) and endpoint in str(err.value), err.value
+    assert "the restore's reads" in str(err.value)
+    assert time.monotonic() - t0 < 30
+
+
 def test_unreachable_gcs_emulator_fails_within_the_bound(monkeypatch):
     """gs:// with STORAGE_EMULATOR_HOST at a port that accepts and never answers."""
     bound = 3.0

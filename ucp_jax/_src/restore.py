@@ -13,7 +13,7 @@ import tensorstore as ts
 
 from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
 from .errors import ChecksumError, HostMemoryError, MismatchError, NotACheckpointError
-from .format import direct, read_batches
+from .format import direct, read_batches, remote
 from .format.manifest import COMMIT, STEP_SLOT
 from .format.store import Location, wrap_io_error
 from .mapping.binding import PYTHON_NUMBERS, LeafBinding, ReadGroup, bind_state, unbind_state
@@ -123,6 +123,7 @@ def restore(
         NotACheckpointError: `path` holds no committed checkpoint.
         FormatVersionError: the checkpoint's format version is newer than this reader.
         ChecksumError: a chunk, `zarr.json` or the manifest does not match what was committed.
+        StoreUnreachableError: an object store stopped answering the reads (after its retries).
 
     >>> params, opt_state = ucp.restore("/tmp/ckpt/step_10", abstract_params, abstract_opt)  # doctest: +SKIP
     """
@@ -139,6 +140,11 @@ def restore(
             raise
         try:
             return _restore(ckpt, params_target, opt_state_target, rules, cast, max_inflight_bytes)
+        except ValueError as e:  # an object store that stopped answering: say so, name it
+            err = remote.translate(e, ckpt.loc.kvstore, "the restore's reads")
+            if err is e:
+                raise
+            raise err from e
         except (ChecksumError, NotACheckpointError) as e:
             if isinstance(path, Checkpoint) or not _replaced(ckpt):
                 raise
