@@ -284,10 +284,19 @@ def open_array(
 def open_array_async(
     loc: Location, shape: Sequence[int], info: SlotInfo, *, write: bool = False
 ) -> ts.Future:
-    """`open_array` as a future, so that many arrays open concurrently."""
+    """`open_array` as a future, so that many arrays open concurrently.
+
+    An array in an OCDBT database (the aggregated layout) is read through the caches of the
+    context that opened that checkpoint (`aggregate.fresh_context`, one per open): a committed
+    database does not change, so its manifest is not asked for again before each read (on an
+    object store that was a conditional GET of `manifest.ocdbt` per read, 53 of 346 requests
+    of a 16-leaf reshard restore).
+    """
     spec = array_spec(loc, shape, info)
     if write:
         return ts.open(spec, assume_metadata=True, context=loc.ctx)
+    if loc.kvstore.get("driver") == "ocdbt":
+        return ts.open(spec, open=True, context=loc.ctx, recheck_cached=False)
     return ts.open(spec, open=True, context=loc.ctx)
 
 
