@@ -17,6 +17,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -427,13 +428,10 @@ def test_unreachable_store_fails_within_the_bound(kind, monkeypatch):
             stop.set()
 
 
-def test_store_gone_during_a_save(s3, monkeypatch):
-    """An S3 server stopped while a save writes: the save fails with StoreUnreachableError after
-    its bounded retries (no hang), and nothing there lists as a checkpoint."""
-    import jax
+def _server_to_stop(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, str]:
+    """A moto S3 server of the test's own (it stops it), with the bucket; short store bounds."""
+    import boto3
     from moto.server import ThreadedMotoServer  # the s3 fixture made sure it is there
-
-    from ucp_jax._src import save as save_mod
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -442,9 +440,18 @@ def test_store_gone_during_a_save(s3, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
     monkeypatch.setenv("UCP_STORE_TIMEOUT_S", "3")
     monkeypatch.setenv("UCP_STORE_RETRIES", "3")
-    import boto3
-
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    return server, endpoint
+
+
+def test_store_gone_during_a_save(s3, monkeypatch):
+    """An S3 server stopped while a save writes: the save fails with StoreUnreachableError after
+    its bounded retries (no hang), and nothing there lists as a checkpoint."""
+    import jax
+
+    from ucp_jax._src import save as save_mod
+
+    server, endpoint = _server_to_stop(monkeypatch)
     stream = save_mod.SaveJob._stream
 
     def slow_stream(self):  # type: ignore[no-untyped-def]
@@ -488,20 +495,10 @@ def test_store_gone_during_a_restore(s3, monkeypatch):
     """An S3 server stopped while a restore reads: StoreUnreachableError naming the checkpoint
     and the endpoint after the bounded retries (it was TensorStore's bare ValueError)."""
     import jax
-    from moto.server import ThreadedMotoServer  # the s3 fixture made sure it is there
 
     from ucp_jax._src import restore as restore_mod
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
-    monkeypatch.setenv("UCP_STORE_TIMEOUT_S", "3")
-    monkeypatch.setenv("UCP_STORE_RETRIES", "3")
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    server, endpoint = _server_to_stop(monkeypatch)
     sharding = jax.sharding.NamedSharding(mesh_of((8,)), jax.sharding.PartitionSpec("a"))
     base = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
     state = {f"w{i}": jax.device_put(base + i, sharding) for i in range(8)}
