@@ -48,9 +48,10 @@ REFEREE_TESTS := --ignore=tests/test_torchtitan_referee.py
 # first, the others wait); files go out in the order tests/conftest.py gives them, the longest
 # first. TEST_WORKERS=0 runs it in this one process.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: lint docs
 	$(XLA) $(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules ucp_jax
-	$(XLA) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(REFEREE_TESTS) $(PYTEST_ARGS)
+	$(XLA) $(BIN)/python -m pytest -q $(XDIST) $(REFEREE_TESTS) $(PYTEST_ARGS)
 
 # The referees (not part of `make test`): torchtitan 0.3.0 itself resumes from `ucp export
 # torchtitan` (tests/torchtitan/runner.py makes its virtualenv), and MaxText 0.2.5 from `ucp
@@ -79,7 +80,7 @@ TORCH_MODULES := ucp_jax/torch.py ucp_jax/_src/frameworks/common/dcp_files.py uc
 	ucp_jax/_src/frameworks/deepspeed/export.py ucp_jax/_src/frameworks/megatron
 test-py312: $(STAMP312)
 	$(XLA) $(VENV312)/bin/python -m pytest -q -p no:cacheprovider --doctest-modules ucp_jax $(addprefix --ignore=,$(TORCH_MODULES))
-	$(XLA) $(VENV312)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(REFEREE_TESTS) $(PYTEST_ARGS)
+	$(XLA) $(VENV312)/bin/python -m pytest -q $(XDIST) $(REFEREE_TESTS) $(PYTEST_ARGS)
 
 # On a machine with an accelerator and a Python that has jax for it (GPU_PY): the suite on that
 # accelerator, no CPU devices forced (see tests/conftest.py). Installs nothing.

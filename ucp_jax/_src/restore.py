@@ -141,10 +141,7 @@ def restore(
         try:
             return _restore(ckpt, params_target, opt_state_target, rules, cast, max_inflight_bytes)
         except ValueError as e:  # an object store that stopped answering: say so, name it
-            err = remote.translate(e, ckpt.loc.kvstore, "the restore's reads")
-            if err is e:
-                raise
-            raise err from e
+            remote.raise_translated(e, ckpt.loc.kvstore, "the restore's reads")
         except (ChecksumError, NotACheckpointError) as e:
             if isinstance(path, Checkpoint) or not _replaced(ckpt):
                 raise

@@ -51,10 +51,7 @@ def save(
     try:
         job.write(None)
     except ValueError as e:  # an object store that stopped answering: say so, name it
-        err = remote.translate(e, job.loc.kvstore, "the save's writes", writing=True)
-        if err is e:
-            raise
-        raise err from e
+        remote.raise_translated(e, job.loc.kvstore, "the save's writes", writing=True)
 
 
 def async_save(

@@ -18,7 +18,7 @@ import copy
 import json
 import os
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import StoreError, StoreUnreachableError, UcpError
 from ..util import config
@@ -334,6 +334,21 @@ def translate(
     return out
 
 
+def raise_translated(
+    e: BaseException, spec: dict[str, Any], what: str, *, writing: bool = False
+) -> NoReturn:
+    """Raise what `translate` makes of `e` (from `e`), or `e` itself when it is no store's error.
+
+    Raises:
+        StoreUnreachableError: the store stopped answering.
+        StoreError: the store refused.
+    """
+    err = translate(e, spec, what, writing=writing)
+    if err is e:
+        raise e
+    raise err from e
+
+
 def wait(future: Any, spec: dict[str, Any], what: str) -> Any:
     """`future.result()` within `UCP_STORE_TIMEOUT_S`, for one small request to a remote store.
 
@@ -348,10 +363,7 @@ def wait(future: Any, spec: dict[str, Any], what: str) -> Any:
         future.cancel()
         raise unreachable(spec, what, f"no answer within {timeout:g} s") from None
     except (ValueError, NotImplementedError) as e:
-        err = translate(e, spec, what)
-        if err is e:
-            raise
-        raise err from e
+        raise_translated(e, spec, what)
 
 
 def probe(kv: Any, spec: dict[str, Any]) -> None:
