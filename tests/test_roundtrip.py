@@ -162,6 +162,78 @@ def test_an_async_save_pending_at_sigterm_commits_then_the_process_dies(tmp_path
     )
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_persist_in_flight_at_sigterm_is_written(tmp_path, processes):
+    """SIGTERM to every process of a job (a scheduler's preemption) while a snapshot's persist and
+    an async save are still writing.
+
+    One process: both checkpoints are committed, whole, before it dies of SIGTERM as before
+    (Python's default ended it at once, and only the in-memory snapshot was left, which a
+    preempted node loses). A jax.distributed job: SIGTERM is JAX's preemption notifier's, and it
+    stays so (ucp_jax's handler replaced it, and every process died instead of going on to the
+    preemption sync point); the processes go on, return, and their exit hooks commit both.
+    """
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    from mp.runner import free_port, worker_env
+
+    worker = Path(__file__).parent / "mp" / "sigterm_worker.py"
+    addr = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(processes), addr,
+                               str(tmp_path), "1.5"], env=worker_env(8 // processes),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(processes)]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert "SIGTERM" in out and "not reached" not in out, (out, err)
+        if processes == 1:
+            assert p.returncode == -signal.SIGTERM, err
+            for what in ("a background save", "ucp.memory's snapshot and persist in flight"):
+                assert f"SIGTERM: finishing {what} before the process ends" in err, err
+        else:
+            assert p.returncode == 0, err
+            assert "returning" in out and "SIGTERM: finishing" not in err, err
+            assert "ucp_jax:" not in err, err
+    full = np.arange(1024 * 256, dtype=np.float32).reshape(1024, 256)
+    for path in (tmp_path / "persist" / "step_2", tmp_path / "final"):
+        ck = ucp.open(path)
+        assert ck.step == 2
+        np.testing.assert_array_equal(ck.read("x"), full)
+
+
+def test_sigterm_work_that_does_not_finish_is_cut_off_after_the_grace(tmp_path):
+    """Work at SIGTERM that never ends (here a persist stuck for 10 minutes) holds the process no
+    longer than `UCP_SIGTERM_GRACE_S`: it then dies of SIGTERM, says what it did not finish, and
+    nothing half-written is committed; the async save in flight beside it is finished."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from mp.runner import worker_env
+
+    worker = Path(__file__).parent / "mp" / "sigterm_worker.py"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(worker), "0", "1", "-", str(tmp_path), "600"],
+                         env=worker_env(8, UCP_SIGTERM_GRACE_S="2"), capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    waited = time.monotonic() - t0
+    assert out.returncode == -signal.SIGTERM, out.stderr
+    assert "not reached" not in out.stdout
+    assert (
+        "SIGTERM: ucp.memory's snapshot and persist in flight not finished after "
+        "UCP_SIGTERM_GRACE_S=2 s" in out.stderr
+    ), out.stderr
+    assert waited < 60, waited  # (the process start and jax's import included)
+    assert ucp.list_checkpoints(tmp_path / "persist") == []
+    assert ucp.open(tmp_path / "final").step == 2  # the save beside it was not held up
+
+
 def test_a_job_ending_without_waiting_commits_its_save_and_persist(tmp_path):
     """Two jax.distributed processes return right after an `async_save` and a snapshot that
     persists: both checkpoints are committed before the processes exit (the exit hooks run while

@@ -141,7 +141,7 @@ class SnapshotManager:
         self._inflight: concurrent.futures.Future[Any] | None = None
         self._persisting: concurrent.futures.Future[Any] | None = None
         self._pinned: set[Path] = set()
-        close_at_exit(self)  # a snapshot and persist in flight are finished (`util.at_exit`)
+        close_at_exit(self, "ucp.memory's snapshot and persist in flight")  # (`util.at_exit`)
         self._error: BaseException | None = None
         self._closed = False
         self._restores = 0

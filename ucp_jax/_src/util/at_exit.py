@@ -6,6 +6,9 @@ exit hooks have run, and `concurrent.futures` refuses new work ("cannot schedule
 interpreter shutdown"), which the save's own thread pools and TensorStore's callbacks need. So
 these hooks run among threading's, which run last-registered first: after `concurrent.futures`
 registered its own (imported below), ours run before it.
+
+SIGTERM, a scheduler's notice before it preempts a job, ends a Python process at once, without
+exit hooks; `finish_on_sigterm` finishes the same work first, for at most `UCP_SIGTERM_GRACE_S`.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ import os
 import signal
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+from . import config
+from .libc import signal_handled_outside_python
 
 log = logging.getLogger("ucp_jax")
 
@@ -49,12 +56,24 @@ def finish_on_sigterm(fn: Callable[[], None], what: str) -> bool:
     """Run `fn` when SIGTERM (what a scheduler sends before it preempts a job) ends the process,
     then die of SIGTERM as before; Python's default is to die at once, without exit hooks, and
     a background save was lost. Installed only from the main thread, and only while SIGTERM has
-    its default action (a handler of the program's own is left alone: it decides). Returns
-    whether the handler is in place.
+    its default action (a handler of the program's own is left alone: it decides; so is one of
+    native code, such as JAX's preemption notifier in a `jax.distributed` job, which keeps the
+    process running to its preemption sync point). Returns whether the handler is in place.
+
+    The work runs on a thread of its own, for at most `UCP_SIGTERM_GRACE_S` (the main thread,
+    where the handler runs, may have been stopped holding a lock that work needs).
     """
     current = signal.getsignal(signal.SIGTERM)
     main = threading.current_thread() is threading.main_thread()
     if current is not _on_sigterm and not (main and current is signal.SIG_DFL):
+        return False
+    if current is not _on_sigterm and signal_handled_outside_python(signal.SIGTERM):
+        global _NATIVE_SAID
+        if not _NATIVE_SAID:  # e.g. JAX's preemption notifier, set by jax.distributed.initialize
+            _NATIVE_SAID = True
+            log.info("SIGTERM has a handler of native code (JAX's preemption notifier in a "
+                     "jax.distributed job): left in place; %s is finished when the program "
+                     "exits (after `reached_preemption_sync_point`, say)", what)  # fmt: skip
         return False
     _SIGTERM_WORK[what] = fn
     if current is not _on_sigterm:
@@ -63,15 +82,33 @@ def finish_on_sigterm(fn: Callable[[], None], what: str) -> bool:
 
 
 _SIGTERM_WORK: dict[str, Callable[[], None]] = {}
+_NATIVE_SAID = False
+
+
+def _finish(what: str, fn: Callable[[], None]) -> None:
+    log.warning("SIGTERM: finishing %s before the process ends", what)
+    try:
+        fn()
+    except BaseException as e:
+        print(f"ucp_jax: {what}: {e}", file=sys.stderr)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    for what, fn in list(_SIGTERM_WORK.items()):
-        log.warning("SIGTERM: finishing %s before the process ends", what)
-        try:
-            fn()
-        except BaseException as e:
-            print(f"ucp_jax: {what}: {e}", file=sys.stderr)
+    grace = config.sigterm_grace_s()
+    deadline = time.monotonic() + grace
+    workers = {  # one thread each: work that hangs holds up none of the others
+        what: threading.Thread(target=_finish, args=(what, fn), name="ucp-sigterm", daemon=True)
+        for what, fn in list(_SIGTERM_WORK.items())
+    }
+    for w in workers.values():
+        w.start()
+    for w in workers.values():
+        w.join(max(deadline - time.monotonic(), 0.0))
+    left = ", ".join(what for what, w in workers.items() if w.is_alive())
+    if left:
+        print(f"ucp_jax: SIGTERM: {left} not finished after UCP_SIGTERM_GRACE_S={grace:g} s; "
+              "the process ends without it (raise UCP_SIGTERM_GRACE_S to wait longer)",
+              file=sys.stderr)  # fmt: skip
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends as it would have
 
@@ -79,10 +116,12 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 _OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def close_at_exit(obj: Any) -> None:
-    """Call `obj.close()` when the interpreter exits, if `obj` is still alive then (held weakly;
-    `close` must be idempotent). An error is logged and does not stop the others."""
+def close_at_exit(obj: Any, what: str) -> None:
+    """Call `obj.close()` when the interpreter exits, or SIGTERM ends it (`finish_on_sigterm`),
+    if `obj` is still alive then (held weakly; `close` must be idempotent). An error is logged
+    and does not stop the others. `what`: what closing finishes, for the SIGTERM log line."""
     _OPEN.add(obj)
+    finish_on_sigterm(_close_open, what)
 
 
 def _close_open() -> None:

@@ -104,6 +104,17 @@ def writer_claim_s() -> float:
     return max(float(_number("UCP_WRITER_CLAIM_S", 60.0, float, "seconds")), 0.1)
 
 
+def sigterm_grace_s() -> float:
+    """How long a process ended by SIGTERM may spend finishing its background saves, snapshots
+    and persists before it dies (`UCP_SIGTERM_GRACE_S`, default 600 s; a scheduler's SIGKILL
+    after its own grace period comes first where it is shorter).
+
+    >>> sigterm_grace_s() > 0
+    True
+    """
+    return max(float(_number("UCP_SIGTERM_GRACE_S", 600.0, float, "seconds")), 0.0)
+
+
 def store_retries() -> int:
     """Attempts per object-store request on transient errors (`UCP_STORE_RETRIES`, default 8).
 

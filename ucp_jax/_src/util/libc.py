@@ -56,3 +56,28 @@ def exchange(a: str, b: str) -> bool:
         return False
     at_fdcwd, rename_exchange = -100, 2
     return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def signal_handled_outside_python(signum: int) -> bool:
+    """Whether the process's handler of `signum` was installed by native code, not by Python.
+
+    Python's `signal.getsignal` reports what Python itself installed; a handler a library set
+    with `sigaction` (JAX's preemption notifier takes SIGTERM in `jax.distributed.initialize`)
+    leaves it reporting `SIG_DFL`. Asks the kernel: the handler is the first field of
+    `struct sigaction` on Linux and macOS. False where that cannot be asked.
+
+    >>> import signal
+    >>> signal_handled_outside_python(signal.SIGUSR2)
+    False
+    """
+    import signal
+
+    fn = getattr(libc(), "sigaction", None)
+    python_says = signal.getsignal(signum)
+    if fn is None or not isinstance(python_says, signal.Handlers):
+        return False  # Python's own handler (or no way to ask)
+    buf = ctypes.create_string_buffer(256)  # larger than any struct sigaction
+    if fn(int(signum), None, buf) != 0:
+        return False
+    handler = ctypes.c_void_p.from_buffer(buf).value or 0
+    return handler != int(python_says)  # SIG_DFL is 0, SIG_IGN 1
