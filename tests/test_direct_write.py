@@ -221,34 +221,114 @@ def test_encode_shard_refuses_a_partial_shard() -> None:
         encode.encode_shard(np.zeros((3, 4), np.float32), SlotInfo("float32", "a", (4, 4)))
 
 
-def test_writeback_is_asked_once_per_data_file_and_again_when_it_grew(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """A save asks the kernel to start writing each data file as transactions land: a file once,
-    then again only if a commit still writing it made it grow, not every file at every commit."""
+def test_a_data_file_is_synced_once_and_again_when_it_grew(tmp_path: Path, monkeypatch) -> None:
+    """A save starts making each data file durable as transactions land: a file once, then again
+    only if a commit still writing it made it grow, not every file at every commit."""
     from ucp_jax._src import save as save_mod
-    from ucp_jax._src.format import store
 
-    asked: list[str] = []
-    monkeypatch.setattr(store, "start_writeback", lambda p: asked.append(os.path.basename(p)))
+    class Syncs:
+        def __init__(self):
+            self.asked: list[str] = []
+
+        def start(self, path):
+            self.asked.append(os.path.basename(path))
+
+    syncs = Syncs()
+    asked = syncs.asked
     d = tmp_path / "ocdbt.p0" / "d"
     d.mkdir(parents=True)
     (d / "a").write_bytes(b"x" * 10)
     requested: dict[str, int] = {}
-    save_mod._start_writeback(str(tmp_path), 0, requested)
+    save_mod._sync_landed(syncs, str(tmp_path), 0, requested)
     assert asked == ["a"]
     (d / "b").write_bytes(b"y")
-    save_mod._start_writeback(str(tmp_path), 0, requested)
+    save_mod._sync_landed(syncs, str(tmp_path), 0, requested)
     assert asked == ["a", "b"]
     with open(d / "b", "ab") as f:
         f.write(b"more")
-    save_mod._start_writeback(str(tmp_path), 0, requested)
+    save_mod._sync_landed(syncs, str(tmp_path), 0, requested)
     assert asked == ["a", "b", "b"]
-    save_mod._start_writeback(str(tmp_path), 0, requested)
+    save_mod._sync_landed(syncs, str(tmp_path), 0, requested)
     assert asked == ["a", "b", "b"]
-    save_mod._start_writeback(None, 0, requested)  # not a local save: nothing to ask
-    save_mod._start_writeback(str(tmp_path / "gone"), 0, requested)  # no data files yet
+    save_mod._sync_landed(syncs, None, 0, requested)  # not a local save: nothing to ask
+    save_mod._sync_landed(syncs, str(tmp_path / "gone"), 0, requested)  # no data files yet
     assert asked == ["a", "b", "b"]
+
+
+def _sixteen_transactions() -> dict[str, np.ndarray]:
+    """64 MiB in 8 leaves: a save of it commits 16 transactions of 4 MiB (`transaction_bytes`)."""
+    rng = np.random.default_rng(5)
+    return {f"w{i}": rng.standard_normal((1024, 2048), np.float32) for i in range(8)}
+
+
+def test_a_save_makes_data_files_durable_while_it_writes(tmp_path: Path, monkeypatch) -> None:
+    """Data files are fdatasynced as their transactions land, before the save's last write, not
+    all in the fsync pass before COMMIT (the disk cache's flush then overlaps the writing), and the
+    checkpoint restores bit-exact; `UCP_EARLY_SYNC=0` leaves them all to that pass."""
+    from ucp_jax._src import save as save_mod
+    from ucp_jax._src.format import durable
+
+    events: list[str] = []
+    datasync, tree = durable._datasync, save_mod.sync_tree
+
+    def recorded_datasync(path):
+        events.append("datasync")
+        datasync(path)
+
+    def recorded_tree(root, **kw):
+        events.append("sync_tree")
+        return tree(root, **kw)
+
+    monkeypatch.setattr(durable, "_datasync", recorded_datasync)
+    monkeypatch.setattr(save_mod, "sync_tree", recorded_tree)
+    state = _sixteen_transactions()
+    ucp.save(tmp_path / "early", state)
+    assert events[-1] == "sync_tree" and events.count("sync_tree") == 1
+    assert events.count("datasync") >= 8, events  # (16 transactions in a few data files)
+    got = ucp.open(tmp_path / "early")
+    for k, v in state.items():
+        np.testing.assert_array_equal(got.read(k), v)
+    events.clear()
+    monkeypatch.setenv("UCP_EARLY_SYNC", "0")
+    ucp.save(tmp_path / "late", state)
+    assert events == ["sync_tree"]
+
+
+def test_an_early_sync_error_fails_the_save(tmp_path: Path, monkeypatch) -> None:
+    """A write error reported to an early fdatasync (EIO: the disk lost the data) fails the save,
+    naming the error, and nothing is committed: Linux reports it to that one fsync, not again to
+    the pass before COMMIT, so swallowing it would commit a checkpoint with lost data."""
+    import errno
+
+    from ucp_jax._src.format import durable
+
+    def failing(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(durable.os, "fdatasync", failing)
+    with pytest.raises(OSError, match=r"making .*ocdbt\.p0/d/\S+ durable \(fdatasync\): Input/"):
+        ucp.save(tmp_path / "ck", _sixteen_transactions())
+    assert ucp.list_checkpoints(tmp_path) == []
+
+
+def test_an_error_of_the_settling_wait_is_raised(tmp_path: Path, monkeypatch) -> None:
+    """settle_file (imports: wait for a file's writeback, then drop its pages) raises the error
+    the wait reports, naming the file, where it was ignored."""
+    import ctypes
+    import errno
+
+    from ucp_jax._src.format import durable
+
+    def failing(fd, offset, nbytes, flags):
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(durable, "_libc_sync_file_range", lambda: failing)
+    path = tmp_path / "data"
+    path.write_bytes(b"x" * 4096)
+    with pytest.raises(OSError, match=r"writing back .*data: Input/output error"):
+        durable.settle_file(str(path))
+    durable.start_writeback(str(path))  # (asking to start, best effort: no error)
 
 
 def _import(dst: Path, arrays: dict[str, np.ndarray], direct: bool, monkeypatch, *,

@@ -32,7 +32,7 @@ def fresh_context(*, deferred_sync: bool = False) -> ts.Context:
 
     Args:
         deferred_sync: local files are written without an fsync each; the writer makes them
-            durable with one `store.sync_tree` pass before its commit.
+            durable with one `durable.sync_tree` pass before its commit.
     """
     parent = DEFERRED_SYNC_CONTEXT if deferred_sync else CONTEXT
     return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}, parent)

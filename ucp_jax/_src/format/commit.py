@@ -20,9 +20,10 @@ import tensorstore as ts
 
 from ..util.libc import exchange
 from . import aggregate, index, integrity, space, writers
+from .durable import fsync_dir
 from .folders import checkpoint_entry
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo, commit_marker
-from .store import Location, fsync_dir, listdir
+from .store import Location, listdir
 
 
 def write_commit(loc: Location, manifest_bytes: bytes, *, listed: bool = True) -> None:

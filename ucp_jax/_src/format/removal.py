@@ -24,8 +24,9 @@ from typing import Any
 
 from ..errors import NotACheckpointError, UnsafePathError
 from . import index, writers
+from .durable import fsync_dir
 from .manifest import COMMIT
-from .store import Location, fsync_dir
+from .store import Location
 
 LOCK_WAIT_S = 5.0  # a save's sweep of the folder holds other paths' locks for a moment
 

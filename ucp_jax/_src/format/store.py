@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import os
@@ -17,7 +16,6 @@ from ..errors import ChecksumError, NotACheckpointError
 from ..untrusted.limits import MAX_MANIFEST_BYTES
 from ..untrusted.paths import read_together, refuse_symlinks
 from ..util.dtypes import zarr_dtype
-from ..util.libc import libc
 from . import remote
 from .folders import checkpoint_entry, listdir, orbax_mark
 from .manifest import COMMIT, MANIFEST, Manifest, SlotInfo
@@ -402,89 +400,3 @@ def load_manifest(loc: Location) -> Manifest:
     if data is None:
         raise NotACheckpointError(f"{loc.url}: COMMIT present but manifest.json missing")
     return Manifest.loads(data, loc.url, marker)
-
-
-def start_writeback(path: str) -> None:
-    """Ask the kernel to start writing a file's dirty pages to disk now, without waiting.
-
-    Files written without a sync then reach the disk while the writer goes on, and the `fsync` of
-    `sync_tree` finds little left to do. Best effort: a no-op where unsupported.
-    """
-    _sync_range(path, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
-
-
-def settle_file(path: str) -> None:
-    """Wait until a file's data is written to disk, then drop its pages from the page cache.
-
-    For large sequential writers (imports): the page cache then recycles a few hot pages instead
-    of taking fresh memory for every byte written, which is most of the cost of writing on
-    machines where fresh memory is slow to come by (VMs). Data only; `sync_tree` still makes the
-    metadata durable. Best effort: a no-op where unsupported.
-    """
-    # WAIT_BEFORE | WRITE | WAIT_AFTER: all of the file's dirty pages written, and waited on
-    _sync_range(path, 1 | 2 | 4, drop=True)
-
-
-def _sync_range(path: str, flags: int, *, drop: bool = False) -> None:
-    """sync_file_range(2) over a whole file (then POSIX_FADV_DONTNEED when `drop`)."""
-    sync_file_range = _libc_sync_file_range()
-    if sync_file_range is None:
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        sync_file_range(fd, 0, 0, flags)
-        if drop:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-@functools.cache
-def _libc_sync_file_range() -> Any:
-    """libc's sync_file_range (Linux), looked up on first use; None elsewhere."""
-    import ctypes
-
-    fn = getattr(libc(), "sync_file_range", None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    return fn
-
-
-def sync_tree(root: str, *, threads: int = 16) -> int:
-    """fsync every file, then every directory, under `root` (in parallel); returns files synced.
-
-    The durability step of writers that use DEFERRED_SYNC_CONTEXT: one pass over the files at the
-    end, with many fsyncs in flight, instead of a blocking fsync per file as each is written.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    files, dirs = [], []
-    for d, _, fs in os.walk(root):
-        dirs.append(d)
-        files += [os.path.join(d, f) for f in fs]
-
-    def sync(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="ucp-fsync") as pool:
-        list(pool.map(sync, files))
-        list(pool.map(fsync_dir, dirs))
-    return len(files)
-
-
-def fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -196,6 +196,18 @@ def direct_write() -> bool:
     return _switch("UCP_DIRECT_WRITE")
 
 
+def early_sync() -> bool:
+    """Whether local saves and imports fdatasync each data file as soon as a transaction has
+    landed in it, on background threads (`UCP_EARLY_SYNC`, default on; 0: the kernel is only
+    asked to start writing it back, and every flush waits for the fsync pass before COMMIT). See
+    format/durable.py.
+
+    >>> isinstance(early_sync(), bool)
+    True
+    """
+    return _switch("UCP_EARLY_SYNC")
+
+
 def cli_caps_malloc_arenas() -> bool:
     """Whether the `ucp` command caps glibc's malloc arenas at 2 (it does unless
     `MALLOC_ARENA_MAX` is set, in which case glibc applies that value itself).

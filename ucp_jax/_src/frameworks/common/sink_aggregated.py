@@ -11,9 +11,9 @@ one fills, as long as what they hold and the next one's share stay within the bu
 as large as the budget, one shard of 32 MiB under a smaller budget, lands before the next fills).
 Local data files are written without an fsync each: as each transaction lands, the
 writeback of its new data files starts, and a background thread fingerprints its shards (their
-pages still hot) and then waits for that writeback and drops the pages (`store.settle_file`: hot
+pages still hot) and then waits for that writeback and drops the pages (`durable.settle_file`: hot
 pages are recycled instead of fresh memory taken for every byte written, which is most of the cost
-of writing on a VM); one `store.sync_tree` pass over the database makes everything durable before
+of writing on a VM); one `durable.sync_tree` pass over the database makes everything durable before
 the table is final and COMMIT is written.
 
 With `encode_shards` (an importer's choice: `AtomWriter(encode_whole_shards=True)`), a write that
@@ -38,7 +38,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ...format import aggregate, encode, integrity, process_tables, store, zarr_json
+from ...format import aggregate, durable, encode, integrity, process_tables, store, zarr_json
 from ...format.manifest import SlotInfo
 from ...mapping.boxes import Box, to_slices
 from .write_order import WriteOrder
@@ -336,7 +336,7 @@ class AggregatedSink:
         self._seen.update(new)
         paths = [os.path.join(self._files, n) for n in new]
         for path in paths:
-            store.start_writeback(path)
+            durable.start_writeback(path)
         by_array: dict[str, list[str]] = {}
         for path, idx in shards:
             key = store.chunk_key(idx)
@@ -348,7 +348,7 @@ class AggregatedSink:
         for path in paths:
             with contextlib.suppress(OSError):
                 if os.path.getsize(path) >= SETTLE_MIN_BYTES:
-                    store.settle_file(path)
+                    durable.settle_file(path)
 
     def _stop_encoding(self) -> None:
         for fut, *_ in self._encoding:
@@ -387,7 +387,7 @@ class AggregatedSink:
         self._stop_settling()
         process_tables.write_process_table(self.db, written, "p0", known=self._fps)
         if self.local is not None:
-            store.sync_tree(os.path.join(self.local, f"{aggregate.PROCESS_PREFIX}0"))
+            durable.sync_tree(os.path.join(self.local, f"{aggregate.PROCESS_PREFIX}0"))
 
     def abort(self) -> None:
         """Drop the open transaction and let the committing ones end, quietly."""

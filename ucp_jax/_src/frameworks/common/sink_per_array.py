@@ -3,7 +3,7 @@
 Writes are TensorStore writes without a transaction, bounded in bytes; local files are written
 without an fsync each, their writeback started as each lands, their pages dropped a few files
 later (after a fingerprint is taken while they are hot), and every file and folder is fsynced once
-before COMMIT (`store.sync_tree`).
+before COMMIT (`durable.sync_tree`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ...format import commit, integrity, store
+from ...format import commit, durable, integrity, store
 from ...format.manifest import PER_ARRAY_VERSION, SlotInfo
 from ...mapping.boxes import Box, to_slices
 from ...util.inflight import InflightWindow
@@ -36,7 +36,7 @@ class PerArraySink:
         self.target = target
         self.local = target.local_path
         # Local files: written without a sync each, their writeback started as each completes,
-        # all fsynced once before COMMIT (see store.sync_tree): durable, without a blocking
+        # all fsynced once before COMMIT (see durable.sync_tree): durable, without a blocking
         # fsync per file.
         self._context = store.CONTEXT if self.local is None else store.DEFERRED_SYNC_CONTEXT
         self._arrays: dict[str, Any] = {}
@@ -84,13 +84,13 @@ class PerArraySink:
         fut.commit.result()
         if self.local is not None:
             for path in self._shard_files(info, box):
-                store.start_writeback(path)
+                durable.start_writeback(path)
                 self._written.append((path, info))
             self._settle(SETTLE_LAG)
 
     def _settle(self, lag: int) -> None:
         """Wait for the writeback of all but the newest `lag` files and drop their pages, on a
-        background thread (see store.settle_file)."""
+        background thread (see durable.settle_file)."""
         while len(self._written) > lag:
             if self._settler is None:
                 self._settler = ThreadPoolExecutor(1, thread_name_prefix="ucp-settle")
@@ -107,7 +107,7 @@ class PerArraySink:
         if found is not None and self.local is not None:
             key = os.path.relpath(path, os.path.join(self.local, info.path))
             self._known.setdefault(info.path, {})[key] = found
-        store.settle_file(path)
+        durable.settle_file(path)
 
     def _stop_settling(self) -> None:
         try:
@@ -138,7 +138,7 @@ class PerArraySink:
             self.target, written, "p0", self._known, deferred_sync=self.local is not None
         )  # sync_tree follows
         if self.local is not None:
-            store.sync_tree(self.local)
+            durable.sync_tree(self.local)
 
     def abort(self) -> None:
         """Let every write in flight land (so none reaches a retry's staging area), quietly."""
