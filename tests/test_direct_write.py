@@ -313,7 +313,8 @@ def test_an_early_sync_error_fails_the_save(tmp_path: Path, monkeypatch) -> None
 
 def test_an_error_of_the_settling_wait_is_raised(tmp_path: Path, monkeypatch) -> None:
     """settle_file (imports: wait for a file's writeback, then drop its pages) raises the error
-    the wait reports, naming the file, where it was ignored."""
+    the wait reports (fdatasync, or sync_file_range with UCP_EARLY_SYNC=0), naming the file,
+    where it was ignored."""
     import ctypes
     import errno
 
@@ -323,9 +324,16 @@ def test_an_error_of_the_settling_wait_is_raised(tmp_path: Path, monkeypatch) ->
         ctypes.set_errno(errno.EIO)
         return -1
 
+    def failing_datasync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
     monkeypatch.setattr(durable, "_libc_sync_file_range", lambda: failing)
+    monkeypatch.setattr(durable.os, "fdatasync", failing_datasync)
     path = tmp_path / "data"
     path.write_bytes(b"x" * 4096)
+    with pytest.raises(OSError, match=r"making .*data durable \(fdatasync\): Input/output error"):
+        durable.settle_file(str(path))
+    monkeypatch.setenv("UCP_EARLY_SYNC", "0")
     with pytest.raises(OSError, match=r"writing back .*data: Input/output error"):
         durable.settle_file(str(path))
     durable.start_writeback(str(path))  # (asking to start, best effort: no error)

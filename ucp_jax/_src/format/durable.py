@@ -110,15 +110,23 @@ def settle_file(path: str) -> None:
     of taking fresh memory for every byte written, which is most of the cost of writing on
     machines where fresh memory is slow to come by (VMs). Data only; `sync_tree` still makes the
     metadata durable. A write error the wait reports is raised (an OSError naming the file): it
-    would not be reported again to `sync_tree`'s fsync.
+    would not be reported again to `sync_tree`'s fsync. With `UCP_EARLY_SYNC` (the default) the
+    wait is an `fdatasync`, which flushes the disk's cache too (see `EarlySync`).
     """
-    # WAIT_BEFORE | WRITE | WAIT_AFTER: all of the file's dirty pages written, and waited on
-    _sync_range(path, 1 | 2 | 4, drop=True, check=True)
+    if config.early_sync():
+        _datasync(path)
+    else:  # WAIT_BEFORE | WRITE | WAIT_AFTER: all of the file's dirty pages written, waited on
+        _sync_range(path, 1 | 2 | 4, check=True)
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
-def _sync_range(path: str, flags: int, *, drop: bool = False, check: bool = False) -> None:
-    """sync_file_range(2) over a whole file (then POSIX_FADV_DONTNEED when `drop`); its error
-    raised with `check`."""
+def _sync_range(path: str, flags: int, *, check: bool = False) -> None:
+    """sync_file_range(2) over a whole file; its error raised with `check`."""
     sync_file_range = _libc_sync_file_range()
     if sync_file_range is None:
         return
@@ -132,8 +140,6 @@ def _sync_range(path: str, flags: int, *, drop: bool = False, check: bool = Fals
 
             err = ctypes.get_errno()
             raise OSError(err, f"writing back {path}: {os.strerror(err)}", path)
-        if drop:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
