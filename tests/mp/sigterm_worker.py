@@ -25,13 +25,9 @@ def main() -> None:
     persist_s = float(sys.argv[5])
     if n > 1:
         jax.distributed.initialize(addr, num_processes=n, process_id=pid)
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from in_flight import start_snapshot_and_save
 
-    import ucp_jax as ucp
     from ucp_jax._src.memory import persist
-    from ucp_jax.memory import SnapshotManager
 
     write = persist.write
 
@@ -40,13 +36,7 @@ def main() -> None:
         return write(*a, **k)
 
     persist.write = slow
-    mesh = jax.make_mesh((jax.device_count(),), ("d",))
-    full = np.arange(1024 * 256, dtype=np.float32).reshape(1024, 256)
-    x = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")), lambda i: full[i])
-    mgr = SnapshotManager(f"{out}/persist", persist_every=2, shm_dir=f"{out}/shm{pid}",
-                          namespace="sigterm")  # fmt: skip
-    mgr.snapshot(2, {"x": x})
-    ucp.async_save(f"{out}/final", {"x": x}, step=2)
+    mgr = start_snapshot_and_save(out, pid, "sigterm")  # noqa: F841  (open, as a trainer's)
     print(f"{pid} SIGTERM", flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
     if n > 1:  # the process goes on: training steps in lockstep, as a JAX job's are

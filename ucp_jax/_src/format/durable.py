@@ -16,6 +16,7 @@ import contextlib
 import functools
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -82,14 +83,24 @@ class EarlySync:
 
 def _datasync(path: str) -> None:
     """fdatasync one file; a file removed meanwhile (a failed save's cleanup) is nothing to do."""
+    _synced(path, os.fdatasync, "fdatasync", gone_ok=True)
+
+
+def _synced(
+    path: str, sync: Callable[[int], None] = os.fsync, name: str = "fsync", *, gone_ok: bool = False
+) -> None:
+    """Open `path` (a file or a folder) and `sync` it (`name`: fsync or fdatasync); its error
+    raised naming the file, and a path that does not exist skipped where `gone_ok`."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return
+        if gone_ok:
+            return
+        raise
     try:
-        os.fdatasync(fd)
+        sync(fd)
     except OSError as e:
-        raise OSError(e.errno, f"making {path} durable (fdatasync): {e.strerror}", path) from e
+        raise OSError(e.errno, f"making {path} durable ({name}): {e.strerror}", path) from e
     finally:
         os.close(fd)
 
@@ -165,27 +176,12 @@ def sync_tree(root: str, *, threads: int = 16) -> int:
     for d, _, fs in os.walk(root):
         dirs.append(d)
         files += [os.path.join(d, f) for f in fs]
-
-    def sync(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     with ThreadPoolExecutor(threads, thread_name_prefix="ucp-fsync") as pool:
-        list(pool.map(sync, files))
+        list(pool.map(_synced, files))
         list(pool.map(fsync_dir, dirs))
     return len(files)
 
 
 def fsync_dir(path: str) -> None:
     """fsync a directory (its entries durable); a directory gone is nothing to do."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _synced(path, gone_ok=True)
