@@ -339,6 +339,32 @@ def test_an_error_of_the_settling_wait_is_raised(tmp_path: Path, monkeypatch) ->
     durable.start_writeback(str(path))  # (asking to start, best effort: no error)
 
 
+def test_an_import_whose_data_the_disk_lost_fails(tmp_path: Path, monkeypatch) -> None:
+    """An importer settles its data files on a background thread (writeback waited for, pages
+    dropped); a write error that wait reports (EIO) fails the import, naming the file, and
+    nothing is committed. It was swallowed with the file's size check, and the final fsync pass
+    is not told again: the import committed a checkpoint whose data the disk had lost."""
+    import errno
+
+    from ucp_jax._src.format import durable
+    from ucp_jax._src.frameworks.common.writer import AtomWriter
+
+    def failing(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(durable.os, "fdatasync", failing)
+    a = np.random.default_rng(3).standard_normal((2048, 2048), np.float32)  # 16 MiB
+    with (
+        pytest.raises(OSError, match=r"making .*ocdbt\.p0/d/\S+ durable \(fdatasync\): Input/"),
+        AtomWriter(tmp_path / "ck", layout="aggregated", max_inflight_bytes=4 << 20) as w,
+    ):
+        w.atom("a", a.shape)
+        for r in range(0, 2048, 256):
+            w.write("a", "fp32", ((r, r + 256), (0, 2048)), a[r : r + 256].copy())
+        w.commit(step=1, source={"framework": "test"})
+    assert ucp.list_checkpoints(tmp_path) == []
+
+
 def _import(dst: Path, arrays: dict[str, np.ndarray], direct: bool, monkeypatch, *,
             box_rows: int, budget: int = 256 << 10) -> int:  # fmt: skip
     """Import `arrays` with AtomWriter (version 3) in boxes of `box_rows` rows; return how many

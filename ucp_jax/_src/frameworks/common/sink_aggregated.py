@@ -346,9 +346,12 @@ class AggregatedSink:
         got = integrity.fingerprints_many(self._kv, items) if items else {}
         self._record(shards, raw_fps, got)
         for path in paths:
-            with contextlib.suppress(OSError):
-                if os.path.getsize(path) >= SETTLE_MIN_BYTES:
-                    durable.settle_file(path)
+            try:
+                size = os.path.getsize(path)
+            except OSError:  # (gone: nothing to settle)
+                continue
+            if size >= SETTLE_MIN_BYTES:
+                durable.settle_file(path)  # its write error raised: it is not reported twice
 
     def _stop_encoding(self) -> None:
         for fut, *_ in self._encoding:
