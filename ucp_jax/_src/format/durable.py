@@ -87,10 +87,12 @@ def _datasync(path: str) -> None:
 
 
 def _synced(
-    path: str, sync: Callable[[int], None] = os.fsync, name: str = "fsync", *, gone_ok: bool = False
-) -> None:
-    """Open `path` (a file or a folder) and `sync` it (`name`: fsync or fdatasync); its error
-    raised naming the file, and a path that does not exist skipped where `gone_ok`."""
+    path: str, sync: Callable[[int], None] | None = None, name: str = "fsync", *,
+    gone_ok: bool = False,
+) -> None:  # fmt: skip
+    """Open `path` (a file or a folder) and `sync` it (`name`: fsync or fdatasync; default
+    `os.fsync`, looked up at the call); its error raised naming the file, and a path that does
+    not exist skipped where `gone_ok`."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -98,7 +100,7 @@ def _synced(
             return
         raise
     try:
-        sync(fd)
+        (sync or os.fsync)(fd)
     except OSError as e:
         raise OSError(e.errno, f"making {path} durable ({name}): {e.strerror}", path) from e
     finally:
