@@ -5,7 +5,7 @@ Alone (no jax.distributed), SIGTERM is ucp_jax's: the work is finished, then the
 SIGTERM. In a jax.distributed job it is JAX's preemption notifier's: the process goes on (to the
 preemption sync point, as a JAX job does, where JAX's protocol gets there) and returns.
 
-Usage: sigterm_worker.py PROCESS_ID PROCESSES COORDINATOR OUT PERSIST_SECONDS
+Usage: sigterm_worker.py PROCESS_ID PROCESSES COORDINATOR OUT PERSIST_SECONDS [twice]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import jax
@@ -38,6 +39,8 @@ def main() -> None:
     persist.write = slow
     mgr = start_snapshot_and_save(out, pid, "sigterm")  # noqa: F841  (open, as a trainer's)
     print(f"{pid} SIGTERM", flush=True)
+    if len(sys.argv) > 6 and sys.argv[6] == "twice":  # a second one while the first is handled
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
     os.kill(os.getpid(), signal.SIGTERM)
     if n > 1:  # the process goes on: training steps in lockstep, as a JAX job's are
         from jax.experimental import multihost_utils

@@ -94,6 +94,9 @@ def _finish(what: str, fn: Callable[[], None]) -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    # A second SIGTERM (schedulers repeat it) would run this handler again inside the first
+    # one's wait, and its end would kill the process before the first one's work is finished.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     grace = config.sigterm_grace_s()
     deadline = time.monotonic() + grace
     workers = {  # one thread each: work that hangs holds up none of the others
