@@ -13,9 +13,9 @@ speed, and it then overlaps the rest of the write instead of following it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -29,38 +29,36 @@ EARLY_SYNC_THREADS = 2  # one flush waiting on the disk while the next is asked 
 class EarlySync:
     """Make data files durable as they land, on background threads; `wait` before COMMIT.
 
-    An error of an early `fdatasync` is raised by `wait` (a write error reported to one fsync is
-    not reported again to a later one on a new descriptor, so `sync_tree` would not see it).
-    With `UCP_EARLY_SYNC=0`, or where there is no local folder, `start` only asks the kernel to
+    Used by one writing thread. An error of an early `fdatasync` is raised by `wait` (a write
+    error reported to one fsync is not reported again to a later one on a new descriptor, so
+    `sync_tree` would not see it). With `UCP_EARLY_SYNC=0`, `start` only asks the kernel to
     begin writing the file back (`start_writeback`).
 
-    >>> with EarlySync() as syncs:
-    ...     syncs.start(__file__)
+    >>> syncs = EarlySync()
+    >>> syncs.start(__file__)
+    >>> syncs.wait()
     """
 
-    def __init__(self, *, enabled: bool | None = None) -> None:
-        self.enabled = config.early_sync() if enabled is None else enabled
+    def __init__(self) -> None:
+        self.enabled = config.early_sync()
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[tuple[str, Future[None]]] = []
-        self._lock = threading.Lock()
+        self._pending: list[Future[None]] = []
 
     def start(self, path: str) -> None:
         """Start making `path`'s data durable (again, if it has grown since the last call)."""
         if not self.enabled:
             start_writeback(path)
             return
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(EARLY_SYNC_THREADS, thread_name_prefix="ucp-sync")
-            self._pending.append((path, self._pool.submit(_datasync, path)))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(EARLY_SYNC_THREADS, thread_name_prefix="ucp-sync")
+        self._pending.append(self._pool.submit(_datasync, path))
 
     def wait(self) -> None:
         """Wait for every early sync; raise the first one's error (an OSError naming the file)."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-            pool, self._pool = self._pool, None
+        pending, self._pending = self._pending, []
+        pool, self._pool = self._pool, None
         first: BaseException | None = None
-        for _, fut in pending:
+        for fut in pending:
             try:
                 fut.result()
             except BaseException as e:
@@ -69,16 +67,6 @@ class EarlySync:
             pool.shutdown(wait=True)
         if first is not None:
             raise first
-
-    def __enter__(self) -> EarlySync:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if exc_type is None:
-            self.wait()
-            return
-        with contextlib.suppress(Exception):  # the writer failed: its error is the one raised
-            self.wait()
 
 
 def _datasync(path: str) -> None:
@@ -149,8 +137,6 @@ def _sync_range(path: str, flags: int, *, check: bool = False) -> None:
         return
     try:
         if sync_file_range(fd, 0, 0, flags) != 0 and check:
-            import ctypes
-
             err = ctypes.get_errno()
             raise OSError(err, f"writing back {path}: {os.strerror(err)}", path)
     finally:
@@ -160,8 +146,6 @@ def _sync_range(path: str, flags: int, *, check: bool = False) -> None:
 @functools.cache
 def _libc_sync_file_range() -> Any:
     """libc's sync_file_range (Linux), looked up on first use; None elsewhere."""
-    import ctypes
-
     fn = getattr(libc(), "sync_file_range", None)
     if fn is not None:
         fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]

@@ -64,19 +64,21 @@ def finish_on_sigterm(fn: Callable[[], None], what: str) -> bool:
     where the handler runs, may have been stopped holding a lock that work needs).
     """
     current = signal.getsignal(signal.SIGTERM)
-    main = threading.current_thread() is threading.main_thread()
-    if current is not _on_sigterm and not (main and current is signal.SIG_DFL):
-        return False
-    if current is not _on_sigterm and signal_handled_outside_python(signal.SIGTERM):
-        global _NATIVE_SAID
-        if not _NATIVE_SAID:  # e.g. JAX's preemption notifier, set by jax.distributed.initialize
-            _NATIVE_SAID = True
-            log.info("SIGTERM has a handler of native code (JAX's preemption notifier in a "
-                     "jax.distributed job): left in place; %s is finished when the program "
-                     "exits (after `reached_preemption_sync_point`, say)", what)  # fmt: skip
-        return False
+    ours = current is _on_sigterm
+    if not ours:  # ours only where the default action would end the process
+        main = threading.current_thread() is threading.main_thread()
+        if not (main and current is signal.SIG_DFL):
+            return False
+        if signal_handled_outside_python(signal.SIGTERM):
+            global _NATIVE_SAID
+            if not _NATIVE_SAID:  # e.g. JAX's preemption notifier (jax.distributed.initialize)
+                _NATIVE_SAID = True
+                log.info("SIGTERM has a handler of native code (JAX's preemption notifier in a "
+                         "jax.distributed job): left in place; %s is finished when the program "
+                         "exits (after `reached_preemption_sync_point`, say)", what)  # fmt: skip
+            return False
     _SIGTERM_WORK[what] = fn
-    if current is not _on_sigterm:
+    if not ours:
         signal.signal(signal.SIGTERM, _on_sigterm)
     return True
 
