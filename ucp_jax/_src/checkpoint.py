@@ -324,11 +324,11 @@ class Checkpoint:
         """
         if self.manifest.version < 2:
             return  # version 1 recorded no fingerprints
-        for (name, slot), keys in self._todo(regions, self._checked).items():
+        todo = self._todo(regions, self._checked)
+        self.open_arrays(list(todo))  # checked, so their tables are loaded
+        plans = []
+        for (name, slot), keys in todo.items():
             si = self.atoms[name].slots[slot]
-            where = f"{self.path}: atom {name!r} slot {slot!r}"
-            self.open_arrays([(name, slot)])  # checked, so its table is loaded
-            kv = lambda path=si.path: self.data.child(path).kv()  # noqa: E731 (only if needed)
             extents: dict[str, tuple[str, int, int]] = {}
             for k in keys:
                 ext = self.shard_extent_of_key(si.path, k)
@@ -336,8 +336,28 @@ class Checkpoint:
                     extents[k] = (ext.path, ext.offset, ext.length)
             seen = self.fingerprints_seen
             known = {k: seen[(e[0], e[1])] for k, e in extents.items() if (e[0], e[1]) in seen}
+            plans.append((name, slot, si, keys, extents, known))
+        if self.data.local_path is None and len(plans) > 1:
+            self._fingerprint_together(plans)
+        for name, slot, si, keys, extents, known in plans:
+            where = f"{self.path}: atom {name!r} slot {slot!r}"
+            kv = lambda path=si.path: self.data.child(path).kv()  # noqa: E731 (only if needed)
             integrity.check(kv, si, sorted(keys), self._tables[(name, slot)], where, extents, known)
             self._checked[(name, slot)].update(keys)
+
+    def _fingerprint_together(self, plans: Sequence[tuple[Any, ...]]) -> None:
+        """Fingerprint the chunks of many arrays of an object store in one batch of reads per
+        round, into each plan's `known`: a batch per array asked a version-3 checkpoint's
+        `manifest.ocdbt` again each time (26 of 30 such requests of a 16-array restore), and
+        every process of a job asks the same object."""
+        items = []
+        for _n, _s, si, keys, extents, known in plans:
+            rest = sorted(k for k in keys if k not in known and k not in extents)
+            items.append((si, [f"{si.path}/{k}" for k in rest]))
+        got = integrity.fingerprints_many(self.data.kv(), [it for it in items if it[1]])
+        for (_n, _s, si, _keys, _extents, known), (_, full) in zip(plans, items):
+            cut = len(si.path) + 1
+            known.update({k[cut:]: got[k] for k in full if k in got})
 
     def _todo(
         self, regions: Sequence[tuple[str, str, Any]], done: dict[tuple[str, str], set[str]]
