@@ -38,9 +38,25 @@ def fresh_context(*, deferred_sync: bool = False) -> ts.Context:
     return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}, parent)
 
 
+# An object store's requests each cost a round trip: reads of one data file less than this apart
+# are merged into one request (reads gathered for 1 ms; a merged request at most MERGED bytes).
+# Small values (each array's zarr.json, the shards of small arrays, the 4-byte chunk trailers a
+# fingerprint reads) lie side by side in a writer's data files.
+COALESCE_GAP = 1 << 20
+COALESCE_MERGED = 256 << 20
+
+
 def _db(folder: Location, sub: str, context: ts.Context | None) -> Location:
     base = folder.child(sub).kvstore if sub else dict(folder.kvstore)
-    spec = {"driver": "ocdbt", "base": base, "path": "", "cache_pool": "cache_pool#ocdbt"}
+    spec: dict[str, Any] = {
+        "driver": "ocdbt", "base": base, "path": "", "cache_pool": "cache_pool#ocdbt"
+    }  # fmt: skip
+    if folder.local_path is None:
+        spec.update({
+            "experimental_read_coalescing_threshold_bytes": COALESCE_GAP,
+            "experimental_read_coalescing_merged_bytes": COALESCE_MERGED,
+            "experimental_read_coalescing_interval": "1ms",
+        })  # fmt: skip
     return Location(spec, context if context is not None else fresh_context())
 
 
