@@ -38,12 +38,17 @@ def fresh_context(*, deferred_sync: bool = False) -> ts.Context:
     return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}, parent)
 
 
-# An object store's requests each cost a round trip: reads of one data file less than this apart
-# are merged into one request (reads gathered for 1 ms; a merged request at most MERGED bytes).
-# Small values (each array's zarr.json, the shards of small arrays, the 4-byte chunk trailers a
-# fingerprint reads) lie side by side in a writer's data files.
-COALESCE_GAP = 1 << 20
-COALESCE_MERGED = 256 << 20
+# An object store's requests each cost a round trip: reads of one data file at most COALESCE_GAP
+# apart are merged into one request (gathered for 1 ms), which reads the gap too. Small values
+# (each array's zarr.json, the shards of small arrays) lie side by side in a writer's data files.
+# The gap stays far below an inner chunk (store.MIN_INNER_CHUNK_BYTES): with 1 MiB (Orbax's), the
+# fingerprint check's 4-byte reads at the end of each inner chunk merged into reads of whole
+# shards, and restores downloaded 2-3x the state. Each merge reads at most COALESCE_GAP bytes
+# that were not asked for, where a request costs a round trip (~2 MB of an object store's
+# bandwidth). A merged request stays at most COALESCE_MERGED (range reads of 8-16 MB are what
+# object stores serve fastest in parallel).
+COALESCE_GAP = 16 << 10
+COALESCE_MERGED = 16 << 20
 
 
 def _db(folder: Location, sub: str, context: ts.Context | None) -> Location:
