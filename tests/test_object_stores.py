@@ -135,6 +135,25 @@ def test_s3_save_restore_list_verify(s3, capsys):
     assert "step 2" in capsys.readouterr().out
 
 
+def test_keys_in_the_environment_log_no_credential_errors(s3, capfd, monkeypatch, tmp_path):
+    """With AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY set, the s3 spec names the environment as
+    its credentials (the default chain's first source): the chain's profile-file reader logged
+    five error lines ("Failed to open file ... .aws/config") for every kvstore opened on a host
+    without one, 11 times a save and 3 times a restore. A spec's own credentials are kept."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws here
+    for k in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    path = f"s3://{BUCKET}/creds/step_1"
+    assert ucp.Location.parse(path).kvstore["aws_credentials"] == {"type": "environment"}
+    own = {"driver": "s3", "bucket": BUCKET, "path": "x", "aws_credentials": {"type": "anonymous"}}
+    assert ucp.Location.parse(own).kvstore["aws_credentials"] == {"type": "anonymous"}
+    capfd.readouterr()
+    ucp.save(path, _state(1), step=1)
+    _assert_restores(path, seed=1)
+    err = capfd.readouterr().err
+    assert ".aws/config" not in err and "credentials parser" not in err, err[-2000:]
+
+
 @pytest.mark.parametrize("form", ["profile", "services"])
 def test_s3_endpoint_and_region_from_the_aws_config_file(s3, tmp_path, monkeypatch, form):
     """No AWS_ENDPOINT_URL* / AWS_REGION: the endpoint and region come from AWS_CONFIG_FILE's

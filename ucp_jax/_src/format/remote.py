@@ -109,7 +109,9 @@ def complete(spec: dict[str, Any]) -> dict[str, Any]:
     s3: `endpoint` (`AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, then `~/.aws/config`, unless
     `AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true`) and, with an endpoint, `aws_region` (`AWS_REGION`,
     `AWS_DEFAULT_REGION`, then `~/.aws/config`; on AWS itself TensorStore looks up the bucket's
-    region). gcs: `TENSORSTORE_GCS_HTTP_URL` from
+    region), and `aws_credentials` from the environment when `AWS_ACCESS_KEY_ID` and
+    `AWS_SECRET_ACCESS_KEY` are set (what the default chain would pick first). gcs:
+    `TENSORSTORE_GCS_HTTP_URL` from
     `STORAGE_EMULATOR_HOST`. Remote drivers: bounded request retries (`UCP_STORE_RETRIES`).
     Whatever the spec already says is kept.
 
@@ -123,6 +125,12 @@ def complete(spec: dict[str, Any]) -> dict[str, Any]:
             endpoint = _aws_endpoint(profile)
             if endpoint:
                 spec["endpoint"] = endpoint
+        # Keys in the environment come first in the AWS credential chain anyway; naming that
+        # source skips the chain's profile-file reader, which logged five error lines for every
+        # kvstore opened on a host without ~/.aws/config (11 times a save, 3 a restore here).
+        if ("aws_credentials" not in spec and os.environ.get("AWS_ACCESS_KEY_ID")
+                and os.environ.get("AWS_SECRET_ACCESS_KEY")):  # fmt: skip
+            spec["aws_credentials"] = {"type": "environment"}
         # On AWS itself TensorStore finds each bucket's region (a wrong one would not redirect, as
         # boto3 does); another endpoint needs the region to sign with.
         if "aws_region" not in spec and "endpoint" in spec:
