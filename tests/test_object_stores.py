@@ -234,6 +234,25 @@ def test_s3_verify_finds_a_swapped_object(s3, capsys, monkeypatch, layout):
         ucp.restore(f"{root}/a", targets(float_params(), mesh_of((4, 2))))
 
 
+def test_s3_verify_names_every_damaged_array(s3, capsys, monkeypatch):
+    """verify opens every array in one batch of reads and fingerprints each array in one: two
+    arrays with a chunk object deleted (per-array layout) are both named, and the others pass."""
+    import boto3
+
+    monkeypatch.setenv("UCP_LAYOUT", "per-array")
+    root = f"s3://{BUCKET}/two-damaged/a"
+    ucp.save(root, _state(6), step=1)
+    client = boto3.client("s3", endpoint_url=s3)
+    for atom in ("dense.kernel", "emb.embedding"):
+        client.delete_object(Bucket=BUCKET, Key=f"two-damaged/a/atoms/{atom}/fp32/c/0/0")
+    assert cli_main(["verify", root]) == 1
+    out = capsys.readouterr().out
+    failed = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
+    assert len(failed) == 2, out
+    assert "dense.kernel" in failed[0] and "emb.embedding" in failed[1], out
+    assert "2 problem(s)" in out
+
+
 def test_s3_convert_safetensors(s3, tmp_path, capsys, monkeypatch):
     """`ucp convert` into S3 given as a JSON kvstore spec: its endpoint alone reaches the store."""
     st = pytest.importorskip("safetensors.numpy")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -78,6 +79,8 @@ def verify_checkpoint(path: str, out: Any = None) -> int:
         return 1
     problems: list[str] = []
     nbytes = 0
+    with contextlib.suppress(UcpError, ValueError):  # all arrays' metadata in one batch of reads;
+        ck.open_arrays([(n, s) for n, a in ck.atoms.items() for s in a.slots])  # (a bad one: below)
     for name in sorted(ck.atoms):
         a = ck.atoms[name]
         for slot, info in a.slots.items():
@@ -91,6 +94,8 @@ def verify_checkpoint(path: str, out: Any = None) -> int:
                 if arr.dtype.numpy_dtype != np_dtype(info.dtype):
                     problems.append(f"{where}: stored dtype {arr.dtype}, manifest {info.dtype}")
                     continue
+                if ck.loc.local_path is None:  # one batch of fingerprint reads, not one a block
+                    ck.check_fingerprints([(name, slot, [(0, d) for d in want])])
                 for box in _blocks(want, info.chunks):
                     data = ck.read(name, slot, box)
                     nbytes += data.nbytes
