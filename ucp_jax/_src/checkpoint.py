@@ -337,7 +337,7 @@ class Checkpoint:
             seen = self.fingerprints_seen
             known = {k: seen[(e[0], e[1])] for k, e in extents.items() if (e[0], e[1]) in seen}
             plans.append((name, slot, si, keys, extents, known))
-        if self.data.local_path is None and len(plans) > 1:
+        if self.data.local_path is None:
             self._fingerprint_together(plans)
         for name, slot, si, keys, extents, known in plans:
             where = f"{self.path}: atom {name!r} slot {slot!r}"
@@ -350,14 +350,12 @@ class Checkpoint:
         round, into each plan's `known`: a batch per array asked a version-3 checkpoint's
         `manifest.ocdbt` again each time (26 of 30 such requests of a 16-array restore), and
         every process of a job asks the same object."""
-        items = []
-        for _n, _s, si, keys, extents, known in plans:
-            rest = sorted(k for k in keys if k not in known and k not in extents)
-            items.append((si, [f"{si.path}/{k}" for k in rest]))
-        got = integrity.fingerprints_many(self.data.kv(), [it for it in items if it[1]])
-        for (_n, _s, si, _keys, _extents, known), (_, full) in zip(plans, items):
-            cut = len(si.path) + 1
-            known.update({k[cut:]: got[k] for k in full if k in got})
+        got = integrity.array_fingerprints(self.data.kv(), [
+            (si, sorted(k for k in keys if k not in known and k not in extents))
+            for _n, _s, si, keys, extents, known in plans
+        ])  # fmt: skip
+        for _n, _s, si, _keys, _extents, known in plans:
+            known.update(got.get(si.path, {}))
 
     def _todo(
         self, regions: Sequence[tuple[str, str, Any]], done: dict[tuple[str, str], set[str]]

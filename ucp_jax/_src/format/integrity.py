@@ -237,6 +237,21 @@ def fingerprints_many(
     return out
 
 
+def array_fingerprints(
+    kv: ts.KvStore, items: Sequence[tuple[SlotInfo, Sequence[str]]]
+) -> dict[str, dict[str, str]]:
+    """`fingerprints_many` of chunks named as in their own array (`info.path` inside `kv`):
+    array path -> chunk key -> fingerprint (missing chunks absent; arrays without keys unread).
+    """
+    todo = [(info, [f"{info.path}/{k}" for k in keys]) for info, keys in items if keys]
+    got = fingerprints_many(kv, todo) if todo else {}
+    out: dict[str, dict[str, str]] = {}
+    for info, full in todo:
+        cut = len(info.path) + 1
+        out.setdefault(info.path, {}).update({k[cut:]: got[k] for k in full if k in got})
+    return out
+
+
 def write_table(
     kv: ts.KvStore | str,
     info: SlotInfo,

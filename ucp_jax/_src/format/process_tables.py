@@ -16,7 +16,7 @@ import tensorstore as ts
 
 from ..errors import ChecksumError
 from ..untrusted.json import read_json
-from .integrity import DIGEST_DIR, check_sealed, extent_fingerprints, fingerprints_many
+from .integrity import DIGEST_DIR, array_fingerprints, check_sealed, extent_fingerprints
 from .manifest import SlotInfo
 
 PROCESS_DIGEST_FORMAT = "ucp-digests/2"
@@ -53,13 +53,9 @@ def write_process_table(
         got = extent_fingerprints({k: extents.get(k) for k in full}, info) if extents else {}
         arrays[info.path] = {**{k: have[k] for k in ks if k in have},
                              **{k[cut:]: v for k, v in got.items()}}  # fmt: skip
-        rest = [k for k in full if k not in got]
-        if rest:
-            todo.append((info, rest))
-    got_many = fingerprints_many(kv, todo)
-    for info, rest in todo:
-        cut = len(info.path) + 1
-        arrays[info.path].update({k[cut:]: got_many[k] for k in rest if k in got_many})
+        todo.append((info, [k[cut:] for k in full if k not in got]))
+    for path, fps in array_fingerprints(kv, todo).items():
+        arrays[path].update(fps)
     doc = {"format": PROCESS_DIGEST_FORMAT, "writer": writer, "arrays": arrays}
     kv.write(f"{DIGEST_DIR}/{writer}.json", json.dumps(doc, sort_keys=True).encode()).result()
 
