@@ -153,13 +153,57 @@ def test_bounds_outside_the_buffer_are_an_error(tmp_path: Path) -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 767, 768, 769, 1536, 4099, 1 << 20])
-def test_crc32c_equals_the_crc32c_package(n: int) -> None:
-    """The extension's CRC32C (three interleaved streams joined) equals the `crc32c` package's."""
+@pytest.fixture(params=[2, 1, 0], ids=["folding", "instruction", "tables"])
+def crc_way(request: pytest.FixtureRequest):
+    """Each of the extension's ways to a CRC32C in turn (as far as this CPU has it)."""
+    from ucp_jax._src.format import _scatter_read as native
+
+    before = native.crc_way(request.param)
+    try:
+        yield native.crc_way(-1)
+    finally:
+        native.crc_way(before)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 767, 768, 769, 1536, 4099, 1 << 20])
+def test_crc32c_equals_the_crc32c_package(n: int, crc_way: int) -> None:
+    """The extension's CRC32C (folded, three interleaved streams joined, or by tables) equals the
+    `crc32c` package's."""
     from ucp_jax._src.format import _scatter_read as native
 
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
     assert native.crc32c(data) == crc32c.crc32c(data)
+
+
+def test_crc32c_of_every_length_and_alignment(crc_way: int) -> None:
+    """Every length up to 1100 bytes from each of four alignments: the folding's 64-byte blocks,
+    its 16-byte tail and the bytes after it, against the `crc32c` package."""
+    from ucp_jax._src.format import _scatter_read as native
+
+    data = np.random.default_rng(7).integers(0, 256, 1104, dtype=np.uint8).tobytes()
+    wrong = [
+        (start, n)
+        for start in range(4)
+        for n in range(1101)
+        if native.crc32c(data[start : start + n]) != crc32c.crc32c(data[start : start + n])
+    ]
+    assert not wrong, f"{len(wrong)} lengths differ, first {wrong[:3]}"
+
+
+def test_crc_way_falls_back_to_what_the_cpu_has() -> None:
+    """Asking for a way returns the one before; a way above the best this CPU has gives the best;
+    the module's CRC (format/crc.py) follows the extension's way and agrees either way."""
+    from ucp_jax._src.format import _scatter_read as native
+    from ucp_jax._src.format import crc
+
+    best = native.crc_way(-1)
+    try:
+        assert native.crc_way(0) == best and native.crc_way(-1) == 0
+        assert crc.value(b"123456789") == 0xE3069283
+        assert native.crc_way(5) == 0 and native.crc_way(-1) == best
+        assert crc.value(b"123456789") == 0xE3069283
+    finally:
+        native.crc_way(best)
 
 
 def test_not_usable_where_rows_are_not_contiguous() -> None:

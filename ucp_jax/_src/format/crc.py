@@ -1,5 +1,7 @@
-"""CRC32C by the CPU's CRC instructions (the `crc32c` package, GIL released), for the chunks ucp
-encodes (format/encode.py) and reads (format/direct.py) itself.
+"""CRC32C in hardware, the GIL released, for the chunks ucp encodes (format/encode.py) and reads
+(format/direct.py) itself: the reading extension's (format/_scatter_read.c) where it folds with
+carry-less multiplication (9.6 GB/s against the `crc32c` package's 6.1 GB/s on 1 MiB, AMD EPYC,
+measured), else the `crc32c` package's CRC instruction.
 
 TensorStore's PyPI wheel computes the zarr3 `crc32c` codec with absl's portable CRC on the x86
 machines measured here; both paths above are taken only where this one runs in hardware.
@@ -16,6 +18,17 @@ try:
 except ImportError:  # pragma: no cover - a dependency; without it TensorStore does all the work
     _crc32c = None
 
+_native: Any
+try:
+    from . import _scatter_read as _native
+except ImportError:  # not built here: the package's
+    _native = None
+
+
+def _folds() -> bool:
+    """The extension takes its CRC32C by folding here (its `crc_way` 2; tests may set another)."""
+    return _native is not None and hasattr(_native, "crc_way") and _native.crc_way(-1) == 2
+
 
 def hardware() -> bool:
     """A hardware CRC32C is here and memory is little-endian (zarr3's `bytes` layout of ucp).
@@ -23,11 +36,8 @@ def hardware() -> bool:
     >>> isinstance(hardware(), bool)
     True
     """
-    return (
-        _crc32c is not None
-        and bool(getattr(_crc32c, "hardware_based", False))
-        and sys.byteorder == "little"
-    )
+    package = _crc32c is not None and bool(getattr(_crc32c, "hardware_based", False))
+    return (package or _folds()) and sys.byteorder == "little"
 
 
 def value(buf: Any) -> int:
@@ -36,6 +46,8 @@ def value(buf: Any) -> int:
     >>> value(b"123456789") == 0xE3069283
     True
     """
+    if _folds():
+        return int(_native.crc32c(buf))
     assert _crc32c is not None
     return int(_crc32c.crc32c(buf))
 
