@@ -184,6 +184,24 @@ def test_restore_optax_state_count_from_step(imported):
     np.testing.assert_array_equal(np.asarray(adam.nu["head"]["weight"]), want)
 
 
+def test_only_the_count_is_resolved_again(imported, monkeypatch):
+    """The plan resolves every leaf without reading; the restore resolves again, reading the
+    per-atom steps, only the leaves that take them (adamw's count), not the whole tree."""
+    from ucp_jax._src import restore as restore_module
+
+    calls = []
+    real = restore_module.resolve_leaf
+
+    def counting(ckpt, b, cast, **kw):
+        calls.append(b.name)
+        return real(ckpt, b, cast, **kw)
+
+    monkeypatch.setattr(restore_module, "resolve_leaf", counting)
+    _opt, _params, state = jax_state(imported["z1_fp32"])
+    assert int(state[0].count) == STEPS
+    assert len(calls) == 1 and calls[0].endswith("count"), calls
+
+
 def test_jax_continues_like_deepspeed(imported, ds_ckpts):  # noqa: F811
     """One optax adamw step from the imported state gives DeepSpeed's next master weights."""
     opt, params, state = jax_state(imported["z1_fp32"])

@@ -190,9 +190,12 @@ def _restore(
                     "statistics may mean something else there; if that was not meant, restore "
                     "params only (opt_state_target=None) and start the optimizer afresh",
                     ckpt.path, "; ".join(other))  # fmt: skip
-    resolved = report.resolved
-    if any(r.slot_of.get(a) == STEP_SLOT for r in resolved for a in r.slot_of):
-        resolved = [resolve_leaf(ckpt, r.binding, cast) for r in resolved]  # counts: steps agree?
+    # an optax count from per-atom steps (a PyTorch import): resolved again, reading the steps
+    # to check that they agree (the plan did not read them); no other leaf reads anything
+    resolved = [
+        resolve_leaf(ckpt, r.binding, cast) if STEP_SLOT in r.slot_of.values() else r
+        for r in report.resolved
+    ]
     regions = [
         (r.atom_of[p.atom], r.slot_of[p.atom], p.atom_box)
         for r in resolved
