@@ -571,3 +571,37 @@ def test_dcp_state_under_a_key_of_its_own(tmp_path):
         for slot, t in st.items():
             assert torch.equal(t, o2.state_dict()["state"][pid][slot]), (pid, slot)
     assert o.state_dict()["param_groups"] == o2.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_adam_count_from_per_parameter_steps(tmp_path, agree):
+    """torch's Adam keeps a step per parameter; an optax count restored from a DCP import takes
+    them when they agree, and is refused, naming the count leaf and the steps, when they do not
+    (a parameter that joined training later)."""
+    import jax
+    import optax
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 5))
+    o = torch.optim.Adam(m.parameters())
+    for _ in range(3):
+        m(torch.ones(2, 4)).sum().backward()
+        o.step()
+    msd, osd = get_state_dict(m, o)
+    if not agree:
+        osd["state"]["1.bias"]["step"] = torch.tensor(2.0)
+    with pytest.warns(UserWarning):
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "d", no_dist=True)
+    path = import_dcp(tmp_path / "d", tmp_path / "u", progress=False)
+    params = {k: np.zeros(tuple(t.shape), np.float32) for k, t in msd.items()}
+    tx = optax.adam(1e-3)
+    state = jax.tree.map(np.asarray, tx.init(params))
+    if agree:
+        got_params, got_state = ucp.restore(path, params, state)
+        assert int(got_state[0].count) == 3
+        np.testing.assert_array_equal(got_params["0.weight"], msd["0.weight"].numpy())
+        np.testing.assert_array_equal(got_state[0].mu["1.bias"], osd["state"]["1.bias"]["exp_avg"])
+    else:
+        with pytest.raises(ucp.MismatchError, match=r"count.*differ.*2\.0.*3\.0"):
+            ucp.restore(path, params, state)
