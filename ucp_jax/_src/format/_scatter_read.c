@@ -228,10 +228,7 @@ __attribute__((target("sse4.2,pclmul"))) static uint32_t crc_fold(uint32_t c, co
     return crc_hw((uint32_t)r, p, n);
 }
 
-static int fold_present(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul");
-}
+static int fold_present(void) { return hw_present() && __builtin_cpu_supports("pclmul"); }
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
 #include <arm_acle.h>
 #define HAVE_HW 1
@@ -263,6 +260,9 @@ static int fold_present(void) { return 0; }
 
 /* The CRC32C's way here: 2 folding (carry-less multiply), 1 the CRC instruction, 0 tables. */
 static int crc_way = 0;
+
+/* The fastest way this CPU has. */
+static int best_crc_way(void) { return HAVE_FOLD && fold_present() ? 2 : HAVE_HW && hw_present() ? 1 : 0; }
 
 static uint32_t crc_extend(uint32_t c, const unsigned char *p, size_t n) {
     return crc_way == 2 ? crc_fold(c, p, n) : crc_way == 1 ? crc_hw(c, p, n) : crc_soft(c, p, n);
@@ -790,7 +790,7 @@ static PyObject *set_crc_way(PyObject *self, PyObject *arg) {
     if (w == -1 && PyErr_Occurred()) return NULL;
     int old = crc_way;
     if (w >= 0) {
-        int best = HAVE_FOLD && fold_present() ? 2 : HAVE_HW && hw_present() ? 1 : 0;
+        int best = best_crc_way();
         crc_way = w < best ? (int)w : best;
     }
     return PyLong_FromLong(old);
@@ -974,7 +974,7 @@ PyMODINIT_FUNC PyInit__scatter_read(void) {
     init_table();
     init_shift(shift_lane, LANE);
     init_fold();
-    crc_way = HAVE_FOLD && fold_present() ? 2 : HAVE_HW && hw_present() ? 1 : 0;
+    crc_way = best_crc_way();
     bounce_ready = pthread_key_create(&bounce_key, free) == 0; /* without it: no bounce buffer */
     return PyModule_Create(&module);
 }

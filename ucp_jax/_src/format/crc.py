@@ -12,22 +12,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from . import scatter_read
+
 _crc32c: Any
 try:
     import crc32c as _crc32c
 except ImportError:  # pragma: no cover - a dependency; without it TensorStore does all the work
     _crc32c = None
-
-_native: Any
-try:
-    from . import _scatter_read as _native
-except ImportError:  # not built here: the package's
-    _native = None
-
-
-def _folds() -> bool:
-    """The extension takes its CRC32C by folding here (its `crc_way` 2; tests may set another)."""
-    return _native is not None and hasattr(_native, "crc_way") and _native.crc_way(-1) == 2
 
 
 def hardware() -> bool:
@@ -37,7 +28,7 @@ def hardware() -> bool:
     True
     """
     package = _crc32c is not None and bool(getattr(_crc32c, "hardware_based", False))
-    return (package or _folds()) and sys.byteorder == "little"
+    return (package or scatter_read.folds()) and sys.byteorder == "little"
 
 
 def value(buf: Any) -> int:
@@ -46,8 +37,8 @@ def value(buf: Any) -> int:
     >>> value(b"123456789") == 0xE3069283
     True
     """
-    if _folds():
-        return int(_native.crc32c(buf))
+    if scatter_read.folds():
+        return scatter_read.crc32c(buf)
     assert _crc32c is not None
     return int(_crc32c.crc32c(buf))
 

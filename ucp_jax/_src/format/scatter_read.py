@@ -80,12 +80,32 @@ def gather_chunks(data: np.ndarray, inner: Sequence[int], out: Any, stride: int)
 
 
 def built() -> bool:
-    """The extension is built and runs its CRC32C on the CPU's CRC instruction.
+    """The extension is built and runs its CRC32C in hardware (carry-less folding or the CPU's
+    CRC instruction).
 
     >>> isinstance(built(), bool)
     True
     """
     return _native is not None and bool(_native.hardware())
+
+
+def folds() -> bool:
+    """The extension takes its CRC32C by carry-less folding here (its fastest way; tests may set
+    another with `_scatter_read.crc_way`).
+
+    >>> isinstance(folds(), bool)
+    True
+    """
+    return _native is not None and hasattr(_native, "crc_way") and _native.crc_way(-1) == 2
+
+
+def crc32c(buf: Any) -> int:
+    """The CRC32C of a C-contiguous bytes-like object, the GIL released (`built()` must be true).
+
+    >>> crc32c(b"123456789") == 0xE3069283 if built() else True
+    True
+    """
+    return int(_native.crc32c(buf))
 
 
 def _byte_bounds(a: np.ndarray) -> tuple[int, int]:
