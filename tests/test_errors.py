@@ -8,6 +8,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -17,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax as ucp
+from ucp_jax._src.util.dtypes import cast_loss
 
 
 @pytest.fixture
@@ -61,6 +63,32 @@ def test_wrong_dtype_needs_cast(saved):
         (np.array([-522.5, 1.0], np.float32), np.int8, "holds -522.5, outside int8"),
         (np.array([np.nan, 1.0], np.float32), np.int32, "holds nan, outside int32"),
         (np.array([1 + 2j, 3], np.complex64), np.float32, "holds (1+2j), whose imaginary part"),
+        # types without an infinity saturate (float4) or give NaN (float8 e4m3fn): still a loss
+        (
+            np.array([1e30, 6.0], np.float32),
+            ml_dtypes.float4_e2m1fn,
+            "holds 1e+30, beyond float4_e2m1fn's range (it would become 6.0)",
+        ),
+        (
+            np.array([np.nan, 1.0], np.float32),
+            ml_dtypes.float4_e2m1fn,
+            "holds nan, which float4_e2m1fn cannot hold (it would become -0.0)",
+        ),
+        (np.array([-np.inf, 1.0], np.float32), ml_dtypes.float4_e2m1fn, "holds -inf, which"),
+        (
+            np.array([np.inf, 1.0], np.float32),
+            ml_dtypes.float8_e4m3fn,
+            "holds inf, which float8_e4m3fn cannot hold (it would become nan)",
+        ),
+        (np.array([500.0, 1.0], np.float32), ml_dtypes.float8_e4m3fn, "holds 500.0, beyond"),
+        # a complex type: each part against its float type
+        (
+            np.array([1e300 + 0j, 1], np.complex128),
+            np.complex64,
+            "holds 1e+300, beyond complex64's range (it would become inf)",
+        ),
+        (np.array([1 + 1e300j, 1], np.complex128), np.complex64, "holds 1e+300, beyond complex64"),
+        (np.array([1e300, 1.0], np.float64), np.complex64, "holds 1e+300, beyond complex64's"),
     ],
 )
 def test_a_cast_that_loses_values_is_refused(tmp_path, stored, target, bad):
@@ -77,6 +105,28 @@ def test_a_cast_that_loses_values_is_refused(tmp_path, stored, target, bad):
     ucp.save(tmp_path / "ok", {"v": fits})
     out, _ = ucp.restore(tmp_path / "ok", tgt, cast=True)
     np.testing.assert_array_equal(np.asarray(out["v"]), np.real(fits).astype(target))
+
+
+@pytest.mark.parametrize(
+    "target, fits, beyond",
+    [
+        # round to nearest: up to halfway to the next step past the largest value is rounding
+        (np.float16, 65519.0, 65520.0),
+        (ml_dtypes.float4_e2m1fn, 6.99, 7.0),  # largest 6, the step below it 2
+        (ml_dtypes.float8_e4m3fn, 463.0, 464.0),  # largest 448, step 32
+        (ml_dtypes.float8_e5m2, 61439.0, 61440.0),  # largest 57344, step 8192
+        (ml_dtypes.bfloat16, 3.396e38, 3.3962e38),  # largest 3.3895e38, step 2**120
+    ],
+)
+def test_a_cast_rounds_up_to_halfway_past_the_largest_value(target, fits, beyond):
+    # what rounds to the type's largest value is the cast; from halfway to the next step on, a
+    # value is beyond the range whether the type overflows to inf, to NaN or saturates
+    assert cast_loss(np.array([fits, -fits]), target) is None
+    assert np.abs(np.array([fits, -fits]).astype(target).astype(float)).max() == float(
+        ml_dtypes.finfo(target).max
+    )
+    for x in (beyond, -beyond):
+        assert "beyond" in cast_loss(np.array([1.0, x]), target)
 
 
 def test_missing_atom_names_close_matches(saved):

@@ -40,8 +40,11 @@ def _integer(dtype: np.dtype) -> bool:
 
 def cast_loss(value: np.ndarray, dtype: Any) -> str | None:
     """What `value.astype(dtype)` would lose beyond rounding, or None: values outside an integer
-    type's range (or NaN / inf into one), finite values that overflow a float type to inf, or
-    imaginary parts dropped. Rounding a float to a narrower one or to an integer is the cast.
+    type's range (or NaN / inf into one), finite values beyond a float type's range (to inf, to
+    NaN, or saturated to its largest value, as the float8 and float4 types without an infinity
+    do), an infinity or NaN that becomes something else, or imaginary parts dropped. Rounding a
+    float to a narrower one (its largest value included) or to an integer is the cast. A complex
+    type is checked part by part against its float type.
 
     >>> cast_loss(np.array([1, 2**40]), np.int32)
     'holds 1099511627776, outside int32 [-2147483648, 2147483647]'
@@ -49,7 +52,11 @@ def cast_loss(value: np.ndarray, dtype: Any) -> str | None:
     "holds 1e+300, beyond float32's range (it would become inf)"
     >>> cast_loss(np.array([70000], np.int32), np.float16)
     "holds 70000.0, beyond float16's range (it would become inf)"
-    >>> cast_loss(np.array([0.5, 3.0], np.float32), ml_dtypes.bfloat16) is None
+    >>> cast_loss(np.array([1e30], np.float32), ml_dtypes.float4_e2m1fn)
+    "holds 1e+30, beyond float4_e2m1fn's range (it would become 6.0)"
+    >>> cast_loss(np.array([np.inf], np.float32), ml_dtypes.float8_e4m3fn)
+    'holds inf, which float8_e4m3fn cannot hold (it would become nan)'
+    >>> cast_loss(np.array([0.5, 3.0, 6.9], np.float32), ml_dtypes.float4_e2m1fn) is None
     True
     """
     src, dst = np.dtype(value.dtype), np_dtype(dtype)
@@ -74,17 +81,47 @@ def cast_loss(value: np.ndarray, dtype: Any) -> str | None:
         if bad is not None:
             return f"holds {bad}, outside {dst.name} [{info.min}, {info.max}]"
         return None
-    if dst.kind == "c":
-        return None
+    if dst.kind == "c":  # each part against the parts' float type (complex64: float32)
+        part = np.zeros((), dst).real.dtype
+        parts = (np.real(v), np.imag(v)) if v.dtype.kind == "c" else (v,)
+        return next((loss for x in parts if (loss := _float_loss(x, part, dst.name))), None)
+    return _float_loss(v, dst, dst.name)
+
+
+_NARROW_FLOATS = {np.dtype(getattr(ml_dtypes, n)) for n in dir(ml_dtypes)
+                  if n.startswith(("float8_", "float4_", "float6_", "bfloat16"))}  # fmt: skip
+
+
+def _float_loss(v: np.ndarray, dst: np.dtype, named: str) -> str | None:
+    """`cast_loss` into a real float type `dst` (None for a type that is not one), which the
+    message calls `named` (a complex type, for its parts)."""
     try:
-        ml_dtypes.finfo(dst)
+        info = ml_dtypes.finfo(dst)
     except (ValueError, TypeError):
         return None
-    f = v.astype(np.float64) if v.dtype.kind != "f" else v
+    f = v.astype(np.float64)
+    shown = v if v.dtype.kind == "f" or v.dtype in _NARROW_FLOATS else f  # its own repr
     with np.errstate(over="ignore", invalid="ignore"):
         cast = v.astype(dst)
-    out = np.isfinite(f) & ~np.isfinite(cast)
+        back = cast.astype(np.float64)
+    # round to nearest reaches past the largest value from halfway to the next step up (the
+    # step below it, in a type whose positive values are ordered as their bits): rounding
+    # below that, beyond range from there (inf, NaN, or the largest value where that saturates)
+    top = np.asarray(info.max, dst)
+    below = top.view(f"u{dst.itemsize}") - 1
+    step = float(top) - float(below.view(dst))
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(f)
+        out = finite & (~np.isfinite(back) | (np.abs(f) >= float(top) + step / 2))
     if out.any():
         at = int(np.argmax(out))
-        return f"holds {f.flat[at]}, beyond {dst.name}'s range (it would become {cast.flat[at]})"
+        return f"holds {shown.flat[at]!s}, beyond {named}'s range (it would become {back.flat[at]})"
+    # an infinity stays that infinity, a NaN a NaN
+    with np.errstate(invalid="ignore"):
+        out = (np.isnan(f) & ~np.isnan(back)) | (np.isinf(f) & (back != f))
+    if out.any():
+        at = int(np.argmax(out))
+        return (
+            f"holds {shown.flat[at]!s}, which {named} cannot hold (it would become {back.flat[at]})"
+        )
     return None
