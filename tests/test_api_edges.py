@@ -61,11 +61,34 @@ def test_a_folder_of_other_files_is_never_replaced(tmp_path, overwrite: bool) ->
     (d / "logs").mkdir(parents=True)
     (d / "notes.txt").write_text("precious")
     (d / "logs" / "train.log").write_text("log")
-    with pytest.raises(FileExistsError, match=r"not a checkpoint \(\['logs', 'notes.txt'\]\)"):
+    with pytest.raises(FileExistsError, match=r"not a checkpoint's \(\['logs', 'notes.txt'\]\)"):
         ucp.save(d, {"w": np.ones(4, np.float32)}, overwrite=overwrite)
     assert sorted(os.listdir(d)) == ["logs", "notes.txt"]
     assert (d / "notes.txt").read_text() == "precious"
     assert sorted(os.listdir(tmp_path)) == ["run"]  # no staging folder or lock left
+
+
+def test_files_added_to_a_checkpoint_are_never_replaced(tmp_path) -> None:
+    # a committed checkpoint with a file of the user's beside it (an evaluation's results), and
+    # a folder of someone's files one of which is named COMMIT: an overwrite replaces the whole
+    # folder, so both are refused, and nothing in them changes
+    d = tmp_path / "step_100"
+    ucp.save(d, {"w": np.ones(4, np.float32)}, step=100)
+    (d / "eval_results.json").write_text('{"acc": 0.91}')
+    before = sorted(os.listdir(d))
+    with pytest.raises(FileExistsError, match=r"not a checkpoint's \(\['eval_results.json'\]\)"):
+        ucp.save(d, {"w": np.zeros(4, np.float32)}, step=100, overwrite=True)
+    assert sorted(os.listdir(d)) == before
+    np.testing.assert_array_equal(ucp.restore(d, {"w": np.zeros(4, np.float32)})[0]["w"], 1.0)
+    q = tmp_path / "thesis"
+    q.mkdir()
+    (q / "COMMIT").write_text("not a checkpoint's")
+    (q / "thesis.tex").write_text("precious")
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError, match=r"not a checkpoint's \(\['thesis.tex'\]\)"):
+            ucp.save(q, {"w": np.ones(4, np.float32)}, overwrite=overwrite)
+    assert (q / "thesis.tex").read_text() == "precious"
+    assert sorted(os.listdir(tmp_path)) == ["step_100", "thesis"]  # no staging folder left
 
 
 def test_a_file_at_the_path_is_refused_before_writing(tmp_path) -> None:

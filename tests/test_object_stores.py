@@ -328,6 +328,31 @@ def test_s3_overwrite_drops_commit_before_the_old_objects(s3, monkeypatch):
     _assert_restores(path, seed=2)
 
 
+def test_s3_objects_beside_a_checkpoint_are_never_deleted(s3):
+    """A save refuses a path holding objects no save wrote (an evaluation's results written
+    beside a checkpoint, someone's files), even with overwrite=True: it would delete everything
+    under the path. Nothing there changes, and the checkpoint still restores."""
+    path = f"s3://{BUCKET}/annotated/step_1"
+    ucp.save(path, _state(1), step=1)
+    loc = ucp.Location.parse(path)
+    loc.write("eval/results.json", b'{"acc": 0.91}')
+    before = sorted(loc.list_keys())
+    with pytest.raises(
+        FileExistsError, match=r"objects that are not a checkpoint's \(\['eval'\]\)"
+    ):
+        ucp.save(path, _state(2), step=2, overwrite=True)
+    assert sorted(loc.list_keys()) == before
+    assert ucp.list_checkpoints(f"s3://{BUCKET}/annotated") == [path]
+    _assert_restores(path, seed=1)
+    other = ucp.Location.parse(f"s3://{BUCKET}/annotated/notes")
+    other.write("thesis.tex", b"precious")
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError, match=r"not a checkpoint's \(\['thesis.tex'\]\)"):
+            ucp.save(other.url, _state(2), step=2, overwrite=overwrite)
+    assert other.list_keys() == ["thesis.tex"] and other.read("thesis.tex") == b"precious"
+    ucp.save(path.replace("step_1", "step_2"), _state(2), step=2)  # the path's claims released
+
+
 def test_s3_delete_checkpoint(s3, monkeypatch):
     """`ucp.delete_checkpoint` on a real S3 server: the checkpoint's objects and index entry go;
     killed while its objects are deleted, it is no longer listed nor opens; the next save to the

@@ -145,6 +145,8 @@ class Staging:
             self._token.claim()
         try:
             self.check()
+            if self.final.local_path is None:
+                _check_remote_prefix(self.final)
         except FileExistsError:
             self.release()
             raise
@@ -222,10 +224,12 @@ class Staging:
 
 
 def _check_local_folder(final: str, overwrite: bool) -> None:
-    """Refuse a save onto a file, or onto a folder of files no save wrote (before any write).
+    """Refuse a save onto a file, or onto a folder holding files no save wrote, a committed
+    checkpoint's folder included (before any write).
 
     An empty folder is taken (made for the checkpoint); a folder of a checkpoint's own entries
-    without COMMIT (a save that did not finish) is replaced with ``overwrite``.
+    without COMMIT (a save that did not finish) is replaced with ``overwrite``, and one with
+    COMMIT is left to the COMMIT check.
     """
     if not os.path.lexists(final):
         return
@@ -235,19 +239,38 @@ def _check_local_folder(final: str, overwrite: bool) -> None:
             "a folder)"
         )
     names = listdir(final)
-    if not names or COMMIT in names:
-        return  # empty, or a checkpoint: the COMMIT check decides
+    if not names:
+        return  # made for the checkpoint
+    # also beside a COMMIT: files added to a checkpoint (an evaluation's results), or a file of
+    # that name among someone's files, would go with the folder an overwrite replaces
     foreign = sorted(n for n in names if not checkpoint_entry(n))
     if foreign:
         raise FileExistsError(
-            f"{final} holds files that are not a checkpoint ({foreign[:3]}"
+            f"{final} holds files that are not a checkpoint's ({foreign[:3]}"
             f"{', ...' if len(foreign) > 3 else ''}); a save replaces the whole folder, so "
             "it refuses, even with overwrite=True: save to a new path, or move those files"
         )
+    if COMMIT in names:
+        return  # a checkpoint: the COMMIT check decides
     if not overwrite:
         raise FileExistsError(
             f"{final} holds an unfinished checkpoint (no COMMIT: a save that was stopped); pass "
             "overwrite=True to replace it, or save to a new path"
+        )
+
+
+def _check_remote_prefix(final: Location) -> None:
+    """An object store's `_check_local_folder`: refuse a save (an overwrite too) onto a path
+    holding objects no save wrote, before anything there is deleted. Process 0 only (it lists
+    every object under the path once; a fresh path is one request)."""
+    tops = {k.split("/", 1)[0] for k in final.list_keys()}
+    foreign = sorted(n for n in tops if not checkpoint_entry(n))
+    if foreign:
+        raise FileExistsError(
+            f"{final.url} holds objects that are not a checkpoint's ({foreign[:3]}"
+            f"{', ...' if len(foreign) > 3 else ''}); a save replaces everything under the "
+            "path, so it refuses, even with overwrite=True: save to a new path, or move those "
+            "objects"
         )
 
 
