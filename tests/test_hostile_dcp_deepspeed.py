@@ -371,6 +371,20 @@ def test_deepspeed_universal_folder(box, ds_ckpts):  # noqa: F811
         import_deepspeed_universal(tagdir, box.out, progress=False)
 
 
+@pytest.mark.parametrize("slot", ["step.pt", "fp32.pt"])
+def test_deepspeed_universal_expanded_tensor(box, ds_ckpts, slot):  # noqa: F811
+    """A slot file holding one float expanded (stride 0) to 65536 x 65536: 16 GiB to read from
+    1.5 KB; refused before anything is allocated."""
+    shutil.rmtree(box.src)
+    shutil.copytree(os.path.dirname(ds_ckpts.universal("z1_fp32")), box.src)
+    torch.save(torch.zeros(1).expand(1 << 16, 1 << 16),
+               os.path.join(box.src, TAG, "zero", "emb.weight", slot))  # fmt: skip
+    with box.refused(
+        LimitError, f"{slot}: a tensor of shape [65536, 65536] (stride [0, 0]) repeats"
+    ):
+        import_deepspeed_universal(box.src, box.out, progress=False)
+
+
 def test_dcp_import_of_a_wrong_path_says_what_it_is(tmp_path):
     """A missing path, a file and a ucp checkpoint given to the DCP importer: each said as such."""
     import numpy as np

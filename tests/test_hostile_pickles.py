@@ -65,3 +65,48 @@ def test_a_zip_bomb_data_pkl_is_refused_before_it_inflates(tmp_path, monkeypatch
                       zipfile.ZIP_DEFLATED)  # fmt: skip
     with pytest.raises(UnsafePickleError, match=r"z.pt: its archive/data.pkl holds 4194308 bytes"):
         loader(path)
+
+
+# ------------------------------------------------------------------------- expanded tensors
+
+
+def _expanded_bomb(path) -> str:
+    """1.5 KB of torch file: one float, expanded (stride 0) to 65536 x 65536 (16 GiB)."""
+    torch = pytest.importorskip("torch")
+    torch.save(torch.zeros(1).expand(1 << 16, 1 << 16), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("loader", ["lazy", "weights_only", "bytes"])
+def test_an_expanded_tensor_bomb_is_refused_before_it_is_read(tmp_path, loader):
+    # reading an expanded view copies every repeat: 16 GiB from 1.5 KB of file
+    from ucp_jax._src.errors import LimitError
+
+    path = _expanded_bomb(tmp_path / "step.pt")
+    with pytest.raises(LimitError, match=r"step.pt: a tensor of shape \[65536, 65536\] \(stride "
+                       r"\[0, 0\]\) repeats the 1 element\(s\) of its storage into 17179869184"):  # fmt: skip
+        if loader == "lazy":
+            load_lazy(path)
+        elif loader == "weights_only":
+            load(path)
+        else:
+            with open(path, "rb") as f:
+                unpickle.loads(f.read(), where=path)
+
+
+@pytest.mark.parametrize("loader", ["lazy", "weights_only"])
+def test_small_expanded_views_still_load(tmp_path, loader):
+    # what models save: a position_ids buffer (arange(n).expand((1, -1))), a broadcast row;
+    # and a list that holds itself (the check walks it once)
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    cyclic: list = [torch.ones(3)]
+    cyclic.append(cyclic)
+    sd = {"position_ids": torch.arange(16).expand((1, -1)), "row": torch.ones(4).expand(8, 4),
+          "cyclic": cyclic}  # fmt: skip
+    torch.save(sd, tmp_path / "m.pt")
+    got = (load_lazy if loader == "lazy" else load)(tmp_path / "m.pt")
+    np.testing.assert_array_equal(got["position_ids"].numpy(), np.arange(16)[None])
+    np.testing.assert_array_equal(got["row"].numpy(), np.ones((8, 4), np.float32))
+    assert got["cyclic"][1] is got["cyclic"]

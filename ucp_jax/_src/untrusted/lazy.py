@@ -207,7 +207,7 @@ def _rebuild_tensor(storage: _Storage, storage_offset: int, size: Any, stride: A
     from .limits import check_extent
 
     check_extent(storage.path, storage.offset, storage.nbytes // storage.dtype.itemsize,
-                 storage_offset, size, stride)  # fmt: skip
+                 storage_offset, size, stride, storage.dtype.itemsize)  # fmt: skip
     off = storage.offset + storage_offset * storage.dtype.itemsize
     return LazyTensor(storage.path, off, storage.dtype, tuple(size), tuple(stride))
 

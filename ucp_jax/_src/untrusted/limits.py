@@ -27,6 +27,9 @@ MAX_NDIM = 32
 MAX_ELEMENTS = 1 << 48  # per stored array (256 Ti elements)
 MAX_CHUNK_FILES = 1 << 22  # per stored array
 MAX_MANIFEST_BYTES = 1 << 30
+# what a tensor of a torch file may add over its storage by repeating elements (an expanded
+# view, stride 0: 1.5 KB of file can claim 16 GiB); reading it copies every repeat
+MAX_EXPANDED_BYTES = 64 << 20
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -97,9 +100,11 @@ def check_disjoint(ranges: Sequence[tuple[str, object, object]], what: str,
             )
 
 
-def check_extent(path: str, at: int, items: int, offset: Any, size: Any, stride: Any) -> None:
+def check_extent(path: str, at: int, items: int, offset: Any, size: Any, stride: Any,
+                 itemsize: int = 1) -> None:  # fmt: skip
     """A tensor of a torch file (storage offset, size, stride in elements) addresses only
-    elements of its storage (`items` elements at byte `at`): checked before any read."""
+    elements of its storage (`items` elements of `itemsize` bytes at byte `at`), and repeats
+    them (stride 0) into at most MAX_EXPANDED_BYTES more: checked before any read."""
     ints = [offset, *size, *stride]
     if len(size) != len(stride) or not all(
         isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints
@@ -113,6 +118,29 @@ def check_extent(path: str, at: int, items: int, offset: Any, size: Any, stride:
             f"{path}: a tensor of shape {list(size)} (stride {list(stride)}, storage offset "
             f"{offset}) reaches past its storage of {items} elements at byte {at}; the file is "
             "damaged or was edited"
+        )
+    check_expanded(path, size, stride, items, itemsize)
+
+
+def check_expanded(path: str, size: Sequence[int], stride: Sequence[int], items: int,
+                   itemsize: int) -> None:  # fmt: skip
+    """A tensor of `size` over a storage of `items` elements repeats them (an expanded view,
+    stride 0) into at most MAX_EXPANDED_BYTES more than the storage holds; LimitError if not.
+
+    >>> check_expanded("f.pt", [1, 4096], [0, 1], 4096, 4)  # a broadcast row: as stored
+    >>> check_expanded("f.pt", [65536, 65536], [0, 0], 1, 4)
+    Traceback (most recent call last):
+    ...
+    ucp_jax._src.errors.LimitError: f.pt: a tensor of shape [65536, 65536] (stride [0, 0]) repeats the 1 element(s) of its storage into 17179869184 bytes, 17179869180 more than the file holds for it (the limit is 67108864); the file is damaged or hostile (save a view you made with expand() as x.contiguous())
+    """
+    n = math.prod(int(d) for d in size)
+    extra = (n - items) * itemsize
+    if extra > MAX_EXPANDED_BYTES:
+        raise LimitError(
+            f"{path}: a tensor of shape {list(size)} (stride {list(stride)}) repeats the "
+            f"{items} element(s) of its storage into {n * itemsize} bytes, {extra} more than the "
+            f"file holds for it (the limit is {MAX_EXPANDED_BYTES}); the file is damaged or "
+            "hostile (save a view you made with expand() as x.contiguous())"
         )
 
 

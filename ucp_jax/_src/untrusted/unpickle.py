@@ -329,7 +329,7 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True) -> Any:
         check_pickle(data, path)
     try:
         with _stand_ins_registered():
-            return torch.load(
+            out = torch.load(
                 path, map_location="cpu", weights_only=True, mmap=bool(mmap and data is not None)
             )
     except pickle.UnpicklingError as e:
@@ -337,6 +337,36 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True) -> Any:
             f"{path}: refused by torch's weights-only unpickler ({str(e).splitlines()[0]}); "
             "ucp_jax never runs code from checkpoint files"
         ) from None
+    return _checked_tensors(out, path)
+
+
+def _checked_tensors(out: Any, where: str) -> Any:
+    """`out`, after checking that no tensor in it repeats its storage's elements (an expanded
+    view) into more than `limits.MAX_EXPANDED_BYTES` beyond them: reading one copies them all.
+
+    Raises:
+        LimitError: one does.
+    """
+    import torch
+
+    from .limits import check_expanded
+
+    todo, seen = [out], set()  # (a pickle may hold a list inside itself)
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            if x.layout == torch.strided and x.numel():
+                size = x.element_size()
+                items = x.untyped_storage().nbytes() // size
+                check_expanded(where, tuple(x.shape), x.stride(), items, size)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, list | tuple):
+            todo.extend(x)
+    return out
 
 
 def loads(data: bytes, where: str = "<bytes>") -> Any:
@@ -353,11 +383,12 @@ def loads(data: bytes, where: str = "<bytes>") -> Any:
     buf.seek(0)
     try:
         with _stand_ins_registered():
-            return torch.load(buf, map_location="cpu", weights_only=True)
+            out = torch.load(buf, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise UnsafePickleError(
             f"{where}: refused by torch's weights-only unpickler ({str(e).splitlines()[0]})"
         ) from None
+    return _checked_tensors(out, where)
 
 
 # --------------------------------------------------------------- plain pickles (DCP metadata)
