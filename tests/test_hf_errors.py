@@ -16,7 +16,7 @@ st = pytest.importorskip("safetensors.torch")
 import ucp_jax as ucp  # noqa: E402
 from ucp_jax._src.cli import main  # noqa: E402
 from ucp_jax.models.llama_config import HFConfigError  # noqa: E402
-from ucp_jax.torch import export_hf, import_hf  # noqa: E402
+from ucp_jax.torch import SafetensorsError, export_hf, import_hf  # noqa: E402
 
 SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=97)  # fmt: skip
@@ -96,6 +96,40 @@ def test_weights_disagree_with_config(sharded: Path, tmp_path: Path) -> None:
     src = _copy(sharded, tmp_path)
     _edit_config(src, intermediate_size=64)
     _refused(src, tmp_path, ucp.MismatchError, "mlp.gate_proj.weight", "[48, 32]", "[64, 32]")
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "needles"),
+    [
+        # absurd counts: refused at once, before a name per layer or expert is listed (a billion
+        # layers over 2 layers of weights grew the import to 24 GB before it was killed)
+        ({"num_hidden_layers": 10**9}, HFConfigError,
+         ("num_hidden_layers is 1000000000, more than any model has",)),
+        ({"model_type": "mixtral", "num_local_experts": 10**6}, HFConfigError,
+         ("num_local_experts is 1000000",)),
+        ({"model_type": "mixtral", "num_hidden_layers": 4096, "num_local_experts": 4096},
+         HFConfigError, ("num_hidden_layers x num_local_experts is 16777216",)),
+        # within the bounds but more than the files hold: said with a name that is missing
+        ({"num_hidden_layers": 60000}, SafetensorsError,
+         ("llama with 60000 layers, at least 540000 tensors, but the files hold",
+          "(no 'model.layers.59999.self_attn.q_proj.weight')")),
+        ({"tie_word_embeddings": "false"}, HFConfigError,
+         ("'tie_word_embeddings' must be a bool (true or false), found 'false'",)),
+    ],
+    ids=["layers", "experts", "layers-x-experts", "layers-not-in-files", "bool"],
+)  # fmt: skip
+def test_absurd_counts_are_refused_at_once(
+    sharded: Path, tmp_path: Path, changes: dict, error: type, needles: tuple[str, ...]
+) -> None:
+    import resource
+    import time
+
+    src = _copy(sharded, tmp_path)
+    _edit_config(src, **changes)
+    t, rss = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    _refused(src, tmp_path, error, "config.json" if error is HFConfigError else str(src), *needles)
+    assert time.perf_counter() - t < 5
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 100 << 10  # KiB: < 100 MiB
 
 
 @pytest.mark.parametrize(

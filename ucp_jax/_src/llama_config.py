@@ -236,6 +236,22 @@ def read_config_json(path: str, what: str = "model config") -> dict[str, Any]:
     return cfg
 
 
+# Counts a config.json may claim: far above any model's (a few hundred layers, experts), low
+# enough that lists of one entry per layer or expert (names, layer kinds) stay small
+MAX_LAYERS = MAX_EXPERTS = 1 << 16
+MAX_LAYER_EXPERTS = 1 << 20
+
+
+def _bounded(n: int, key: str, where: str, limit: int = MAX_LAYERS) -> int:
+    """`n` (a count from config.json), refused above `limit`."""
+    if n > limit:
+        raise HFConfigError(
+            f"{where}: {key} is {n}, more than any model has (ucp_jax takes up to {limit}); the "
+            "config is damaged or not a model's"
+        )
+    return n
+
+
 def _get(cfg: Mapping[str, Any], key: str, kind: type, where: str, default: Any = ...) -> Any:
     v = cfg.get(key, default)
     if v is ...:
@@ -248,9 +264,8 @@ def _get(cfg: Mapping[str, Any], key: str, kind: type, where: str, default: Any 
     if kind is float and isinstance(v, int) and not isinstance(v, bool):
         ok, v = True, float(v)
     if not ok or (kind is int and v <= 0) or (kind is float and not (math.isfinite(v) and v > 0)):
-        raise HFConfigError(
-            f"{where}: field {key!r} must be a positive {kind.__name__}, found {v!r:.60}"
-        )
+        what = "a bool (true or false)" if kind is bool else f"a positive {kind.__name__}"
+        raise HFConfigError(f"{where}: field {key!r} must be {what}, found {v!r:.60}")
     return v
 
 
@@ -333,7 +348,7 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
             f"{where}: unsupported feature attention_bias=true for llama (q/k/v/o biases); only "
             "qwen2's q/k/v biases are modelled"
         )
-    n_layers = _get(cfg, "num_hidden_layers", int, where)
+    n_layers = _bounded(_get(cfg, "num_hidden_layers", int, where), "num_hidden_layers", where)
     window = None
     if mt in ("mistral", "mixtral"):
         window = _get(cfg, "sliding_window", int, where, defaults["sliding_window"])
@@ -341,7 +356,10 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
         window = _qwen2_window(cfg, n_layers, where)
     experts, top_k, aux = 0, 2, 0.02
     if mt == "mixtral":  # transformers' MixtralConfig defaults
-        experts = _get(cfg, "num_local_experts", int, where, 8)
+        experts = _bounded(_get(cfg, "num_local_experts", int, where, 8), "num_local_experts",
+                           where)  # fmt: skip
+        _bounded(n_layers * experts, "num_hidden_layers x num_local_experts", where,
+                 MAX_LAYER_EXPERTS)  # fmt: skip
         top_k = _get(cfg, "num_experts_per_tok", int, where, 2)
         aux = float(cfg.get("router_aux_loss_coef", 0.001))
         if top_k > experts:

@@ -69,6 +69,22 @@ def _check_tensors(
     tensors: Mapping[str, SafetensorsFile], config: LlamaConfig, where: str
 ) -> np.dtype:
     """Names, shapes and floating dtypes, before anything is written; returns the most used dtype."""
+    # what config.json claims, against what the files hold, before listing every name it implies
+    per_layer = 6 + (1 + 3 * config.n_experts if config.n_experts else 3)  # q k v o, 2 norms, MLP
+    if config.n_layers * per_layer > len(tensors):
+        f = tensors[next(iter(tensors))].path if tensors else where
+        experts = f" of {config.n_experts} experts" if config.n_experts else ""
+        last = f"model.layers.{config.n_layers - 1}."
+        absent = [n for n in (last + "self_attn.q_proj.weight",
+                              f"{last}block_sparse_moe.experts.{config.n_experts - 1}.w1.weight")
+                  if n not in tensors and (config.n_experts or "experts" not in n)][:1]  # fmt: skip
+        raise SafetensorsError(
+            f"{os.path.dirname(f) or where}: config.json describes {config.model_type} with "
+            f"{config.n_layers} layers{experts}, at least {config.n_layers * per_layer} tensors, "
+            f"but the files hold {len(tensors)}"
+            + (f" (no {absent[0]!r})" if absent else "")
+            + "; a shard is missing or the config does not match the weights"
+        )
     want = hf_shapes(config)
     names = set(tensors)
     missing = [n for n in want if n not in names]
