@@ -295,3 +295,22 @@ def test_errors_say_what_an_async_save_left_undone(tmp_path, monkeypatch) -> Non
     with pytest.raises(Exception, match=r"the save to .*ck2 was not started: the background save"):
         ucp.save(tmp_path / "ck2", x)
     assert not (tmp_path / "ck2").exists()
+
+
+def test_a_partial_restore_says_which_atoms_it_left(tmp_path, caplog) -> None:
+    # a target without a saved leaf (a backbone restored alone, or a head left out by mistake)
+    # restores what it names, and the log says which atoms nothing read
+    import logging
+
+    d = tmp_path / "ck"
+    ucp.save(d, {"body": np.ones(4, np.float32), "head": np.full(3, 2.0, np.float32)})
+    with caplog.at_level(logging.INFO, logger="ucp_jax"):
+        got, _ = ucp.restore(d, {"body": np.zeros(4, np.float32)})
+    np.testing.assert_array_equal(got["body"], 1.0)
+    said = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert said == [f"restore {d}: 1 atom(s) of the checkpoint not read, no target leaf takes "
+                    "them: head"], said  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ucp_jax"):
+        ucp.restore(d, {"body": np.zeros(4, np.float32), "head": np.zeros(3, np.float32)})
+    assert not [r for r in caplog.records if "not read" in r.getMessage()]

@@ -185,6 +185,11 @@ def _restore(
 
     report = build(ckpt, pbind + obind, compiled if rules else None, cast, budget, account=False)
     report.raise_if_problems()
+    if report.unexpected:  # a partial restore (a backbone only), or a leaf left out by mistake
+        n = len(report.unexpected)
+        log.info("restore %s: %d atom(s) of the checkpoint not read, no target leaf takes them: "
+                 "%s%s", ckpt.path, n, ", ".join(report.unexpected[:8]),
+                 f" (+{n - 8})" if n > 8 else "")  # fmt: skip
     if other := other_optimizer(ckpt, obind):
         log.warning("restore %s: optimizer state saved by another optax state (%s): its "
                     "statistics may mean something else there; if that was not meant, restore "
