@@ -166,3 +166,17 @@ def test_moments_of_part_of_the_params_follow_their_parameters(tmp_path, optimiz
     assert len(moments) == 2
     for m in moments:
         np.testing.assert_array_equal(m, fuse(msub, 2))
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_an_atom_is_described_by_its_parameter_not_its_last_moment(tmp_path, stacked):
+    # the manifest's leaf of an atom (`ucp inspect --json`) is the parameter's; an unpatterned
+    # parameter's leaf was overwritten by each moment's ('opt_state.0.nu.w')
+    params = {"w": np.ones((4, 4), np.float32), "layers": {"k": np.ones((2, 4), np.float32)}}
+    rules = [(r"layers\.k", ucp.Stacked("layer.{i}.k", axes=0))] if stacked else []
+    ucp.save(tmp_path / "ck", params, optax.adam(1e-3).init(params), step=1, rules=rules)
+    atoms = ucp.open(tmp_path / "ck").atoms
+    assert atoms["w"].leaf == "w"
+    for name in ["layer.0.k", "layer.1.k"] if stacked else ["layers.k"]:
+        assert atoms[name].leaf == "layers.k", (name, atoms[name].leaf)
+    assert atoms["opt_state.0.count"].leaf == "opt_state.0.count"

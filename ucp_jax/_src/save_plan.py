@@ -61,6 +61,7 @@ class SavePlan:
         self.merged: dict[int, MergedWrite] = {}
         self.slots: dict[tuple[str, str], tuple[tuple[int, ...], SlotInfo]] = {}
         self._grids: dict[tuple[Any, ...], tuple[Any, tuple[Any, Any]]] = {}
+        self._described: set[str] = set()  # atoms whose pattern and leaf a leaf has set
 
     def add(self, b: LeafBinding) -> None:
         """Plan one leaf: its write tasks, its atoms and the chunk grid of its slot in each.
@@ -86,10 +87,13 @@ class SavePlan:
                     f"save: leaves {entry['leaf']!r} and {b.name!r} both map to atom {atom!r} slot "
                     f"{b.slot!r}; fix the rules so that every atom slot comes from one leaf"
                 )
-            if b.kind == "param" or not entry["pattern"]:
+            # the atom's pattern and leaf: its parameter's, else the first leaf's (an
+            # unpatterned parameter's moments do not take its name: "leaf" was 'opt_state.0.nu.w')
+            if b.kind == "param" or atom not in self._described:
                 entry["pattern"] = chain_to_json(b.chain)
                 entry["fused"] = fused_marks_to_json(fused)
                 entry["leaf"] = b.name
+                self._described.add(atom)
             bounds = cuts.get(atom, [set() for _ in shape])
             # atoms (and leaves) often share their boundary sets: one chunk grid for them
             key = (shape, b.dtype.itemsize, *map(id, bounds))
