@@ -38,3 +38,20 @@ def test_a_deep_value_among_many_brackets_is_refused() -> None:
     text = b'{"a": [' + b"[1]," * 200 + _nested(MAX_JSON_DEPTH) + b"]}"
     with pytest.raises(NotACheckpointError, match=f"nests {MAX_JSON_DEPTH + 2} levels"):
         read_json(text, "x")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        '{"a": 1}'.encode("utf-16-le"),  # json.loads of bytes guessed this and read it
+        '{"a": 1}'.encode("utf-32"),
+        b'{"a": "\xff"}',  # not UTF-8 at all
+    ],
+    ids=["utf-16-le", "utf-32", "latin-1"],
+)
+def test_only_utf8_is_read(data: bytes) -> None:
+    # JSON between systems is UTF-8 (RFC 8259), as transformers and safetensors read it
+    # (UTF-16 of ASCII is UTF-8 with NULs between: then not JSON)
+    with pytest.raises(NotACheckpointError, match=r"^x is not (UTF-8 text|valid JSON) \("):
+        read_json(data, "x")
+    assert read_json('{"a": "é"}'.encode(), "x") == {"a": "é"}

@@ -88,8 +88,12 @@ def read_json(
             f"{what} nests {depth} levels deep, more than the {max_depth} accepted; the file is "
             "damaged or hostile"
         )
+    try:  # UTF-8, as JSON between systems must be (json.loads of bytes guesses UTF-16 or 32)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} is not UTF-8 text ({e}); the file is damaged") from None
     try:
-        value = json.loads(raw)
+        value = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise error(f"{what} is not valid JSON ({e}); the file is damaged") from e
     if expect is not None and not isinstance(value, expect):
