@@ -242,9 +242,10 @@ def test_ucp_index_of_a_local_folder_says_what_to_pass(tmp_path, capsys):
     ucp.save(tmp_path / "a", _tree(1), step=1)
     assert cli_main(["ls", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines() == [str(tmp_path / "a")]
-    assert cli_main(["index", str(tmp_path)]) == 2
+    assert cli_main(["index", str(tmp_path)]) == 1  # a user error, not an unexpected one (2)
     err = capsys.readouterr().err
-    assert "is a local folder: it is listed directly and has no index" in err
+    assert f"{tmp_path} is a local folder, which has no index to build" in err
+    assert f"list it with ucp ls {tmp_path}" in err
 
 
 def test_a_restore_reads_the_database_manifest_without_asking_for_it_per_array(s3):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -13,14 +14,36 @@ from typing import Any
 from .checkpoint import Checkpoint
 from .errors import UcpError
 from .format import index, store
+from .format.manifest import COMMIT
 from .mapping.patterns import chain_text
 from .util import config
 from .util.dtypes import np_dtype
 from .util.libc import limit_malloc_arenas
 
 
+class CliError(UcpError, ValueError):
+    """A command-line argument names nothing usable (a module, a function, a list of rules, a
+    folder): `main` prints it as one line, `ucp <command>: <message>`, with exit status 1."""
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
+
+
+def _printable(text: str) -> str:
+    r"""`text` with every character that is not printable (control characters such as ESC, BEL,
+    NUL and newline, bidi overrides, line separators) escaped as repr() shows it (`\x1b`, `\n`,
+    `\u202e`); printable unicode stays as it is.
+
+    Names read from a checkpoint (atoms, slots, patterns, sources, keys of an object store) are
+    untrusted: printed raw, a crafted one could retitle, clear or rewrite the terminal.
+
+    >>> _printable("w\x1b]0;title\x07"), _printable("größe.kernel")
+    ('w\\x1b]0;title\\x07', 'größe.kernel')
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def inspect_checkpoint(path: str, as_json: bool = False, out: Any = None) -> int:
@@ -41,27 +64,31 @@ def inspect_checkpoint(path: str, as_json: bool = False, out: Any = None) -> int
         out.write("\n")
         return 0
     total = sum(a.nbytes for a in m.atoms.values())
-    print(f"checkpoint  {ck.path}", file=out)
-    print(f"format      {m.format}   step {m.step}", file=out)
+
+    def emit(line: str) -> None:  # names and sources come from the checkpoint: escaped
+        print(_printable(line), file=out)
+
+    emit(f"checkpoint  {ck.path}")
+    emit(f"format      {m.format}   step {m.step}")
     src = m.source
     shape = ", ".join(
         f"{src[k]} {what}" for k, what in (("process_count", "process(es)"),
                                            ("device_count", "device(s)")) if k in src
     )  # fmt: skip
     fw = f"  imported from {src['framework']}" if "framework" in src else ""
-    print(f"source      {src.get('library', '?')} {src.get('version', '')}{fw}  {shape}".rstrip(),
-          file=out)  # fmt: skip
-    print(f"atoms       {len(m.atoms)}   {_mib(total)} MiB", file=out)
+    emit(f"source      {src.get('library', '?')} {src.get('version', '')}{fw}  {shape}".rstrip())
+    emit(f"atoms       {len(m.atoms)}   {_mib(total)} MiB")
     if m.extra is not None:
-        print(f"extra       {json.dumps(m.extra)[:200]}", file=out)
-    rows = [("atom", "shape", "slots", "pattern", "MiB")]
+        emit(f"extra       {json.dumps(m.extra)[:200]}")
+    rows: list[tuple[str, ...]] = [("atom", "shape", "slots", "pattern", "MiB")]
     for name in sorted(m.atoms):
         a = m.atoms[name]
         slots = ",".join(f"{k}:{v.dtype}" for k, v in a.slots.items())
-        rows.append((name, str(tuple(a.shape)), slots, chain_text(a.pattern), _mib(a.nbytes)))
+        cells = (name, str(tuple(a.shape)), slots, chain_text(a.pattern), _mib(a.nbytes))
+        rows.append(tuple(_printable(c) for c in cells))  # escaped before the widths are taken
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
+        emit("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return 0
 
 
@@ -74,8 +101,9 @@ def verify_checkpoint(path: str, out: Any = None) -> int:
     out = out or sys.stdout
     try:
         ck = Checkpoint(path)
-    except UcpError as e:
-        print(f"FAIL {e}" if str(e).startswith(str(path)) else f"FAIL {path}: {e}", file=out)
+    except UcpError as e:  # its message mostly starts with the path, as given or made absolute
+        named = str(e).startswith(_path_forms(path))
+        print(_printable(f"FAIL {e}" if named else f"FAIL {path}: {e}"), file=out)
         return 1
     problems: list[str] = []
     nbytes = 0
@@ -104,27 +132,50 @@ def verify_checkpoint(path: str, out: Any = None) -> int:
     narrays = sum(len(a.slots) for a in ck.atoms.values())
     if problems:
         for p in problems:
-            print(f"FAIL {p}", file=out)
-        print(f"{len(problems)} problem(s) in {narrays} arrays of {ck.path}", file=out)
+            print(_printable(f"FAIL {p}"), file=out)
+        print(_printable(f"{len(problems)} problem(s) in {narrays} arrays of {ck.path}"), file=out)
         return 1
-    print(f"OK {ck.path}: {narrays} arrays, {_mib(nbytes)} MiB read, all checksums match", file=out)
+    ok = f"OK {ck.path}: {narrays} arrays, {_mib(nbytes)} MiB read, all checksums match"
+    print(_printable(ok), file=out)
     return 0
+
+
+def _path_forms(path: Any) -> tuple[str, ...]:
+    """The ways a message may name `path`: as given, and as a location (a local one absolute)."""
+    forms = [str(path)]
+    with contextlib.suppress(Exception):  # an unparsable path: as given only
+        forms.append(store.Location.parse(path).url)
+    return tuple(forms)
 
 
 def list_command(path: str, *, build: bool = False, out: Any = None) -> int:
     """`ucp ls`: print the committed checkpoints under `path`, one a line; `ucp index` first
     indexes an object-store folder from a listing of every key (once; see format/index.py)."""
     out = out or sys.stdout
+    cmd = "index" if build else "ls"
     loc = store.Location.parse(path)
     if loc.local_path is not None and not os.path.isdir(loc.local_path):
         what = "a file, not a folder" if os.path.exists(loc.local_path) else "no such folder"
-        print(f"ucp {'index' if build else 'ls'}: {loc.local_path}: {what}", file=sys.stderr)
+        print(f"ucp {cmd}: {loc.local_path}: {what}", file=sys.stderr)
+        return 1
+    if build and loc.local_path is not None:
+        print(f"ucp index: {loc.local_path} is a local folder, which has no index to build (ucp "
+              "index is for object-store folders: s3://, gs://, memory://); list it with ucp ls "
+              f"{loc.local_path}", file=sys.stderr)  # fmt: skip
+        return 1
+    found = None if build else index.list_checkpoints(path)
+    if not found and loc.exists(COMMIT):  # (`index` checks first: it writes into the folder)
+        parent = os.path.dirname(loc.local_path) if loc.local_path else index.parent(loc)[0].url
+        print(f"ucp {cmd}: {loc.url} is a checkpoint itself, not a folder of checkpoints; pass "
+              f"the folder that holds it (ucp {cmd} {parent}), or see this one with ucp inspect "
+              f"{loc.url}", file=sys.stderr)  # fmt: skip
         return 1
     if build:
         names = index.build(loc)
         print(f"indexed {len(names)} checkpoint(s) in {path}", file=out)
-    for p in index.list_checkpoints(path):
-        print(p, file=out)
+        found = index.list_checkpoints(path)
+    for p in found or ():
+        print(_printable(str(p)), file=out)
     return 0
 
 
@@ -132,6 +183,19 @@ def _blocks(shape: Sequence[int], chunks: Sequence[int]) -> Any:
     """Chunk-aligned boxes covering an array, one shard file at a time (bounded memory)."""
     for _, box in store.chunk_grid(shape, chunks):
         yield box
+
+
+def _shard_size(text: str) -> int:
+    """argparse type of `export hf --max-shard-size`: bytes, from `5GB`, `500MB`, `2GiB`, `123`."""
+    from .frameworks.hf.export import parse_size  # no torch, no JAX
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write a number of bytes above 0 (e.g. 5000000000) or one "
+            "with a unit: 5GB, 500MB (KB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: of 1024)"
+        ) from None
 
 
 _FLOATS = "as float32, bfloat16 or float16 (fp32, bf16, fp16; default: as stored)"
@@ -202,7 +266,9 @@ def _add_torch_commands(sub: Any) -> None:
     p.add_argument("--expert-parallel", type=int, default=None,
                    help="ep_size of the MoE job that loads it (default: the source run's, else 1)")  # fmt: skip
     p = ekinds.add_parser("hf", help="a Hugging Face model folder (from_pretrained loads it)")
-    p.add_argument("--max-shard-size", default="5GB", help="bytes per shard (default 5GB)")
+    p.add_argument("--max-shard-size", default="5GB", type=_shard_size,
+                   help="bytes per shard: a number of bytes or a size like 5GB, 500MB, 2GiB "
+                   "(default 5GB)")  # fmt: skip
     p.add_argument("--dtype", default=None, help=f"write weights {_FLOATS}")
     p = ekinds.add_parser(
         "megatron", help="a Megatron-Core torch_dist folder (any TP/PP/EP loads it)"
@@ -389,26 +455,82 @@ def _run_torch_command(args: Any) -> int:
     return 0
 
 
-def _load(ref: str) -> Any:
-    """`package.module:name` -> that object (the module imported from the working directory too)."""
+def _module_ref(ref: str) -> str:
+    """argparse type of --target and --rules: `MODULE:NAME`, checked for its form only."""
+    module, _, name = ref.partition(":")
+    if not module or not name:
+        raise argparse.ArgumentTypeError(
+            f"{ref!r} is not MODULE:NAME; write the module, a colon and the name in it, e.g. "
+            "mytrain.targets:make_targets"
+        )
+    return ref
+
+
+def _load(ref: str, option: str = "--target") -> Any:
+    """`package.module:name` -> that object (the module imported from the working directory too);
+    `option` names the argument in the messages (CliError) of a reference that names nothing."""
     import importlib
+    from inspect import ismodule
 
     module, _, name = ref.partition(":")
     if not module or not name:
-        raise ValueError(f"{ref!r} is not MODULE:NAME (e.g. mytrain.targets:make_targets)")
+        raise CliError(
+            f"{option} {ref!r} is not MODULE:NAME; write the module, a colon and the name in it, "
+            "e.g. mytrain.targets:make_targets"
+        )
     sys.path.insert(0, os.getcwd())
     try:
         found = importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(
-            f"{ref!r}: cannot import module {module!r} ({e}); run ucp from the folder that holds "
-            "it, or put it on PYTHONPATH"
+        raise CliError(
+            f"{option} {ref!r}: cannot import module {module!r} ({e}); run ucp from the folder "
+            "that holds it, or put it on PYTHONPATH"
         ) from e
     finally:
         sys.path.remove(os.getcwd())
     if not hasattr(found, name):
-        raise ValueError(f"{ref!r}: module {module!r} has no {name!r}")
+        where = getattr(found, "__file__", None) or module
+        names = sorted(
+            n for n, v in vars(found).items() if not n.startswith("_") and not ismodule(v)
+        )
+        has = (
+            f"; it has {', '.join(names[:12])}{', ...' if len(names) > 12 else ''}" if names else ""
+        )
+        raise CliError(
+            f"{option} {ref!r}: module {module!r} ({where}) has no {name!r}{has}; fix the name "
+            "after the colon"
+        )
     return getattr(found, name)
+
+
+def _targets(ref: str) -> tuple[Any, Any]:
+    """(params targets, opt_state targets or None) from the function `--target` names."""
+    make = _load(ref, "--target")
+    if not callable(make):
+        raise CliError(
+            f"--target {ref!r} is of type {type(make).__name__}, not a function; pass "
+            "MODULE:FUNCTION of a function that returns params targets or (params, opt_state) "
+            "targets"
+        )
+    made = make()
+    if made is None:
+        raise CliError(
+            f"--target {ref!r} returned None; the function must return the params targets or a "
+            "(params targets, opt_state targets) pair (is its return statement missing?)"
+        )
+    return made if isinstance(made, tuple) and len(made) == 2 else (made, None)
+
+
+def _rules(ref: str) -> list[Any]:
+    """The list of (regex, pattern) rules `--rules` names."""
+    rules = _load(ref, "--rules")
+    if not isinstance(rules, (list, tuple)):
+        raise CliError(
+            f"--rules {ref!r} is of type {type(rules).__name__}, not a list of rules; pass "
+            "MODULE:NAME of a list of (regex, pattern) pairs, e.g. RULES = "
+            "[(r'layers\\.\\d+\\.kernel', ucp.Fused(...))]"
+        )
+    return list(rules)
 
 
 def plan_command(path: str, target: str, rules: str | None = None, out: Any = None) -> int:
@@ -416,15 +538,23 @@ def plan_command(path: str, target: str, rules: str | None = None, out: Any = No
 
     The function returns params targets or (params targets, opt_state targets); `rules` names a
     list of rules (`MODULE:NAME`). Exit status 0 when a restore would go through, 1 otherwise.
+    A reference that names no module, function or list raises CliError (`ucp plan`: exit 1).
 
     >>> plan_command("/tmp/ckpt/step_10", "mytrain:targets")  # doctest: +SKIP
     """
     from .plan_report import plan
 
-    made = _load(target)()
-    params_t, opt_t = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
-    report = plan(path, params_t, opt_t, rules=_load(rules) if rules else ())
-    print(report, file=out or sys.stdout)
+    given = _rules(rules) if rules else ()  # checked before the target function runs
+    params_t, opt_t = _targets(target)
+    report = plan(path, params_t, opt_t, rules=given)
+    shown = dataclasses.replace(  # atom names and messages come from the checkpoint: escaped
+        report,
+        path=_printable(str(report.path)),
+        unexpected=[_printable(n) for n in report.unexpected],
+        problems=[dataclasses.replace(p, message=_printable(p.message)) for p in report.problems],
+    )
+    text = "\n".join(_printable(line) for line in str(shown).split("\n"))
+    print(text, file=out or sys.stdout)
     return 0 if report.ok else 1
 
 
@@ -466,9 +596,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--target",
         required=True,
+        type=_module_ref,
         help="MODULE:FUNCTION returning params targets or (params, opt_state) targets",
     )
-    p.add_argument("--rules", help="MODULE:NAME of a list of (regex, pattern) rules")
+    p.add_argument(
+        "--rules", type=_module_ref, help="MODULE:NAME of a list of (regex, pattern) rules"
+    )
     _add_torch_commands(sub)
     args = ap.parse_args(argv)
     try:
@@ -485,8 +618,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd in ("ls", "index"):
             return list_command(args.path, build=args.cmd == "index")
         return verify_checkpoint(args.path)
-    except UcpError as e:
-        print(f"ucp {args.cmd}: {e}", file=sys.stderr)
+    except UcpError as e:  # a message may quote names from a checkpoint: escaped
+        print(_printable(f"ucp {args.cmd}: {e}"), file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. `ucp inspect --json | head`
         return 0
@@ -496,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # one line, as every error of the CLI (UCP_DEBUG=1: the traceback)
         if os.environ.get("UCP_DEBUG"):
             raise
-        print(f"ucp {args.cmd}: {type(e).__name__}: {e} (UCP_DEBUG=1 shows where)", file=sys.stderr)
+        msg = f"ucp {args.cmd}: {type(e).__name__}: {e} (UCP_DEBUG=1 shows where)"
+        print(_printable(msg), file=sys.stderr)
         return 2
 
 
