@@ -209,7 +209,7 @@ def test_plan_targets_and_rules_that_name_nothing_usable_are_user_errors(
 def test_export_hf_max_shard_size_is_checked_as_an_argument(tmp_path, capsys):
     """`--max-shard-size banana|0|-5`: a usage error naming the accepted forms (exit 2, as any
     malformed option value), before anything is read; was `ValueError: ...` from the export."""
-    from ucp_jax._src.cli import _shard_size
+    from ucp_jax._src.cli.args import shard_size as _shard_size
 
     assert _shard_size("500MB") == 500 * 10**6 and _shard_size("2GiB") == 2 << 30
     assert _shard_size("123") == 123

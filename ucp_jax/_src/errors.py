@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 
@@ -123,3 +124,7 @@ class HostMemoryError(UcpError, MemoryError):
 
 class ArgumentError(UcpError, ValueError):
     """An argument asks for what the operation cannot do (a dtype a model cannot take, ...)."""
+
+
+class UnsafePickleError(UcpError, pickle.UnpicklingError):
+    """A torch file asks for a global that is not on the allow-list; nothing of it was run."""

@@ -18,9 +18,8 @@ import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ..errors import LimitError, UcpError
+from ..errors import LimitError, UcpError, UnsafePickleError
 from .json import MAX_JSON_DEPTH as MAX_JSON_DEPTH
-from .unpickle import UnsafePickleError
 
 # The limits of every untrusted input, manifests included (format.validate uses them too).
 MAX_NDIM = 32

@@ -26,13 +26,10 @@ import zipfile
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import UcpError, UnsafePathError
+from ..errors import UnsafePathError
+from ..errors import UnsafePickleError as UnsafePickleError
+from .limits import check_expanded
 from .paths import open_regular
-
-
-class UnsafePickleError(UcpError, pickle.UnpicklingError):
-    """A torch file asks for a global that is not on the allow-list; nothing of it was run."""
-
 
 # ----------------------------------------------------------------------------- the stand-ins
 
@@ -348,8 +345,6 @@ def _checked_tensors(out: Any, where: str) -> Any:
         LimitError: one does.
     """
     import torch
-
-    from .limits import check_expanded
 
     todo, seen = [out], set()  # (a pickle may hold a list inside itself)
     while todo:
