@@ -16,7 +16,7 @@ from mp import state
 
 import ucp_jax as ucp
 from ucp_jax._src.cli import main as cli
-from ucp_jax._src.errors import MismatchError
+from ucp_jax._src.errors import ArgumentError, MismatchError
 from ucp_jax._src.frameworks.orbax.export import export_orbax
 
 STACK = [(r"layers\.w", ucp.Stacked("layers.{i}.w"))]
@@ -120,12 +120,17 @@ def test_orbax_to_or_from_a_url_is_refused_not_written_locally(tmp_path, saved, 
     assert os.listdir(tmp_path) == []
 
 
-def test_an_export_onto_its_own_source_is_refused(saved, tmp_path):
+@pytest.mark.parametrize("exporter", ["orbax", "maxtext"])
+def test_an_export_onto_its_own_source_is_refused(saved, tmp_path, exporter):
     path, _, _ = saved
-    for dst in (path, os.path.dirname(path)):  # the checkpoint itself, or a folder holding it
-        with pytest.raises(ucp.UcpError, match="would replace the checkpoint it reads"):
-            export_orbax(path, dst, overwrite=True)
-    assert ucp.open(path).step == 2
+    export = export_orbax if exporter == "orbax" else ucp.export_maxtext
+    # the checkpoint itself, a folder holding it, a folder inside it
+    for dst, how in ((path, "be"), (os.path.dirname(path), "hold"), (os.path.join(path, "x"), "lie inside")):  # fmt: skip
+        with pytest.raises(
+            ArgumentError, match=f"would {how} the checkpoint it is exported from"
+        ):
+            export(path, dst, overwrite=True)
+    assert ucp.open(path).step == 2 and not os.path.exists(os.path.join(path, "x"))
 
 
 def test_a_step_without_a_manager_is_refused(saved, tmp_path, capsys):

@@ -19,6 +19,7 @@ from ds.fixtures import STEPS, TAG, ds_ckpts, torchrun  # noqa: E402, F401
 from test_torch_deepspeed import ds_universal_tensors, jax_state  # noqa: E402
 
 import ucp_jax as ucp  # noqa: E402
+from ucp_jax._src.errors import ArgumentError  # noqa: E402
 from ucp_jax._src.frameworks.deepspeed.export import export_deepspeed_universal  # noqa: E402
 from ucp_jax._src.frameworks.deepspeed.zero import import_deepspeed  # noqa: E402
 from ucp_jax._src.untrusted.unpickle import load  # noqa: E402
@@ -100,3 +101,31 @@ def test_deepspeed_continues_a_jax_step(resumed):
     assert jax_loss == pytest.approx(res["ds_z1"]["losses"][0], rel=1e-5)
     assert res["jax_step"]["start"] == STEPS + 1
     assert res["jax_step"]["losses"][0] == pytest.approx(res["ds_z1"]["losses"][1], rel=1e-5)
+
+
+@pytest.mark.parametrize("exporter", ["dcp", "deepspeed_universal", "hf", "megatron", "torchtitan"])
+def test_an_export_onto_its_own_source_is_refused(tmp_path, exporter, capsys):
+    # an export replaces its folder: into the checkpoint it reads (or a folder holding it) that
+    # deleted the checkpoint (export_dcp(".../run/step_2", ".../run", overwrite=True) took step_1
+    # and step_2); into a folder inside it, it wrote files no save wrote. Refused before writing.
+    import ucp_jax.torch as ucpt
+
+    run = tmp_path / "run"
+    ucp.save(run / "step_1", {"w": np.ones((4, 4), np.float32)}, step=1)
+    ucp.save(run / "step_2", {"w": np.full((4, 4), 2.0, np.float32)}, step=2)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    export = getattr(ucpt, f"export_{exporter}")
+    src = str(run / "step_2")
+    for dst, how in ((src, "be"), (str(run), "hold"), (os.path.join(src, "x"), "lie inside")):
+        with pytest.raises(
+            ArgumentError, match=f"would {how} the checkpoint it is exported from"
+        ):
+            export(src, dst, overwrite=True)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    np.testing.assert_array_equal(ucp.open(src).read("w"), 2.0)
+    from ucp_jax._src.cli import main
+
+    kind = exporter.replace("_", "-")
+    assert main(["export", kind, src, str(run), "--overwrite"]) == 1
+    assert "would hold the checkpoint it is exported from" in capsys.readouterr().err
+    assert ucp.list_checkpoints(run) == [str(run / "step_1"), src]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ...errors import ArgumentError
@@ -44,3 +45,39 @@ def local_destination(dst: Any, what: str) -> Any:
     if isinstance(dst, str) and dst.startswith("file://"):
         return dst[len("file://") :]
     return dst
+
+
+def not_over_source(dst: Any, source: str | None, what: str) -> None:
+    """Refuse an export into the folder of the checkpoint it reads, into a folder that holds
+    it, or into one inside it: an export replaces its folder (``overwrite``), which would delete
+    the checkpoint, or puts files into it that no save wrote.
+
+    Args:
+        dst: the export's destination (a local path; URLs and specs are not checked here).
+        source: the local folder of the checkpoint read (None: not local).
+        what: names the export's folder in the message.
+
+    Raises:
+        ArgumentError: they overlap.
+
+    >>> not_over_source("/runs/exports/hf", "/runs/ckpt/step_2", "the model folder")
+    >>> not_over_source("/runs/ckpt", "/runs/ckpt/step_2", "the model folder")
+    Traceback (most recent call last):
+    ...
+    ucp_jax._src.errors.ArgumentError: /runs/ckpt: the model folder would hold the checkpoint it is exported from (/runs/ckpt/step_2), which writing it replaces; export to a folder outside it
+    """
+    if source is None or not_local(dst):
+        return
+    d = dst[len("file://") :] if isinstance(dst, str) and dst.startswith("file://") else dst
+    out, here = os.path.realpath(os.fspath(d)), os.path.realpath(source)
+    if out == here or here.startswith(out + os.sep):
+        how = "be" if out == here else "hold"
+        raise ArgumentError(
+            f"{dst}: {what} would {how} the checkpoint it is exported from ({source}), which "
+            "writing it replaces; export to a folder outside it"
+        )
+    if out.startswith(here + os.sep):
+        raise ArgumentError(
+            f"{dst}: {what} would lie inside the checkpoint it is exported from ({source}); "
+            "export to a folder outside it"
+        )

@@ -32,7 +32,7 @@ from ...format.manifest import PARAM_SLOT
 from ...llama_config import config_from_checkpoint
 from ..common import llama_export as X
 from ..common.dcp_write import LazyTensor, RawBlob, write_dcp
-from ..common.destination import local_destination
+from ..common.destination import local_destination, not_over_source
 from ..common.optax_count import adam_step
 from ..common.torch_arrays import to_torch, torch_dtype
 
@@ -155,6 +155,7 @@ def export_dcp(
     if names not in NAMES:
         raise DCPExportError(f"export_dcp: names={names!r}; expected one of {NAMES}")
     ck = Checkpoint(src)
+    not_over_source(dst, ck.loc.local_path, "the torch.distributed.checkpoint folder")
     if names == "atoms":
         entries = _atom_entries(ck, model_prefix, optim_prefix, optimizer)
         for key, value in _source_objects(ck).items():  # param groups, step, user entries

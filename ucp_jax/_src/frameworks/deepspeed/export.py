@@ -31,7 +31,7 @@ from ...format import space
 from ...format.manifest import PARAM_SLOT, STEP_SLOT
 from ...mapping.patterns import Partitioned, VocabPadded, chain_from_json
 from ...untrusted.paths import check_component, join_inside
-from ..common.destination import local_destination
+from ..common.destination import local_destination, not_over_source
 from ..common.optax_count import optax_count
 from ..common.progress import Progress
 from ..common.torch_arrays import to_torch
@@ -91,6 +91,7 @@ def export_deepspeed_universal(
     """
     dst = local_destination(dst, "the DeepSpeed universal folder")
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    not_over_source(dst, ck.loc.local_path, "the DeepSpeed universal folder")
     dst = os.path.abspath(os.fspath(dst))
     params = _parameters(ck, _renamer(names))  # names checked before anything is written
     src = (ck.manifest.source or {}).get("deepspeed") or {}

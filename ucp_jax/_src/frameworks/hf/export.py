@@ -27,7 +27,7 @@ from ...format.manifest import PARAM_SLOT
 from ...llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
 from ...untrusted.paths import check_component
 from ...untrusted.safetensors import DTYPES, INDEX
-from ..common.destination import local_destination
+from ..common.destination import local_destination, not_over_source
 from ..common.model_dtype import model_float
 from ..common.progress import Progress
 from .read import GENERATION, hf_mapping, hf_shapes
@@ -305,6 +305,7 @@ def export_hf(
     dst = local_destination(dst, "the Hugging Face model folder")
     dtype = model_float(dtype, f"export_hf(dtype=...) to {dst}")
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    not_over_source(dst, ck.loc.local_path, "the Hugging Face model folder")
     extra = ck.manifest.extra if isinstance(ck.manifest.extra, dict) else {}
     generation = extra.get("hf_generation_config")
     generation = generation if isinstance(generation, dict) else None

@@ -31,6 +31,7 @@ from ...format.manifest import PARAM_SLOT, STEP_SLOT
 from ...llama_config import config_from_checkpoint
 from ...mapping.slot_names import VALUE_SLOT
 from ...util.dtypes import np_dtype
+from ..common.destination import not_over_source
 from ..common.orbax_write import save_tree
 from .layout import MaxTextFormatError, MaxTextModel, layer_index, row_blocks
 
@@ -179,6 +180,7 @@ def export_maxtext(
         FileExistsError: the step folder exists and ``overwrite`` is not set.
     """
     ck = src if isinstance(src, Checkpoint) else Checkpoint(src)
+    not_over_source(dst, ck.loc.local_path, "MaxText's checkpoint folder")
     cfg = config_from_checkpoint(ck)
     mt = (ck.manifest.extra or {}).get("maxtext") if isinstance(ck.manifest.extra, dict) else None
     mt = mt if isinstance(mt, dict) else {}

@@ -34,7 +34,7 @@ from ...checkpoint import Checkpoint
 from ...errors import UcpError
 from ...format import space
 from ...llama_config import LlamaConfig, config_from_checkpoint
-from ..common.destination import local_destination
+from ..common.destination import local_destination, not_over_source
 from .common import BACKEND_FILE, EXPERTS, LAYERS, TENSORS, atom_of, model_keys
 from .tracker import write_tracker
 
@@ -221,6 +221,7 @@ def export_megatron(
             f"export_megatron: optimizer={optimizer!r}; expected one of {list(OPTIMIZERS)}"
         )
     ck = Checkpoint(src)
+    not_over_source(dst, ck.loc.local_path, "the Megatron checkpoint folder")
     cfg = config_from_checkpoint(ck)
     if cfg.sliding_window or cfg.rope_scaling:
         raise MegatronExportError(

@@ -20,7 +20,6 @@ Orbax writes the tree in one save: the arrays are on the host together (memory: 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +30,7 @@ from ...checkpoint import Checkpoint
 from ...errors import ArgumentError, MismatchError
 from ...format.manifest import PARAM_SLOT
 from ...mapping.rules import Rule
+from ..common.destination import not_over_source
 from ..common.orbax_write import save_tree
 
 
@@ -127,14 +127,7 @@ def export_orbax(
             "(--manager) with it, or leave it out (an item folder has no step folder)"
         )
     ck = src if isinstance(src, Checkpoint) else Checkpoint(src)
-    here = ck.loc.local_path
-    if here is not None and not isinstance(dst, dict) and "://" not in str(dst):
-        out = os.path.realpath(os.fspath(dst))
-        if out == os.path.realpath(here) or here.startswith(out + os.sep):
-            raise ArgumentError(
-                f"{dst}: the export would replace the checkpoint it reads ({here}); export to "
-                "another folder"
-            )
+    not_over_source(dst, ck.loc.local_path, "the Orbax checkpoint")
     if params_target is None:
         tree = atoms_tree(ck)
         if step_leaf is False:

@@ -24,7 +24,7 @@ from ...errors import UcpError
 from ...llama_config import config_from_checkpoint
 from ..common import llama_export as X
 from ..common.dcp_write import write_dcp
-from ..common.destination import local_destination
+from ..common.destination import local_destination, not_over_source
 from ..common.optax_count import adam_step
 
 
@@ -104,6 +104,7 @@ def export_torchtitan(
     """
     dst = local_destination(dst, "the torchtitan step folder")
     ck = Checkpoint(src)
+    not_over_source(dst, ck.loc.local_path, "the torchtitan step folder")
     cfg = config_from_checkpoint(ck)
     if cfg.n_experts or cfg.qkv_bias or cfg.tie_embeddings or cfg.sliding_window:
         raise TorchtitanExportError(
