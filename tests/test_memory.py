@@ -175,6 +175,30 @@ def test_keeps_only_the_newest_k(tmp_path, shm_dir, keep):
     assert not (node / ".free").exists() or not os.listdir(node / ".free")
 
 
+@pytest.mark.parametrize("how", ["a second manager", "a cleaner"])
+def test_a_spare_blob_removed_under_the_manager_is_not_reused(tmp_path, shm_dir, how):
+    # the spare data file kept for the next snapshot (.free/) removed from outside: a second
+    # manager of the namespace cleans .free when it starts, and so does a /dev/shm cleaner;
+    # every later snapshot failed (renaming the vanished file), now each makes a new one
+    mgr = _mgr(tmp_path, shm_dir, keep=1)
+    params, opt_state, _ = _train(mgr, 3)
+    mgr.wait()
+    node = shm_dir / "ucp-t" / "0"
+    assert os.listdir(node / ".free")
+    if how == "a cleaner":
+        for n in os.listdir(node / ".free"):
+            os.remove(node / ".free" / n)
+    else:
+        _mgr(tmp_path, shm_dir, keep=1).close()
+    _, _, hist = _train(mgr, 2, start=(params, opt_state, 4))
+    mgr.wait()
+    assert [e.step for e in shm.committed(node)] == [5]
+    mesh = mesh_of((2, 4))
+    got = mgr.restore(*_targets(params, opt_state, mesh))
+    assert_tree_bitexact(jax.device_get(got), hist[5])
+    mgr.close()
+
+
 def test_every_n_steps(tmp_path, shm_dir):
     mgr = _mgr(tmp_path, shm_dir, every=2, keep=5)
     params, opt_state, _ = _train(None, 1)

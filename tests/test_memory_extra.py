@@ -63,6 +63,19 @@ def test_no_extra_and_bad_extra(tmp_path):
         assert mgr.restored.extra is None
         with pytest.raises(TypeError, match="JSON-serialisable or bytes"):
             mgr.snapshot(2, state, extra={"loader": object()})
+        # a dict keyed by the bytes marker came back as bytes, or broke the restore (base64)
+        for marked in ({"__ucp_bytes__": "AAE="}, [{"a": {"__ucp_bytes__": "hello world!"}}]):
+            with pytest.raises(TypeError, match="key '__ucp_bytes__', which marks bytes"):
+                mgr.snapshot(2, state, extra=marked)
+        loop: list = []
+        loop.append(loop)
+        with pytest.raises(TypeError, match="JSON-serialisable or bytes"):
+            mgr.snapshot(2, state, extra=loop)
+        # a negative step was snapshotted (and persisted) but never found again
+        with pytest.raises(ValueError, match="step -1 is negative"):
+            mgr.snapshot(-1, state)
+        mgr.restore(targets(state, mesh))
+        assert mgr.restored.step == 1 and mgr.restored.extra is None
     finally:
         mgr.free(all_nodes=True)
 

@@ -167,9 +167,15 @@ class SnapshotManager:
 
         Raises:
             RuntimeError: an earlier background snapshot or persist failed.
+            ValueError: `step` is negative (a snapshot of it could not be found again).
         """
         self._check_open()
         step = int(step)
+        if step < 0:
+            raise ValueError(
+                f"snapshot: step {step} is negative; steps count from 0 (snapshots are found and "
+                "ordered by their step)"
+            )
         if step % self.every:
             return False
         self._wait_copy()

@@ -29,6 +29,7 @@ def encode(extra: Any) -> Any:
     """
     if extra is None:
         return None
+    _refuse_marker(extra, set())
     try:
         return json.loads(json.dumps(extra, default=_bytes))  # plain: str keys, lists
     except (TypeError, ValueError) as e:
@@ -36,6 +37,23 @@ def encode(extra: Any) -> Any:
             f"snapshot: extra must be JSON-serialisable or bytes ({e}); pass plain data, or "
             "the bytes of a data loader's state"
         ) from e
+
+
+def _refuse_marker(obj: Any, seen: set[int]) -> None:
+    """A dict of the user's keyed by the bytes marker would come back as bytes (or not at all):
+    refused, with the key named."""
+    if id(obj) in seen or not isinstance(obj, dict | list | tuple):
+        return
+    seen.add(id(obj))  # (a structure that holds itself: json.dumps says so below)
+    if isinstance(obj, dict):
+        if _BYTES in obj:
+            raise TypeError(
+                f"snapshot: extra holds a dict with the key {_BYTES!r}, which marks bytes in a "
+                "snapshot's extra; rename that key"
+            )
+        obj = list(obj.values())
+    for v in obj:
+        _refuse_marker(v, seen)
 
 
 def _bytes(obj: Any) -> Any:

@@ -390,10 +390,14 @@ class NodeStore:
         blob = next((b for b in self._pool if b.nbytes == nbytes), None)
         try:
             if blob is not None:
-                os.rename(blob.path, path / DATA)
-                self._pool.remove(blob)
-                blob.path = path / DATA
-            else:
+                self._pool.remove(blob)  # reused, or gone: not offered again either way
+                try:
+                    os.rename(blob.path, path / DATA)
+                    blob.path = path / DATA
+                except OSError:  # the spare's file was removed under us (another manager of
+                    blob.close()  # this namespace starting, a /dev/shm cleaner): a new one
+                    blob = None
+            if blob is None:
                 blob = Blob.create(path / DATA, nbytes)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
