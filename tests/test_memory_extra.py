@@ -145,3 +145,44 @@ def test_a_rollback_makes_the_new_trajectory_the_newest(tmp_path, caplog):
         again.free(all_nodes=True)
     finally:
         mgr.free(all_nodes=True)
+
+
+def test_a_damaged_persisted_checkpoint_is_passed_over_for_the_one_before(tmp_path, caplog):
+    # memory gone, the newest persisted checkpoint damaged on disk (a byte flipped in its
+    # largest data file): the restore takes the one before it, with a warning, where it raised
+    # ChecksumError; all of them damaged: NotACheckpointError naming each
+    import glob
+    import logging
+    import os
+
+    mesh = mesh_of((2, 4))
+    states = {s: place({"w": jnp.arange(64.0).reshape(8, 8) * s}, mesh) for s in (1, 2, 3, 4)}
+    mgr = _mgr(tmp_path, persist_every=2)
+    for s, state in states.items():
+        mgr.snapshot(s, state, extra={"step": s})
+    mgr.free(all_nodes=True)
+
+    def flip(step: int) -> None:
+        files = [f for f in glob.glob(f"{tmp_path}/persist/step_{step}/d/*") if os.path.isfile(f)]
+        big = max(files, key=os.path.getsize)
+        with open(big, "r+b") as f:
+            f.seek(os.path.getsize(big) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x10]))
+
+    flip(4)
+    mgr = _mgr(tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+            got, _ = mgr.restore(targets(states[2], mesh))
+        assert (mgr.restored.step, mgr.restored.source) == (2, "persisted")
+        assert mgr.restored.extra == {"step": 2}
+        np.testing.assert_array_equal(got["w"], states[2]["w"])
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "step_4 (step 4) is damaged" in said and "trying the one before it" in said
+        flip(2)
+        with pytest.raises(ucp.NotACheckpointError, match="every persisted checkpoint under"):
+            mgr.restore(targets(states[2], mesh))
+    finally:
+        mgr.free(all_nodes=True)

@@ -21,12 +21,13 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from ..errors import NotACheckpointError
+from ..errors import ChecksumError, NotACheckpointError
 from ..mapping.rules import Rule
 from ..util.gcpause import gc_paused
 from . import exchange, integrity, share
@@ -210,14 +211,19 @@ def candidates(root: Path) -> list[Candidate]:
 
 
 def newest_persisted(directory: Any) -> tuple[str, int] | None:
-    """(path, step) of the newest committed universal checkpoint under `directory`.
+    """(path, step) of the newest committed universal checkpoint under `directory`."""
+    return next(persisted(directory), None)
+
+
+def persisted(directory: Any) -> Iterator[tuple[str, int]]:
+    """(path, step) of the committed universal checkpoints under `directory`, newest first.
 
     An object store's listing comes from its index (format/index.py): a checkpoint deleted
     there by another tool keeps its entry until `ucp index` runs. Such a checkpoint is skipped
     with a warning, and the next newest is taken, rather than failing the recovery.
     """
     if directory is None:
-        return None
+        return
     from ..checkpoint import list_checkpoints, open_checkpoint
 
     found = []
@@ -232,8 +238,7 @@ def newest_persisted(directory: Any) -> tuple[str, int] | None:
             log.warning("skipping %s, listed but not a committed checkpoint (deleted by another "
                         "tool? `ucp index %s` rebuilds the listing): %s", path, directory, e)  # fmt: skip
             continue
-        return path, step if saved is None else int(saved)
-    return None
+        yield path, step if saved is None else int(saved)
 
 
 @gc_paused()
@@ -305,25 +310,32 @@ def recover(
             detail += f", {fetched / 2**20:.1f} MiB of it from other processes"
         log.info("ucp.memory: restored step %d from shared memory%s", chosen.step, detail)
         return params, opt, info
-    reason = "; ".join(why) or f"no committed snapshot under {root} on any process"
-    found = newest_persisted(directory)
-    if found is None:
-        raise NotACheckpointError(
-            f"ucp.memory: nothing to restore: no recoverable snapshot in shared memory ({reason}) "
-            f"and no persisted checkpoint under {directory}"
-        )
+    reason = "; ".join(why) or f"no snapshot under {root} is committed on every process"
+    from ..checkpoint import open_checkpoint
     from ..restore import restore as ucp_restore
 
-    log.warning(
-        "ucp.memory: no snapshot in shared memory is recoverable on every node (%s); falling "
-        "back to the persisted universal checkpoint %s (step %d)",
-        reason,
-        found[0],
-        found[1],
-    )
-    params, opt = ucp_restore(found[0], params_target, opt_state_target, rules=rules)
-    info = RestoreInfo(found[1], "persisted", found[0], [], time.perf_counter() - t0, reason)
-    from ..checkpoint import open_checkpoint
-
-    info.extra = extra_mod.from_manifest(open_checkpoint(found[0]).extra, jax.process_index())
-    return params, opt, info
+    broken: list[str] = []
+    for k, (path, step) in enumerate(persisted(directory)):
+        if not k:
+            log.warning("ucp.memory: no snapshot in shared memory is recoverable on every node "
+                        "(%s); falling back to the persisted universal checkpoint %s (step %d)",
+                        reason, path, step)  # fmt: skip
+        try:
+            params, opt = ucp_restore(path, params_target, opt_state_target, rules=rules)
+            failed = None
+        except ChecksumError as e:  # damaged on disk: every process takes the one before it
+            failed = str(e)
+        fails = [f for f in exchange.allgather_json(failed, f"{tag}/persisted{k}") if f]
+        if fails:
+            log.warning("ucp.memory: the persisted checkpoint %s (step %d) is damaged (%s); "
+                        "trying the one before it", path, step, fails[0])  # fmt: skip
+            broken.append(f"{path}: {fails[0]}")
+            continue
+        info = RestoreInfo(step, "persisted", path, [], time.perf_counter() - t0, reason)
+        info.extra = extra_mod.from_manifest(open_checkpoint(path).extra, jax.process_index())
+        return params, opt, info
+    raise NotACheckpointError(
+        f"ucp.memory: nothing to restore: no recoverable snapshot in shared memory ({reason}) "
+        + (f"and every persisted checkpoint under {directory} is damaged ({'; '.join(broken)})"
+           if broken else f"and no persisted checkpoint under {directory}")
+    )  # fmt: skip
