@@ -126,9 +126,7 @@ def test_an_export_onto_its_own_source_is_refused(saved, tmp_path, exporter):
     export = export_orbax if exporter == "orbax" else ucp.export_maxtext
     # the checkpoint itself, a folder holding it, a folder inside it
     for dst, how in ((path, "be"), (os.path.dirname(path), "hold"), (os.path.join(path, "x"), "lie inside")):  # fmt: skip
-        with pytest.raises(
-            ArgumentError, match=f"would {how} the checkpoint it is exported from"
-        ):
+        with pytest.raises(ArgumentError, match=f"would {how} the checkpoint it is exported from"):
             export(path, dst, overwrite=True)
     assert ucp.open(path).step == 2 and not os.path.exists(os.path.join(path, "x"))
 

@@ -117,9 +117,7 @@ def test_an_export_onto_its_own_source_is_refused(tmp_path, exporter, capsys):
     export = getattr(ucpt, f"export_{exporter}")
     src = str(run / "step_2")
     for dst, how in ((src, "be"), (str(run), "hold"), (os.path.join(src, "x"), "lie inside")):
-        with pytest.raises(
-            ArgumentError, match=f"would {how} the checkpoint it is exported from"
-        ):
+        with pytest.raises(ArgumentError, match=f"would {how} the checkpoint it is exported from"):
             export(src, dst, overwrite=True)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     np.testing.assert_array_equal(ucp.open(src).read("w"), 2.0)
