@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ds import tiny_model  # noqa: E402
-from ds.fixtures import FROZEN, STEPS, ds_ckpts  # noqa: E402, F401
+from ds.fixtures import FROZEN, STEPS, TAG, TIED, ds_ckpts  # noqa: E402, F401
 from test_torch_deepspeed import ds_universal_tensors  # noqa: E402
 
 import ucp_jax as ucp  # noqa: E402
@@ -80,3 +80,22 @@ def test_a_damaged_zero_folder_is_named_with_what_is_wrong(ds_ckpts, tmp_path, d
     with pytest.raises(ucp.UcpError, match=needle):
         import_deepspeed(src, tmp_path / "ck", progress=False)
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("name", [j.split(":")[0] for j in TIED])
+def test_a_tied_head_is_its_embeddings_master_weights(name, ds_ckpts, tmp_path):  # noqa: F811
+    # the head tied to the embedding (shared_params): DeepSpeed's zero_to_fp32 gives it the
+    # embedding's fp32 master weights. The import took the module's bf16 copy under ZeRO-2 (off
+    # by up to a bf16 rounding) and left the head out under ZeRO-3.
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ck = ucp.open(import_deepspeed(ds_ckpts.zero(name), tmp_path / "ck", progress=False))
+    ref = get_fp32_state_dict_from_zero_checkpoint(ds_ckpts.zero(name), tag=TAG)
+    assert set(ck.atoms) == set(ref)
+    for atom, want in ref.items():
+        got = ck.read(atom, "fp32")
+        assert got.tobytes() == to_numpy(want.detach()).tobytes(), atom
+    np.testing.assert_array_equal(ck.read("head.weight", "fp32"), ck.read("emb.weight", "fp32"))
+    assert set(ck.atoms["head.weight"].slots) == {"fp32"}  # its statistics are the embedding's
+    assert "exp_avg" in ck.atoms["emb.weight"].slots
+    assert ucp_main(["verify", str(tmp_path / "ck")]) == 0

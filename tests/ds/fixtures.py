@@ -3,7 +3,8 @@ conversion of each, built once with `torchrun` (gloo, CPU) and cached under .pyt
 
 Cases (name: ZeRO stage, dtype, DP size): z1_fp32 (1, fp32, 2), z2_bf16 (2, bf16, 2),
 z3_bf16 (3, bf16, 2), z2_fp32_dp3 (2, fp32, 3), z1_bf16_dp3 (1, bf16, 3), z3_fp32_dp3 (3, fp32, 3);
-and z2_fp32_frozen, z3_fp32_frozen (DP 2, a frozen layer).
+and z2_fp32_frozen, z3_fp32_frozen (DP 2, a frozen layer); z2_bf16_tied, z3_bf16_tied (DP 2, the
+head tied to the embedding; not converted by ds_to_universal).
 Each trains 3 steps and saves tag global_step3 under <root>/<name>; DeepSpeed's ds_to_universal
 writes <root>/u_<name>/global_step3. The cache key hashes these scripts and the versions.
 """
@@ -28,6 +29,8 @@ DP3 = ["z2_fp32_dp3:2:fp32", "z1_bf16_dp3:1:bf16", "z3_fp32_dp3:3:fp32"]
 # with the first block's fc1 frozen (requires_grad False), DP 2; kept out of CASES (whose tests
 # expect optimizer state in every atom)
 FROZEN = ["z2_fp32_frozen:2:fp32", "z3_fp32_frozen:3:fp32"]
+# the head tied to the embedding (DeepSpeed's shared_params), bf16 (its module copy is rounded)
+TIED = ["z2_bf16_tied:2:bf16", "z3_bf16_tied:3:bf16"]
 CASES = {j.split(":")[0]: (int(j.split(":")[1]), j.split(":")[2], 2) for j in DP2} | {
     j.split(":")[0]: (int(j.split(":")[1]), j.split(":")[2], 3) for j in DP3
 }
@@ -78,7 +81,7 @@ def build(root: str) -> dict:
     os.makedirs(root, exist_ok=True)
     t0 = time.time()
     losses: dict = {}
-    for nproc, jobs in ((2, DP2 + FROZEN), (3, DP3)):
+    for nproc, jobs in ((2, DP2 + FROZEN + TIED), (3, DP3)):
         out = os.path.join(root, f"losses_dp{nproc}.json")
         torchrun(nproc, ["--root", root, "--steps", str(STEPS), "--result", out, *jobs], root)
         with open(out) as f:

@@ -58,6 +58,8 @@ def run(job: str, args: argparse.Namespace, world: int, rank: int) -> dict:
     model = init_model(0)
     if "frozen" in name:  # a frozen layer: no optimizer state, kept in the model states
         model.blocks[0].fc1.requires_grad_(False)
+    if "tied" in name:  # the head is the embedding (DeepSpeed records it as shared_params)
+        model.head.weight = model.emb.weight
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),

@@ -271,6 +271,7 @@ def _import_zero(lay: RankFiles, w: AtomWriter, progress: bool | None) -> None:
                     f"cover {n} of its {math.prod(merger.slice_shape(name, t))} elements"
                 )
         merger.check_done()
+        _tied(lay, merger)
         _module_fallback(lay, merger)
         w.flush()
     finally:
@@ -344,6 +345,33 @@ def _frozen_z3(lay: RankFiles, merger: Merger, d: int, m: int, t: int) -> None:
         if n:
             flat = frag.reshape(-1).narrow(0, 0, n).numpy().astype(np.float32)
             merger.put(name, t, "fp32", flat, d * part, keep=None)
+
+
+def _tied(lay: RankFiles, merger: Merger) -> None:
+    """Tied parameters (`shared_params`: a head that is the embedding): the fp32 master weights
+    of the parameter they are, as DeepSpeed's zero_to_fp32 gives them. The module holds only a
+    copy in the training dtype (rounded in a bf16 run) under ZeRO-1/2, and nothing under ZeRO-3.
+    A tied parameter has one set of optimizer statistics: its source's.
+    """
+    shared = lay.meta.get("shared_params") or {}
+    if not isinstance(shared, dict):
+        raise DeepSpeedFormatError(
+            f"{lay.folder}: shared_params is a {type(shared).__name__}, expected a dict of "
+            "parameter names (tied -> the parameter it is)"
+        )
+    w = merger.w
+    for alias, src in sorted(shared.items(), key=str):
+        if not (isinstance(alias, str) and isinstance(src, str)):
+            raise DeepSpeedFormatError(
+                f"{lay.folder}: shared_params maps {alias!r:.80} to {src!r:.80}; expected "
+                "parameter names"
+            )
+        if alias == src or w.has(alias, "fp32") or not w.has(src, "fp32"):
+            continue  # (a source without master weights: the module's copy, below)
+        w.flush()  # the source's fragments landed, to be read back
+        value = np.asarray(w.array(src, "fp32", np.float32).read().result())
+        w.atom(alias, value.shape)
+        w.write(alias, "fp32", tuple((0, d) for d in value.shape), value)
 
 
 def _module_fallback(lay: RankFiles, merger: Merger) -> None:
