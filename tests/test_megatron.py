@@ -277,7 +277,7 @@ def test_dp_reshardable_refuses_several_buckets(mcore_ckpts):  # noqa: F811
         (b"[" * 100_000 + b"]" * 100_000, "nests 100000 levels deep"),
         (b'{"a": ' + b"[" * 80 + b"]" * 80 + b"}", "nests 81 levels deep"),
         (b'["torch_dist"]', "is a JSON array, expected a JSON object"),
-        (b"\xff\xfe", "not valid JSON"),
+        (b"\xff\xfe", "is not UTF-8 text"),
         (b'{"sharded_backend": "zarr"}', "sharded_backend is 'zarr'"),
     ],
     ids=["huge", "deep-for-python", "deep", "not-an-object", "not-utf8", "zarr"],
