@@ -4,6 +4,7 @@ across meshes where the TP degree and the number of stages change."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 import numpy as np
@@ -405,6 +406,31 @@ def test_pattern_sizes_and_templates_that_cannot_be(tmp_path):
         ucp.save(tmp_path / "ck", {"layers": {"w": stacked}},
                  rules=[(r"layers\.(.*)", ucp.Stacked(r"blocks.{i}.\9", 0))])  # fmt: skip
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize(
+    "chain, past",
+    [
+        (ucp.Stacked(r"blocks.{i}.\1"), "blocks.2.qkv"),
+        ((ucp.Fused((2, 2, 2), axis=1, shard_axis="tensor",
+                    atoms=("blocks.{i}.q", "blocks.{i}.k", "blocks.{i}.v")),
+          ucp.Stacked("blocks.{i}.qkv")), "blocks.2.q"),
+        ((ucp.Renamed(r"model.{i}.\1"), ucp.Stacked(r"blocks.{i}.\1")), "model.2.qkv"),
+    ],
+    ids=["stacked", "fused-atoms", "renamed"],
+)  # fmt: skip
+def test_a_stack_restored_short_is_refused_whoever_names_the_atoms(tmp_path, chain, past):
+    # 4 layers saved, a target of 2: the plain chain was refused, but where Fused(atoms=) or
+    # Renamed named the atoms the check was skipped and layers 2-3 were dropped silently
+    w = np.arange(4 * 2 * 6, dtype=np.float32).reshape(4, 2, 6)
+    rules = [(r"layers\.(qkv)", chain)]
+    ucp.save(tmp_path / "ck", {"layers": {"qkv": w}}, step=1, rules=rules)
+    with pytest.raises(ucp.MismatchError, match=rf"stacks 2 atoms along its {{i}} axis, but the "
+                       rf"checkpoint also has '{re.escape(past)}'"):  # fmt: skip
+        ucp.restore(tmp_path / "ck", {"layers": {"qkv": np.zeros((2, 2, 6), np.float32)}},
+                    rules=rules)  # fmt: skip
+    got, _ = ucp.restore(tmp_path / "ck", {"layers": {"qkv": np.zeros_like(w)}}, rules=rules)
+    np.testing.assert_array_equal(got["layers"]["qkv"], w)
 
 
 def test_transposed_bad_perm():

@@ -20,6 +20,7 @@ from .patterns import (
     VocabPadded,
     expand_template,
 )
+from .rename import Renamed
 
 # patterns that keep the atom's name (so the innermost Stacked template names the atom)
 _NAME_KEEPING = (Replicated, Averaged, Partitioned, VocabPadded)
@@ -31,13 +32,30 @@ def _keeps_name(p: Any) -> bool:
     return isinstance(p, _NAME_KEEPING) or type(p).kind in ("Identity", "Transposed")
 
 
+def _atom_template(inside: tuple[Any, ...], stacked: str) -> str | None:
+    """The name template of the atoms a stacked entry reads, from the patterns inside the run of
+    `Stacked` (atom outward): the innermost `Stacked`'s own template, unless a pattern renames
+    the atom (`Renamed`, `Fused` with `atoms`: the one nearest the atom names it, its first
+    part for a Fused); None where that cannot be told (another `Stacked` inside, a pattern of
+    unknown kind)."""
+    for p in inside:  # nearest the atom first: the last rename applied names the atom
+        if isinstance(p, Fused) and p.atoms:
+            return str(p.atoms[0])
+        if isinstance(p, Renamed):
+            return p.atom
+        if not _keeps_name(p):
+            return None
+    return stacked
+
+
 def stack_overrun(
     chain: tuple[Any, ...], shape: tuple[int, ...], ctx: Any, has: Callable[[str], bool]
 ) -> tuple[str, int, str] | None:
     """(index name, entries in the leaf, the saved atom past them) of a short stack, or None.
 
-    Only the outermost run of `Stacked` patterns is looked at, and only when the patterns inside
-    it keep atom names (so the innermost template names the atoms).
+    Only the outermost run of `Stacked` patterns is looked at; the atoms' names come from the
+    innermost template, or from the pattern inside the run that renames them (`Renamed`,
+    `Fused` with `atoms`: a layer restored short is refused there too).
 
     Args:
         chain: the leaf's pattern chain, atom outward.
@@ -68,9 +86,9 @@ def stack_overrun(
         outer.append((p, n))
         dims = [d for j, d in enumerate(dims) if j not in axes]
         k -= 1
-    if not outer or not all(_keeps_name(p) for p in chain[:k]):
+    inner = _atom_template(chain[:k], outer[-1][0].atoms) if outer else None
+    if inner is None:
         return None
-    inner = outer[-1][0].atoms
     zeros = tuple((p.index, 0) for p, _ in outer)
     base = expand_template(inner, ctx, zeros)
     if not has(base):
