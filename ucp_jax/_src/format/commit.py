@@ -243,13 +243,7 @@ def _check_local_folder(final: str, overwrite: bool) -> None:
         return  # made for the checkpoint
     # also beside a COMMIT: files added to a checkpoint (an evaluation's results), or a file of
     # that name among someone's files, would go with the folder an overwrite replaces
-    foreign = sorted(n for n in names if not checkpoint_entry(n))
-    if foreign:
-        raise FileExistsError(
-            f"{final} holds files that are not a checkpoint's ({foreign[:3]}"
-            f"{', ...' if len(foreign) > 3 else ''}); a save replaces the whole folder, so "
-            "it refuses, even with overwrite=True: save to a new path, or move those files"
-        )
+    _refuse_foreign(final, names, "files", "the whole folder")
     if COMMIT in names:
         return  # a checkpoint: the COMMIT check decides
     if not overwrite:
@@ -264,13 +258,18 @@ def _check_remote_prefix(final: Location) -> None:
     holding objects no save wrote, before anything there is deleted. Process 0 only (it lists
     every object under the path once; a fresh path is one request)."""
     tops = {k.split("/", 1)[0] for k in final.list_keys()}
-    foreign = sorted(n for n in tops if not checkpoint_entry(n))
+    _refuse_foreign(final.url, tops, "objects", "everything under the path")
+
+
+def _refuse_foreign(where: str, names: Any, what: str, replaced: str) -> None:
+    """FileExistsError naming the entries among `names` (a folder's, or the top names under an
+    object-store path) that no save writes."""
+    foreign = sorted(n for n in names if not checkpoint_entry(n))
     if foreign:
         raise FileExistsError(
-            f"{final.url} holds objects that are not a checkpoint's ({foreign[:3]}"
-            f"{', ...' if len(foreign) > 3 else ''}); a save replaces everything under the "
-            "path, so it refuses, even with overwrite=True: save to a new path, or move those "
-            "objects"
+            f"{where} holds {what} that are not a checkpoint's ({foreign[:3]}"
+            f"{', ...' if len(foreign) > 3 else ''}); a save replaces {replaced}, so it "
+            f"refuses, even with overwrite=True: save to a new path, or move those {what}"
         )
 
 
