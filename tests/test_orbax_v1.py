@@ -82,3 +82,42 @@ def test_what_v1_does_not_allow(tmp_path, ref):
         ocp.v1.load(
             tmp_path / "v1", targets(params, mesh_of((8,))), checkpointable_name="universal"
         )
+
+
+@pytest.mark.parametrize("api", ["v1", "v0"])
+def test_a_failed_save_leaves_the_process_free_to_exit(tmp_path, api):
+    """A save that fails in the handler (a leaf of the wrong type): the error is raised and the
+    process exits at once. Orbax had started creating the step's folders; the v1 handler did not
+    wait for them, and an Orbax thread then held the interpreter at exit until its coordination
+    timeout (60 s and more; the v0 handler already waited)."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = textwrap.dedent(f"""
+        import jax, numpy as np, orbax.checkpoint as ocp, ucp_jax.orbax as uo
+        good, bad = {{"w": np.ones(4, np.float32)}}, {{"w": "a string"}}
+        if {api!r} == "v1":
+            with ocp.v1.training.Checkpointer({str(tmp_path / "ck")!r}) as ck:
+                ck.save_checkpointables(3, {{"universal": uo.UniversalSave(good)}})
+                try:
+                    ck.save_checkpointables(9, {{"universal": uo.UniversalSave(bad)}})
+                except TypeError as e:
+                    print("refused:", e)
+        else:
+            m = ocp.CheckpointManager({str(tmp_path / "ck")!r})
+            m.save(3, args=uo.UniversalSave(good))
+            try:
+                m.save(9, args=uo.UniversalSave(bad)); m.wait_until_finished()
+            except TypeError as e:
+                print("refused:", e)
+            m.close()
+        print("done")
+    """)  # fmt: skip
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    took = time.perf_counter() - t
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "refused: leaf 'w' is a str" in p.stdout and p.stdout.rstrip().endswith("done")
+    assert took < 30, f"the process took {took:.0f} s to exit"

@@ -57,7 +57,7 @@ import orbax.checkpoint as ocp
 from ... import save as save_mod
 from ...checkpoint import Checkpoint
 from ...errors import NotACheckpointError
-from ...format import commit, store
+from ...format import commit, remote, store
 from ...format.manifest import MANIFEST, Manifest
 from ...mapping.rules import Rule
 from ...restore import restore as ucp_restore
@@ -130,14 +130,23 @@ def in_place_job(directory: Any, args: Any) -> save_mod.SaveJob:
 
 
 async def _write(job: save_mod.SaveJob, host: list[Any]) -> None:
-    job.write(host)
+    write_translated(job, host)
+
+
+def write_translated(job: save_mod.SaveJob, host: list[Any]) -> None:
+    """`job.write(host)`; a remote store's failure as `ucp.save` says it (StoreUnreachableError,
+    StoreError: the URL and the endpoint named), not TensorStore's raw error."""
+    try:
+        job.write(host)
+    except Exception as e:
+        remote.raise_translated(e, job.loc.kvstore, "the save's writes", writing=True)
 
 
 async def _nothing() -> None:
     return None
 
 
-def _settle_directory_creation() -> None:
+def settle_directory_creation() -> None:
     """Before a save error propagates: let Orbax finish creating this save's folders.
 
     Orbax starts creating the step's temporary folders in the background before it calls
@@ -169,7 +178,7 @@ class UniversalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             job = in_place_job(directory, args)
             host = job.copy_all_to_host()
         except BaseException:
-            _settle_directory_creation()
+            settle_directory_creation()
             raise
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(_write(job, host), name="ucp_save")

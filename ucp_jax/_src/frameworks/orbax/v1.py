@@ -50,6 +50,8 @@ from .handler import (
     UniversalSave,
     UniversalState,
     in_place_job,
+    settle_directory_creation,
+    write_translated,
 )
 
 
@@ -73,12 +75,16 @@ class UniversalCheckpointableHandler:
     async def save(self, directory: Any, checkpointable: UniversalSave) -> Any:
         """Plan and copy to host now; return the awaitable that writes."""
         path = os.fspath(directory.path)
-        job = in_place_job(path, checkpointable)
-        host = job.copy_all_to_host()
+        try:
+            job = in_place_job(path, checkpointable)
+            host = job.copy_all_to_host()
+        except BaseException:
+            settle_directory_creation()  # or the failed save holds the process at exit
+            raise
 
         async def _write() -> None:
             await directory.await_creation()
-            job.write(host)  # every process's shards; the manifest after all wrote
+            write_translated(job, host)  # every process's shards; the manifest after all wrote
             import jax
 
             if jax.process_index() == 0:
