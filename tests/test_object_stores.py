@@ -28,6 +28,7 @@ from mp.runner import free_port, run_and_kill, run_job
 
 import ucp_jax as ucp
 from ucp_jax._src.cli import main as cli_main
+from ucp_jax._src.errors import ArgumentError
 from ucp_jax._src.format import aggregate, store
 
 BUCKET = "ucp-test"
@@ -643,6 +644,27 @@ def test_s3_checkpoints_at_the_top_of_a_bucket(s3):
     ucp.delete_checkpoint("s3://ucp-top/step_1")
     assert ucp.list_checkpoints("s3://ucp-top") == want[1:]
     _assert_restores("s3://ucp-top/step_10", seed=10)
+
+
+def test_s3_paths_with_double_slashes_and_a_buckets_own_top(s3):
+    """A root with a trailing slash joined as f"{root}/step_1" names root/step_1, as on a local
+    disk: the checkpoint was saved under 'ds//step_1' and no listing found it. A checkpoint at
+    a bucket's very top is refused by name (its writer's claim landed inside it, refused as a
+    foreign object)."""
+    import boto3
+
+    ucp.save(f"s3://{BUCKET}/ds//step_1", _state(1), step=1)
+    for root in (f"s3://{BUCKET}/ds", f"s3://{BUCKET}/ds/", f"s3://{BUCKET}/ds//"):
+        assert ucp.list_checkpoints(root) == [f"s3://{BUCKET}/ds/step_1"]
+    _assert_restores(f"s3://{BUCKET}/ds/step_1", seed=1)
+    _assert_restores(f"s3://{BUCKET}//ds//step_1/", seed=1)
+    boto3.client("s3", endpoint_url=s3).create_bucket(Bucket="ucp-empty")
+    for url in ("s3://ucp-empty", "s3://ucp-empty/"):
+        with pytest.raises(
+            ArgumentError, match=r"cannot be the top of a bucket.*s3://ucp-empty/step_1"
+        ):
+            ucp.save(url, _state(1), step=1)
+    assert ucp.Location.parse("s3://ucp-empty").list_keys() == []
 
 
 def test_s3_names_with_percent_question_and_hash(s3, capsys):

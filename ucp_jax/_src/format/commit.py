@@ -18,6 +18,7 @@ from typing import Any
 
 import tensorstore as ts
 
+from ..errors import ArgumentError
 from ..util.libc import exchange
 from . import aggregate, index, integrity, space, writers
 from .durable import fsync_dir
@@ -112,6 +113,12 @@ class Staging:
             self.target = final.sibling(f".{final.name}.ucp-tmp")
             self._lock = writers.PathLock(final.local_path)
         else:
+            if not final.name:
+                raise ArgumentError(
+                    f"{final.url}: a checkpoint cannot be the top of a bucket (its writer's "
+                    "claim and its listing entry live beside it, in its parent folder); save it "
+                    f"under a name: {final.url.rstrip('/')}/step_1"
+                )
             self.target = final
             self._token = writers.Token(final)
 

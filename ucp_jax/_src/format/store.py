@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import math
 import os
+import re
 import shutil
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -69,6 +70,8 @@ class Location:
         {'driver': 'memory', 'path': 'ckpt/step_1/'}
         >>> Location.parse('{"driver": "memory", "path": "ckpt/step_2"}').url
         'memory://ckpt/step_2'
+        >>> Location.parse("memory://ckpt//step_3/").kvstore["path"]
+        'ckpt/step_3/'
         """
         spec = remote.spec_of(path)  # a dict, JSON text or Location
         if spec is not None:
@@ -79,7 +82,10 @@ class Location:
                 spec = {"driver": "file", "path": os.path.abspath(os.path.expanduser(s))}
             else:
                 spec = ts.KvStore.Spec(s).to_json()
-        folder = spec.get("path", "").rstrip("/")
+        folder = spec.get("path", "")
+        if spec.get("driver") != "file":  # one folder per name, as on a local disk: a root with
+            folder = re.sub("/{2,}", "/", folder).lstrip("/")  # a slash + "/step_1" is root/step_1
+        folder = folder.rstrip("/")
         # a bucket's top: the empty path (not "/", under which nothing is listed)
         spec["path"] = folder + "/" if folder or spec.get("driver") == "file" else ""
         return cls(remote.complete(spec))
