@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from ..errors import ChecksumError, NotACheckpointError
+from ..errors import ChecksumError, NotACheckpointError, UcpError
 from ..mapping.rules import Rule
 from ..util.gcpause import gc_paused
 from . import exchange, integrity, share
@@ -320,12 +320,21 @@ def recover(
             log.warning("ucp.memory: no snapshot in shared memory is recoverable on every node "
                         "(%s); falling back to the persisted universal checkpoint %s (step %d)",
                         reason, path, step)  # fmt: skip
+        error: Exception | None = None
         try:
             params, opt = ucp_restore(path, params_target, opt_state_target, rules=rules)
-            failed = None
+            told: dict[str, str] = {}
         except ChecksumError as e:  # damaged on disk: every process takes the one before it
-            failed = str(e)
-        fails = [f for f in exchange.allgather_json(failed, f"{tag}/persisted{k}") if f]
+            told = {"damaged": str(e)}
+        except Exception as e:  # any other error ends the restore on every process (none
+            told, error = {"error": f"{type(e).__name__}: {e}"}, e  # waits for it)
+        gathered = exchange.allgather_json(told, f"{tag}/persisted{k}")
+        if error is not None:
+            raise error
+        if others := [(i, g["error"]) for i, g in enumerate(gathered) if "error" in g]:
+            raise UcpError(f"ucp.memory: process {others[0][0]} failed to restore the persisted "
+                           f"checkpoint {path}: {others[0][1]}")  # fmt: skip
+        fails = [g["damaged"] for g in gathered if "damaged" in g]
         if fails:
             log.warning("ucp.memory: the persisted checkpoint %s (step %d) is damaged (%s); "
                         "trying the one before it", path, step, fails[0])  # fmt: skip
