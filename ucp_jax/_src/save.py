@@ -15,7 +15,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from .format import aggregate, commit, encode, ocdbt_index, process_tables, store, zarr_json
+from .format import (
+    aggregate,
+    commit,
+    encode,
+    ocdbt_index,
+    process_tables,
+    remote,
+    store,
+    zarr_json,
+)
 from .format.durable import EarlySync, sync_tree
 from .format.integrity import keys_in_box
 from .format.manifest import PER_ARRAY_VERSION, Manifest, SlotInfo, source_header
@@ -259,10 +268,16 @@ class SaveJob:
     def write(self, host: Sequence[np.ndarray] | None) -> None:
         """Create arrays (process 0), write this process's share, then commit (process 0).
 
-        A failed save leaves no COMMIT, and (one process) no staging folder behind."""
+        A failed save leaves no COMMIT, and (one process) no staging folder behind. An object
+        store that stopped answering or refused is said so, naming it (StoreUnreachableError,
+        StoreError), for every caller: `save`, `async_save`, the Orbax handlers, the memory
+        tier's persist."""
         alone = jax.process_count() == 1
-        with commit.failing_cleanly(self.staging, self.loc, alone=alone):
-            self._write_aggregated(host) if self.aggregated else self._write_per_array(host)
+        try:
+            with commit.failing_cleanly(self.staging, self.loc, alone=alone):
+                self._write_aggregated(host) if self.aggregated else self._write_per_array(host)
+        except (ValueError, NotImplementedError) as e:
+            remote.raise_translated(e, self.loc.kvstore, "the save's writes", writing=True)
 
     def _write_per_array(self, host: Sequence[np.ndarray] | None) -> None:
         if jax.process_index() == 0:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .format import remote
 from .mapping.rules import Rule
 from .save import SaveJob
 from .save_handle import SaveHandle, finish_pending, start
@@ -48,10 +47,7 @@ def save(
     finish_pending(then=f"the save to {path}")
     job = SaveJob(path, params, opt_state, step=step, rules=rules, extra=extra,
                    overwrite=overwrite, max_inflight_bytes=max_inflight_bytes)  # fmt: skip
-    try:
-        job.write(None)
-    except ValueError as e:  # an object store that stopped answering: say so, name it
-        remote.raise_translated(e, job.loc.kvstore, "the save's writes", writing=True)
+    job.write(None)
 
 
 def async_save(

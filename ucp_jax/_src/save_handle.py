@@ -15,7 +15,6 @@ import threading
 from typing import Any
 
 from .errors import in_background
-from .format import remote
 from .util.at_exit import finish_before_exit, finish_on_sigterm
 
 
@@ -40,7 +39,7 @@ class SaveHandle:
         try:
             job.write(host)
         except BaseException as e:  # re-raised on wait() or on the next save
-            self._error = remote.translate(e, job.loc.kvstore, "the save's writes", writing=True)
+            self._error = e
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""

@@ -57,7 +57,7 @@ import orbax.checkpoint as ocp
 from ... import save as save_mod
 from ...checkpoint import Checkpoint
 from ...errors import NotACheckpointError
-from ...format import commit, remote, store
+from ...format import commit, store
 from ...format.manifest import MANIFEST, Manifest
 from ...mapping.rules import Rule
 from ...restore import restore as ucp_restore
@@ -130,16 +130,7 @@ def in_place_job(directory: Any, args: Any) -> save_mod.SaveJob:
 
 
 async def _write(job: save_mod.SaveJob, host: list[Any]) -> None:
-    write_translated(job, host)
-
-
-def write_translated(job: save_mod.SaveJob, host: list[Any]) -> None:
-    """`job.write(host)`; a remote store's failure as `ucp.save` says it (StoreUnreachableError,
-    StoreError: the URL and the endpoint named), not TensorStore's raw error."""
-    try:
-        job.write(host)
-    except Exception as e:
-        remote.raise_translated(e, job.loc.kvstore, "the save's writes", writing=True)
+    job.write(host)
 
 
 async def _nothing() -> None:

@@ -51,7 +51,6 @@ from .handler import (
     UniversalState,
     in_place_job,
     settle_directory_creation,
-    write_translated,
 )
 
 
@@ -84,7 +83,7 @@ class UniversalCheckpointableHandler:
 
         async def _write() -> None:
             await directory.await_creation()
-            write_translated(job, host)  # every process's shards; the manifest after all wrote
+            job.write(host)  # every process's shards; the manifest after all wrote
             import jax
 
             if jax.process_index() == 0:
