@@ -68,8 +68,8 @@ def not_over_source(dst: Any, source: str | None, what: str) -> None:
     """
     if source is None or not_local(dst):
         return
-    d = dst[len("file://") :] if isinstance(dst, str) and dst.startswith("file://") else dst
-    out, here = os.path.realpath(os.fspath(d)), os.path.realpath(source)
+    out = os.path.realpath(os.fspath(local_destination(dst, what)))  # (file:// taken off)
+    here = os.path.realpath(source)
     if out == here or here.startswith(out + os.sep):
         how = "be" if out == here else "hold"
         raise ArgumentError(
