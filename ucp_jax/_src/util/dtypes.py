@@ -88,10 +88,6 @@ def cast_loss(value: np.ndarray, dtype: Any) -> str | None:
     return _float_loss(v, dst, dst.name)
 
 
-_NARROW_FLOATS = {np.dtype(getattr(ml_dtypes, n)) for n in dir(ml_dtypes)
-                  if n.startswith(("float8_", "float4_", "float6_", "bfloat16"))}  # fmt: skip
-
-
 def _float_loss(v: np.ndarray, dst: np.dtype, named: str) -> str | None:
     """`cast_loss` into a real float type `dst` (None for a type that is not one), which the
     message calls `named` (a complex type, for its parts)."""
@@ -100,7 +96,8 @@ def _float_loss(v: np.ndarray, dst: np.dtype, named: str) -> str | None:
     except (ValueError, TypeError):
         return None
     f = v.astype(np.float64)
-    shown = v if v.dtype.kind == "f" or v.dtype in _NARROW_FLOATS else f  # its own repr
+    # a float value in its own repr (float32's 1e+30, not float64's 1.0000000150474662e+30)
+    shown = f if _integer(v.dtype) or v.dtype == np.dtype(bool) else v
     with np.errstate(over="ignore", invalid="ignore"):
         cast = v.astype(dst)
         back = cast.astype(np.float64)
