@@ -142,6 +142,24 @@ def test_safetensors_header_json(box, raw, match):
         import_safetensors(path, box.out)
 
 
+def test_safetensors_header_naming_a_tensor_twice(box):
+    """A header naming `w` twice, the second covering only part of the first's bytes: Python's
+    json keeps the last (it imported as 4 of w's 12 values); the safetensors library refuses the
+    file (the bytes only the first entry held are then no tensor's). Refused by name here too."""
+    path = st_src(box)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    begin = header["w"]["data_offsets"][0]
+    second = json.dumps({"dtype": "F32", "shape": [4], "data_offsets": [begin, begin + 16]})
+    raw = json.dumps(header).encode()[:-1] + b', "w": ' + second.encode() + b"}"
+    edit_header(path, lambda h: None, raw=raw)
+    with pytest.raises(Exception, match="not fully covered"):  # the referee
+        st.load_file(path)
+    with box.refused(SafetensorsError, "names the key 'w' twice"):
+        import_safetensors(path, box.out)
+
+
 def test_safetensors_header_length(box):
     path = st_src(box)
     with open(path, "r+b") as f:

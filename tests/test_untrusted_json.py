@@ -55,3 +55,12 @@ def test_only_utf8_is_read(data: bytes) -> None:
     with pytest.raises(NotACheckpointError, match=r"^x is not (UTF-8 text|valid JSON) \("):
         read_json(data, "x")
     assert read_json('{"a": "é"}'.encode(), "x") == {"a": "é"}
+
+
+@pytest.mark.parametrize("text", [b'{"a": 1, "a": 2}', b'[{"k": {"a": 1, "b": 2, "a": 1}}]'])
+def test_a_key_named_twice_in_one_object_is_refused(text: bytes) -> None:
+    """Readers disagree on which of two equal keys counts (Python keeps the last), so a file
+    naming one twice is refused: it could mean one thing to its author's tools, another here."""
+    with pytest.raises(NotACheckpointError, match="names the key 'a' twice"):
+        read_json(text, "x")
+    assert read_json(b'{"a": {"a": 1}, "b": [{"a": 2}]}', "x") == {"a": {"a": 1}, "b": [{"a": 2}]}

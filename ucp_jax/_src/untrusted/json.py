@@ -51,6 +51,24 @@ def json_depth(data: bytes) -> int:
     return int(np.cumsum(_STEP[np.frombuffer(brackets, np.uint8)]).max(initial=0))
 
 
+class _DuplicateKey(Exception):
+    """A JSON object names one key twice (args: the key)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's pairs as a dict, refusing a repeated key: Python keeps the last, other
+    readers the first or refuse (the safetensors library, by its offsets check), so a crafted
+    file could mean one tensor to them and another to us."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return out
+
+
 def read_json(
     data: bytes | str,
     what: str,
@@ -74,7 +92,8 @@ def read_json(
         The parsed value.
 
     Raises:
-        UcpError: of class `error`: too large, nested too deep, not JSON, or not an `expect`.
+        UcpError: of class `error`: too large, nested too deep, not JSON, an object naming a
+            key twice, or not an `expect`.
     """
     raw = data.encode() if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
@@ -93,7 +112,12 @@ def read_json(
     except UnicodeDecodeError as e:
         raise error(f"{what} is not UTF-8 text ({e}); the file is damaged") from None
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise error(
+            f"{what} names the key {e.args[0]!r:.80} twice in one object; readers disagree on "
+            "which one counts (the file is damaged or crafted)"
+        ) from None
     except (ValueError, RecursionError) as e:
         raise error(f"{what} is not valid JSON ({e}); the file is damaged") from e
     if expect is not None and not isinstance(value, expect):
