@@ -86,8 +86,17 @@ def test_left_out_fields_mean_what_transformers_takes(kind: str, case: str) -> N
         ({"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 0}, 7),
         ({"use_sliding_window": True, "layer_types": ["sliding_attention"] * 2}, 4096),
         ({"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1}, "refused"),
+        ({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0}, None),
     ],
-    ids=["none", "off", "on-but-no-layer", "every-layer", "layer-types", "some-layers"],
+    ids=[
+        "none",
+        "off",
+        "on-but-no-layer",
+        "every-layer",
+        "layer-types",
+        "some-layers",
+        "on-but-null",
+    ],
 )
 def test_qwen2_sliding_window_as_transformers(fields: dict, window: object) -> None:
     cfg = {"model_type": "qwen2", **SHAPE, **fields}
@@ -101,6 +110,15 @@ def test_qwen2_sliding_window_as_transformers(fields: dict, window: object) -> N
     # written back so that transformers reads the same window
     back = config_from_hf(cfg).to_hf()
     assert referee("qwen2", back)["sliding_window"] == window
+
+
+@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
+def test_a_null_window_is_no_window(kind: str) -> None:
+    """Mistral-7B v0.2/v0.3 write ``sliding_window: null``: no window, as transformers reads it
+    (it was refused as 'must be a positive int')."""
+    cfg = {"model_type": kind, **SHAPE, "num_key_value_heads": 8, "sliding_window": None}
+    assert ours(cfg)["sliding_window"] is referee(kind, cfg)["sliding_window"] is None
+    assert referee(kind, config_from_hf(cfg).to_hf())["sliding_window"] is None
 
 
 def test_a_window_transformers_llama_cannot_hold_is_refused_before_saving() -> None:
@@ -259,6 +277,47 @@ def test_only_the_files_transformers_loads_are_read(tmp_path: Path) -> None:
     ck = import_hf(src, tmp_path / "ck")
     assert rel_err(jax_logits(ck, toks), loaded_logits(src, toks)) <= TOL
     assert ucp.open(ck).manifest.source["huggingface"]["files"] == ["model.safetensors"]
+
+
+def test_the_file_transformers_loads_wins_over_a_stale_index(tmp_path: Path) -> None:
+    """``save_pretrained`` sharded, then unsharded into the same folder: the old index stays
+    beside the new ``model.safetensors`` (its shards are deleted). transformers loads the file;
+    the import read the index (a missing shard, or, shards present, the older weights)."""
+    src = tmp_path / "hf"
+    make_model(T.LlamaConfig, seed=1, **SMALL).save_pretrained(src, max_shard_size="20KB")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    old_shards = {f: (src / f).read_bytes() for f in set(index["weight_map"].values())}
+    make_model(T.LlamaConfig, seed=2, **SMALL).save_pretrained(src)
+    assert (src / "model.safetensors.index.json").exists() and (src / "model.safetensors").exists()
+    toks = tokens(97)
+    ref = loaded_logits(src, toks)
+    assert rel_err(jax_logits(import_hf(src, tmp_path / "a"), toks), ref) <= TOL
+    for f, data in old_shards.items():  # the older weights back in their shards: still the file
+        (src / f).write_bytes(data)
+    assert (
+        rel_err(jax_logits(import_hf(src, tmp_path / "b"), toks), loaded_logits(src, toks)) <= TOL
+    )
+    assert np.abs(loaded_logits(src, toks) - ref).max() == 0
+
+
+def test_the_weights_config_json_names_are_read(tmp_path: Path) -> None:
+    """``transformers_weights`` in config.json names the file transformers loads; a name that is
+    no safetensors file is refused, and one leaving the folder too."""
+    src = tmp_path / "hf"
+    make_model(T.LlamaConfig, seed=1, **SMALL).save_pretrained(src)
+    other = tmp_path / "other"
+    make_model(T.LlamaConfig, seed=2, **SMALL).save_pretrained(other)
+    os.replace(other / "model.safetensors", src / "chosen.safetensors")
+    edit_config(src, transformers_weights="chosen.safetensors")
+    toks = tokens(97)
+    ck = import_hf(src, tmp_path / "ck")
+    assert rel_err(jax_logits(ck, toks), loaded_logits(src, toks)) <= TOL
+    assert ucp.open(ck).manifest.source["huggingface"]["files"] == ["chosen.safetensors"]
+    for bad, match in [("pytorch_model.bin", "transformers_weights"), ("../x.safetensors", "..")]:
+        edit_config(src, transformers_weights=bad)
+        with pytest.raises(ucp.UcpError, match=match):
+            import_hf(src, tmp_path / "bad")
+        assert not (tmp_path / "bad").exists()
 
 
 def test_pickled_weights_only_are_refused_with_the_fix(tmp_path: Path) -> None:

@@ -116,3 +116,54 @@ def test_train_on_ep_mesh_export_from_pretrained(mixtral: tuple, tmp_path: Path)
     same = T.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_same", attn_implementation="eager")
     sd = same.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+
+
+def _state_dict_folder(model: object, folder: Path, config_from: Path) -> Path:
+    """A folder holding the model's own ``state_dict()`` (transformers 5's fused experts) as
+    ``model.safetensors``, the way ``safetensors.torch.save_file`` writes it, beside its config."""
+    st = pytest.importorskip("safetensors.torch")
+    folder.mkdir()
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}  # type: ignore[attr-defined]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in sd
+    st.save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_bytes((config_from / "config.json").read_bytes())
+    return folder
+
+
+def test_fused_experts_of_a_state_dict_import_as_save_pretrained_ones(
+    mixtral: tuple, tmp_path: Path
+) -> None:
+    """transformers loads a file of fused experts (``mlp.experts.gate_up_proj [E, 2F, D]``) as
+    well as save_pretrained's per-expert one; both import to the same atoms, bit for bit (the
+    fused one was refused as 'a shard is missing')."""
+    model, hf, ckpt = mixtral
+    src = _state_dict_folder(model, tmp_path / "fused", hf)
+    tokens = np.random.default_rng(2).integers(0, 203, (BATCH, SEQ)).astype(np.int32)
+    loaded = T.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").float()
+    assert np.array_equal(hf_logits(loaded.eval(), tokens), hf_logits(model, tokens))  # referee
+    fused = ucp.Checkpoint(import_hf(src, tmp_path / "ucp"))
+    ref = ucp.Checkpoint(ckpt)
+    assert set(fused.manifest.atoms) == set(ref.manifest.atoms)
+    for atom in ref.manifest.atoms:
+        a, b = fused.read(atom, "fp32"), ref.read(atom, "fp32")
+        assert a.dtype == b.dtype and np.array_equal(a, b), atom
+    assert fused.manifest.atoms["blocks.0.experts.1.gate_up.kernel"].fused  # [gate | up] recorded
+
+
+def test_a_fused_expert_tensor_of_the_wrong_count_is_refused(
+    mixtral: tuple, tmp_path: Path
+) -> None:
+    model, hf, _ = mixtral
+    src = _state_dict_folder(model, tmp_path / "fused", hf)
+    cfg = (
+        (src / "config.json")
+        .read_text()
+        .replace('"num_local_experts": 4', '"num_local_experts": 3')
+    )
+    (src / "config.json").write_text(cfg)
+    with pytest.raises(
+        ucp.UcpError,
+        match=r"experts\.(gate_up|down)_proj' has shape \[4, \d+, \d+\]; expected \[3 experts",
+    ):
+        import_hf(src, tmp_path / "ucp")
+    assert not (tmp_path / "ucp").exists()

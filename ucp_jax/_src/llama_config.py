@@ -252,11 +252,17 @@ def _bounded(n: int, key: str, where: str, limit: int = MAX_LAYERS) -> int:
     return n
 
 
-def _get(cfg: Mapping[str, Any], key: str, kind: type, where: str, default: Any = ...) -> Any:
+def _get(
+    cfg: Mapping[str, Any], key: str, kind: type, where: str, default: Any = ...,
+    *, null: bool = False,
+) -> Any:
+    """`cfg[key]` checked to be a `kind` (a positive one for numbers), else `default` when the
+    key is missing (`...`: required); None where the default is None or `null` allows it (a
+    field written as null, as Mistral's ``sliding_window: null`` meaning no window)."""
     v = cfg.get(key, default)
     if v is ...:
         raise HFConfigError(f"{where}: field {key!r} is missing; expected a {kind.__name__}")
-    if v is None and default is None:
+    if v is None and (default is None or null):
         return None
     ok = (
         isinstance(v, kind) and not isinstance(v, bool) if kind is not bool else isinstance(v, bool)
@@ -351,7 +357,7 @@ def config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> LlamaC
     n_layers = _bounded(_get(cfg, "num_hidden_layers", int, where), "num_hidden_layers", where)
     window = None
     if mt in ("mistral", "mixtral"):
-        window = _get(cfg, "sliding_window", int, where, defaults["sliding_window"])
+        window = _get(cfg, "sliding_window", int, where, defaults["sliding_window"], null=True)
     elif mt == "qwen2":
         window = _qwen2_window(cfg, n_layers, where)
     experts, top_k, aux = 0, 2, 0.02
@@ -403,7 +409,8 @@ def _qwen2_window(cfg: Mapping[str, Any], n_layers: int, where: str) -> int | No
     """
     defaults = HF_DEFAULTS["qwen2"]
     use = _get(cfg, "use_sliding_window", bool, where, False)
-    window = _get(cfg, "sliding_window", int, where, defaults["sliding_window"]) if use else None
+    window = (_get(cfg, "sliding_window", int, where, defaults["sliding_window"], null=True)
+              if use else None)  # fmt: skip
     kinds = cfg.get("layer_types")
     if kinds is None:
         first = cfg.get("max_window_layers", defaults["max_window_layers"])

@@ -12,6 +12,7 @@ checked before anything is written: a refused import leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from ...untrusted.safetensors import INDEX, SafetensorsError, SafetensorsFile, o
 from ..common.hf_names import expand, hf_mapping, hf_shapes
 from ..common.model_dtype import model_float
 from ..common.writer import AtomWriter
+from .fused_experts import ExpertView, per_expert
 from .safetensors import write_concatenated
 
 CONFIG = "config.json"
@@ -35,11 +37,12 @@ GENERATION = "generation_config.json"  # written back by export_hf
 RELEASE_BYTES = 128 << 20  # source pages read since the last release, before they are dropped
 
 
-def _release(tensors: Mapping[str, SafetensorsFile], names: list[str]) -> None:
+def _release(tensors: Mapping[str, SafetensorsFile | ExpertView], names: list[str]) -> None:
     """Drop the mapped pages of source tensors already written (they would stay in our RSS)."""
     page = mmap.PAGESIZE
     for n in names:
-        sf = tensors[n]
+        t = tensors[n]
+        sf, n = (t.file, t.name) if isinstance(t, ExpertView) else (t, n)  # a fused one's pages
         mm = getattr(sf._mm, "_mmap", None)
         if mm is None or not hasattr(mm, "madvise"):
             continue
@@ -66,7 +69,7 @@ def load_config(src: str) -> tuple[LlamaConfig, str]:
 
 
 def _check_tensors(
-    tensors: Mapping[str, SafetensorsFile], config: LlamaConfig, where: str
+    tensors: Mapping[str, SafetensorsFile | ExpertView], config: LlamaConfig, where: str
 ) -> np.dtype:
     """Names, shapes and floating dtypes, before anything is written; returns the most used dtype."""
     # what config.json claims, against what the files hold, before listing every name it implies
@@ -124,7 +127,7 @@ def _check_tensors(
     return max(counts, key=lambda d: counts[d])
 
 
-def _check_tied_head(tensors: Mapping[str, SafetensorsFile]) -> None:
+def _check_tied_head(tensors: Mapping[str, SafetensorsFile | ExpertView]) -> None:
     """A tied model's file may repeat the embedding as ``lm_head.weight``, but only unchanged."""
     emb, head = "model.embed_tokens.weight", "lm_head.weight"
     a, b = tensors[emb], tensors[head]
@@ -141,12 +144,28 @@ def _check_tied_head(tensors: Mapping[str, SafetensorsFile]) -> None:
         )
 
 
-def _weights(src: str) -> dict[str, SafetensorsFile]:
-    """The model's tensors, from the files transformers loads: the index, else model.safetensors.
+def _weights(src: str, named: Any = None) -> dict[str, SafetensorsFile]:
+    """The model's tensors, from the file transformers loads: the one ``config.json`` names in
+    ``transformers_weights``, else ``model.safetensors``, else the index (``save_pretrained`` of
+    an unsharded model over a sharded one leaves the old index beside the new file:
+    transformers loads the file, and so must we).
 
     Other ``*.safetensors`` beside them (adapters, consolidated copies) are not the model's.
+
+    Raises:
+        SafetensorsError: ``transformers_weights`` names no safetensors file or index.
     """
-    for name in (INDEX, WEIGHTS):
+    if named is not None:
+        if not isinstance(named, str) or not named.endswith(
+            (".safetensors", ".safetensors.index.json")
+        ):
+            raise SafetensorsError(
+                f"{src}: config.json's transformers_weights is {named!r:.80}; expected the name "
+                "of a .safetensors file or a .safetensors.index.json in the folder (a pickle is not "
+                "imported)"
+            )
+        return open_tensors(join_inside(src, named, "model weights"))
+    for name in (WEIGHTS, INDEX):
         if os.path.isfile(os.path.join(src, name)):
             return open_tensors(join_inside(src, name, "model weights"))
     if os.path.isdir(src) and not any(f.endswith(".safetensors") for f in os.listdir(src)):
@@ -204,7 +223,9 @@ def import_hf(
     src = os.fspath(src)
     want = model_float(dtype, f"import_hf(dtype=...) of {src}")
     config, _ = load_config(src)
-    tensors = _weights(src)
+    tensors = per_expert(
+        _weights(src, json.loads(config.hf).get("transformers_weights")), config.n_experts
+    )
     stored = _check_tensors(tensors, config, src)
     generation = _generation_config(src)
     plan = expand(hf_mapping(config), config.n_layers)
