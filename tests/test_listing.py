@@ -18,6 +18,7 @@ from mp.runner import free_port
 
 import ucp_jax as ucp
 from ucp_jax._src.cli import main as cli_main
+from ucp_jax._src.errors import ArgumentError
 from ucp_jax._src.format import index, store
 
 BUCKET = "ucp-listing"
@@ -236,6 +237,19 @@ def test_spec_roots_and_bucket_roots(mem_root):
     ucp.save(f"{mem_root}/s", _tree(1), step=1)
     spec = {"driver": "memory", "path": mem_root.split("://")[1]}
     assert [str(c) for c in ucp.list_checkpoints(spec)] == [f"{mem_root}/s"]
+
+
+def test_the_top_of_the_memory_store_lists_urls_that_open(request):
+    """`memory://` has no path: its checkpoints listed as `memory:/name` (a relative local path,
+    which opened or deleted a local folder `./memory:/name`); the refusal of a save at the top
+    suggested that name too."""
+    name = f"top-{request.node.name}"
+    ucp.save(f"memory://{name}", _tree(1), step=1)
+    listed = ucp.list_checkpoints("memory://")
+    assert f"memory://{name}" in listed and all(u.startswith("memory://") for u in listed)
+    assert ucp.open(f"memory://{name}").step == 1
+    with pytest.raises(ArgumentError, match="under a name: memory://step_1"):
+        ucp.save("memory://", _tree(1), step=1)
 
 
 def test_ucp_index_of_a_local_folder_says_what_to_pass(tmp_path, capsys):

@@ -117,7 +117,7 @@ class Staging:
                 raise ArgumentError(
                     f"{final.url}: a checkpoint cannot be the top of a bucket (its writer's "
                     "claim and its listing entry live beside it, in its parent folder); save it "
-                    f"under a name: {final.url.rstrip('/')}/step_1"
+                    f"under a name: {final.child('step_1').url}"
                 )
             self.target = final
             self._token = writers.Token(final)

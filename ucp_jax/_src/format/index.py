@@ -48,7 +48,7 @@ def list_checkpoints(root: Any) -> list[Any]:
         return [loc.child(n) for n in committed_names(loc)]
     if loc.local_path is not None:
         return [os.path.join(loc.local_path, n) for n in committed_names(loc)]
-    return [f"{loc.url.rstrip('/')}/{remote.url_quote(n)}" for n in committed_names(loc)]
+    return [loc.child(n).url for n in committed_names(loc)]  # (memory://: no path to join)
 
 
 def committed_names(loc: Location) -> list[str]:
