@@ -15,6 +15,7 @@ from mcore.fixtures import (  # noqa: E402, F401
     CASES,
     EXPORTS,
     HEADS,
+    JAX_EXPORTS,
     LEGACY_CASE,
     RESUMES,
     VOCAB,
@@ -183,11 +184,17 @@ def test_refusals(mcore_ckpts, tmp_path):  # noqa: F811
 @pytest.mark.parametrize("name", sorted(n for n in RESUMES if n.startswith("ours_")))
 def test_megatron_resumes_from_export(mcore_ckpts, name):  # noqa: F811
     """Megatron-Core loads our export at another TP/PP than wrote the source (TP1; TP2xPP2) and
-    its next losses equal those of Megatron resumed from its own checkpoint at that layout."""
+    its next losses equal those of Megatron resumed from its own checkpoint at that layout.
+
+    ours_nosrc: the same state saved by a JAX trainer (no Megatron parameter groups), exported
+    with the job's lr, weight decay and betas: Megatron's optimizer takes betas from the
+    checkpoint, and the export's (0.9, 0.999) had changed the next loss (2.2257 for 2.2343)."""
     ours = mcore_ckpts.results[name]["resumed"]
-    own = mcore_ckpts.results[name.replace("ours_", "own_")]["resumed"]
+    own = mcore_ckpts.results[name.replace("ours_", "own_").replace("nosrc", "tp2")]["resumed"]
     assert len(ours) == 2 and ours == own, (ours, own)
-    src = mcore_ckpts.results[EXPORTS[RESUMES[name][3]][0]]
+    export = RESUMES[name][3]
+    export = JAX_EXPORTS[export][0] if export in JAX_EXPORTS else export  # (x_nosrc: x_tp2's)
+    src = mcore_ckpts.results[EXPORTS[export][0]]
     np.testing.assert_allclose(ours, src["resumed"], rtol=2e-2)  # the job that never stopped
 
 
@@ -206,6 +213,39 @@ def test_export_equals_source_tensors(mcore_ckpts, tmp_path, x):  # noqa: F811
         assert got[k].dtype == v.dtype, k
         assert torch.equal(got[k], v), k
     assert got["common_state/shard_0_1"][0]["iteration"] == 2
+
+
+def _groups(folder: str) -> list[dict]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = folder + ".pt"
+    dcp_to_torch_save(folder, out)
+    return torch.load(out, weights_only=False)["common_state/shard_0_1"][0]["optimizer"][
+        "param_groups"]  # fmt: skip
+
+
+def test_hyperparameters_of_a_source_without_groups(mcore_ckpts, tmp_path, caplog):  # noqa: F811
+    """A JAX-saved source records no parameter groups: the export names what Megatron will load
+    when left at Adam's defaults; the CLI's flags set them; a beta of 1 is refused."""
+    u = mcore_ckpts.path("u_x_nosrc")
+    with caplog.at_level("WARNING"):
+        export_megatron(u, tmp_path / "d")
+    assert "lr/min_lr/weight_decay/betas/eps" in caplog.text and "--betas" in caplog.text
+    assert {g["betas"] for g in _groups(str(tmp_path / "d"))} == {(0.9, 0.999)}
+    caplog.clear()
+    args = ["export", "megatron", u, str(tmp_path / "c"), "--lr", "0.01", "--weight-decay", "0.1",
+            "--betas", "0.9", "0.95", "--eps", "1e-6", "--min-lr", "0.001"]  # fmt: skip
+    with caplog.at_level("WARNING"):
+        assert ucp_main(args) in (0, None)
+    assert "records no Megatron parameter groups" not in caplog.text
+    for g in _groups(str(tmp_path / "c")):
+        assert (g["lr"], g["max_lr"], g["min_lr"], g["weight_decay"], g["betas"], g["eps"]) == (
+            0.01, 0.01, 0.001, 0.1, (0.9, 0.95), 1e-6)  # fmt: skip
+    with pytest.raises(MegatronExportError, match=r"betas=\(0.9, 1.0\)"):
+        export_megatron(u, tmp_path / "x", betas=(0.9, 1.0))
+    # a Megatron source's groups are kept, with what is given put in
+    g = _groups(export_megatron(mcore_ckpts.path("u_x_tp2"), tmp_path / "m", eps=1e-5))
+    assert {(x["betas"], x["eps"], x["max_lr"]) for x in g} == {((0.9, 0.95), 1e-5, 0.01)}
 
 
 def test_export_cli_and_refusals(mcore_ckpts, tmp_path):  # noqa: F811

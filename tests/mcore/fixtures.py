@@ -41,7 +41,11 @@ RESUMES = {  # name: (tp, pp, dtype, checkpoint folder); own_* load Megatron's o
     "own_bf16_at_tp1": (1, 1, "bf16", "tp2pp2_bf16"),
     "ours_bf16_at_tp1": (1, 1, "bf16", "x_tp2pp2_bf16"),
     "own_tp2_at_tp2pp2": (2, 2, "fp32", "tp2"), "ours_tp2_at_tp2pp2": (2, 2, "fp32", "x_tp2"),
+    "ours_nosrc_at_tp1": (1, 1, "fp32", "x_nosrc"),
 }  # fmt: skip
+# x_tp2's imported state as a JAX trainer saves it (restored onto ucp_jax.models.llama, saved by ucp.save:
+# no Megatron provenance, no parameter groups), exported with the loading job's hyperparameters
+JAX_EXPORTS = {"x_nosrc": ("x_tp2", {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95)})}
 # megatron-core 0.16.1 (the Makefile installs it beside the venv's packages) writes the legacy
 # layout: common.pt and two files per rank; the case v016_tp2 is built with it.
 LEGACY = os.path.join(sys.prefix, "mcore-0.16.1")
@@ -98,6 +102,9 @@ def build(root: str) -> dict:
     for x, (src, dtype) in EXPORTS.items():
         u = import_megatron(os.path.join(root, src), os.path.join(root, "u_" + x), heads=HEADS)
         export_megatron(u, os.path.join(root, x), dtype=dtype)
+    for x, (src, hyper) in JAX_EXPORTS.items():
+        u = saved_by_jax(os.path.join(root, "u_" + src), os.path.join(root, "u_" + x))
+        export_megatron(u, os.path.join(root, x), **hyper)
     for nproc in (1, 4):
         jobs = [f"{n}:{tp}:{pp}:{dt}:plain:load={os.path.join(root, c)}"
                 for n, (tp, pp, dt, c) in RESUMES.items() if tp * pp == nproc]  # fmt: skip
@@ -108,6 +115,21 @@ def build(root: str) -> dict:
             results[name] = json.load(f)
     results["_build_seconds"] = time.time() - t0
     return results
+
+
+def saved_by_jax(src: str, dst: str) -> str:
+    """`src` restored onto the JAX model (weights and Adam moments) and saved by `ucp.save`."""
+    import ucp_jax as ucp
+    from ucp_jax.demo import Layout
+    from ucp_jax.models import llama as L
+
+    cfg = L.config_from_checkpoint(src)
+    layout = Layout(tensor=2)
+    rules = L.ucp_rules(cfg, layout)
+    target = L.abstract_params(cfg, layout, L.make_mesh(layout))
+    params, moments = ucp.restore(src, target, {"mu": target, "nu": target}, rules=rules)
+    ucp.save(dst, params, moments, step=ucp.open(src).step, extra=L.ucp_extra(cfg), rules=rules)
+    return dst
 
 
 def get(cache_dir: str) -> MegatronCheckpoints:

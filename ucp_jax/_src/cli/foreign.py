@@ -94,6 +94,17 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--expert-parallel", type=int, default=None,
                    help="EP size of the MoE job that loads it (1: one optimizer; >1: chained)")  # fmt: skip
     p.add_argument("--padded-vocab", type=int, default=None, help="vocabulary rows Megatron holds")
+    p.add_argument("--lr", type=float, default=None,
+                   help="the loading job's lr (Megatron pairs parameter groups by it; default: "
+                   "the source's, else 1e-4)")  # fmt: skip
+    p.add_argument("--min-lr", type=float, default=None, help="the loading job's min_lr")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="weight decay (default: the source's, else 0)")  # fmt: skip
+    p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),
+                   help="Adam's betas, which Megatron loads from the checkpoint (default: the "
+                   "source's, else 0.9 0.999)")  # fmt: skip
+    p.add_argument("--eps", type=float, default=None,
+                   help="Adam's epsilon (default: the source's, else 1e-8)")  # fmt: skip
     p = ekinds.add_parser("torchtitan", help="a torchtitan step folder it resumes from")
     p.add_argument("--world-size", type=int, default=None,
                    help="data-parallel ranks of the resuming job (default: the source's)")  # fmt: skip
@@ -191,8 +202,9 @@ def _run_torch_command(args: Any) -> int:
     if args.cmd == "export" and args.kind == "megatron":
         out = mod.export_megatron(
             args.src, args.dst, dtype=args.dtype, padded_vocab=args.padded_vocab,
-            optimizer=args.optimizer, expert_parallel=args.expert_parallel,
-            overwrite=args.overwrite,
+            optimizer=args.optimizer, expert_parallel=args.expert_parallel, lr=args.lr,
+            min_lr=args.min_lr, weight_decay=args.weight_decay, eps=args.eps,
+            betas=tuple(args.betas) if args.betas else None, overwrite=args.overwrite,
         )  # fmt: skip
         from ..frameworks.megatron.tracker import ITER_RE
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 from typing import Any
 
@@ -83,11 +84,47 @@ def _source_groups(ck: Checkpoint) -> list[dict[str, Any]]:
     return [g for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
 
 
+ADAM_DEFAULTS = {"lr": 1e-4, "min_lr": None, "weight_decay": 0.0, "betas": (0.9, 0.999),
+                 "eps": 1e-8}  # fmt: skip
+
+
+def _recorded_hyperparameters(ck: Checkpoint) -> dict[str, Any]:
+    """The optimizer hyperparameters another trainer recorded (torchtitan's param groups: its
+    first), by ADAM_DEFAULTS' names; {} when none are recorded."""
+    extra = ck.manifest.extra if isinstance(ck.manifest.extra, dict) else {}
+    groups = (extra.get("torchtitan") or {}).get("param_groups")
+    first = (
+        next((g for g in groups if isinstance(g, dict)), None) if isinstance(groups, list) else None
+    )
+    out: dict[str, Any] = {}
+    for k in ADAM_DEFAULTS:
+        v = (first or {}).get(k)
+        if k == "betas" and isinstance(v, list) and len(v) == 2:
+            v = tuple(v)
+        if isinstance(v, float | int | tuple) and not isinstance(v, bool):
+            out[k] = v
+    return out
+
+
+def hyperparameters(ck: Checkpoint, given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The Adam hyperparameters of groups the export makes (a source that is not Megatron): each
+    the one given, else the one the source recorded, else Adam's default; and the names of
+    those left at the default."""
+    recorded = _recorded_hyperparameters(ck)
+    out = ADAM_DEFAULTS | recorded | {k: v for k, v in given.items() if v is not None}
+    return out, [k for k in ADAM_DEFAULTS if k not in recorded and given.get(k) is None]
+
+
 def _param_groups(
-    ck: Checkpoint, cfg: LlamaConfig, expert: bool, lr: float, weight_decay: float
+    ck: Checkpoint, cfg: LlamaConfig, expert: bool, given: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """One optimizer's parameter groups (the experts' or the rest): the Megatron source's, if it
-    was one; else Adam defaults for Megatron's groups (with and without weight decay)."""
+    was one, with the hyperparameters `given` (not None) put in; else Megatron's groups (with and
+    without weight decay) with `hyperparameters`.
+
+    Megatron's optimizer takes each group's betas, eps and weight decay from the checkpoint, and
+    pairs a group with the job's by its ``max_lr``, ``min_lr``, ``wd_mult``, ...: they must be
+    the loading job's."""
     groups = [g for g in _source_groups(ck) if bool(g.get("is_expert_parallel")) == expert]
     if groups:
         out = copy.deepcopy(groups)
@@ -95,15 +132,41 @@ def _param_groups(
             if isinstance(g.get("betas"), list):
                 g["betas"] = tuple(g["betas"])
             g.pop("step", None)
+            for k, v in given.items():
+                if v is None:
+                    continue
+                if k == "lr" and not g.get("is_decoupled_lr"):
+                    g["lr"] = g["max_lr"] = v
+                elif k != "lr":  # weight_decay as Megatron stores it: wd_mult applies at a step
+                    g[k] = v
         return out
+    h, _ = hyperparameters(ck, given)
     base = {"is_expert_parallel": expert, "default_config": True, "lr_mult": 1.0,
-            "is_decoupled_lr": False, "max_lr": lr, "min_lr": None, "lr": lr,
-            "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": weight_decay, "amsgrad": False,
-            "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
-            "fused": None, "decoupled_weight_decay": True}  # fmt: skip
+            "is_decoupled_lr": False, "max_lr": h["lr"], "min_lr": h["min_lr"], "lr": h["lr"],
+            "betas": tuple(h["betas"]), "eps": h["eps"], "weight_decay": h["weight_decay"],
+            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+            "differentiable": False, "fused": None, "decoupled_weight_decay": True}  # fmt: skip
     if expert and not cfg.linear_bias:  # SwiGLU experts: only weights, all with weight decay
         return [base | {"wd_mult": 1.0}]
     return [base | {"wd_mult": 1.0}, base | {"wd_mult": 0.0}]
+
+
+def _check_hyperparameters(given: dict[str, Any]) -> None:
+    """Each given hyperparameter is a finite number (betas: two in [0, 1))."""
+    for k, v in given.items():
+        if v is None:
+            continue
+        values = v if k == "betas" else (v,)
+        ok = (isinstance(values, tuple | list) and len(values) == (2 if k == "betas" else 1)
+              and all(isinstance(x, float | int) and not isinstance(x, bool) and math.isfinite(x)
+                      and x >= 0 for x in values))  # fmt: skip
+        if ok and k == "betas":
+            ok = all(x < 1 for x in values)
+        if not ok:
+            raise MegatronExportError(
+                f"export_megatron: {k}={v!r} (--{k.replace('_', '-')}); expected "
+                + ("two numbers in [0, 1)" if k == "betas" else "a non-negative finite number")
+            )
 
 
 def _common_optimizer(groups: list[dict[str, Any]], step: int, dtype: str, optimizer: str
@@ -172,8 +235,11 @@ def export_megatron(
     optimizer: str = "plain",
     expert_parallel: int | None = None,
     padded_vocab: int | None = None,
-    lr: float = 1e-4,
-    weight_decay: float = 0.0,
+    lr: float | None = None,
+    weight_decay: float | None = None,
+    betas: tuple[float, float] | None = None,
+    eps: float | None = None,
+    min_lr: float | None = None,
     overwrite: bool = False,
 ) -> str:
     """Write a universal checkpoint of ``ucp_jax.models.llama`` as a Megatron-Core torch_dist folder.
@@ -195,8 +261,15 @@ def export_megatron(
             Megatron chains the optimizers at EP=1 too: pass 2 then.
         padded_vocab: the vocabulary Megatron's model holds (default: the source's padded size if
             it came from Megatron, else a multiple of 128).
-        lr: the optimizer groups' learning rate when the source records none.
-        weight_decay: the optimizer groups' weight decay when the source records none.
+        lr: the loading job's learning rate (Megatron pairs saved parameter groups with the
+            job's by it, ``max_lr``); default: the source's (Megatron's groups, torchtitan's),
+            else 1e-4.
+        weight_decay: the weight decay (default: the source's, else 0.0).
+        betas: Adam's betas, which Megatron's optimizer takes from the checkpoint, not from the
+            job (default: the source's, else (0.9, 0.999)).
+        eps: Adam's epsilon, also taken from the checkpoint (default: the source's, else 1e-8).
+        min_lr: the job's ``min_lr``, also part of a group's pairing key (default: the source's,
+            else None, Megatron's default).
         overwrite: replace ``dst``.
 
     Returns:
@@ -251,6 +324,17 @@ def export_megatron(
         log.warning("export_megatron %s: the checkpoint has no Adam moments; the export holds "
                     "the weights only: load it without the optimizer (Megatron-LM: --no-load-optim, "
                     "or --finetune)", ck.path)  # fmt: skip
+    given = {"lr": lr, "min_lr": min_lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
+    _check_hyperparameters(given)
+    if moments and not _source_groups(ck):
+        h, defaulted = hyperparameters(ck, given)
+        if defaulted:
+            log.warning("export_megatron %s: the source records no Megatron parameter groups; "
+                        "Megatron's optimizer will load Adam's %s from this export and pair its "
+                        "groups by lr: written %s. If the loading job's differ, pass them "
+                        "(%s)", ck.path, "/".join(defaulted),
+                        ", ".join(f"{k}={h[k]}" for k in defaulted),
+                        ", ".join(f"--{k.replace('_', '-')}" for k in defaulted))  # fmt: skip
     chained = bool(cfg.n_experts) and (
         expert_parallel > 1 if expert_parallel else _source_chained(ck) in (True, None)
     )
@@ -272,11 +356,11 @@ def export_megatron(
     if not moments:
         common: dict[str, Any] = {"iteration": step}
     elif chained:
-        opts = [_common_optimizer(_param_groups(ck, cfg, e, lr, weight_decay), step, dtype,
-                                  optimizer) for e in (False, True)]  # fmt: skip
+        opts = [_common_optimizer(_param_groups(ck, cfg, e, given), step, dtype, optimizer)
+                for e in (False, True)]  # fmt: skip
         common = {"optimizer": dict(enumerate(opts)), "iteration": step}
     else:
-        groups = _param_groups(ck, cfg, False, lr, weight_decay)
+        groups = _param_groups(ck, cfg, False, given)
         common = {"optimizer": _common_optimizer(groups, step, dtype, optimizer), "iteration": step}
     sd["common_state/shard_0_1"] = _obj(common)
     with space.folder_in_place(dst, "the export") as tmp:  # an old dst goes at the end
