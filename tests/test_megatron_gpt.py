@@ -403,7 +403,17 @@ def test_megatron_lm_finds_the_export_and_the_import_takes_its_save_folder(impor
     script = os.path.join(os.path.dirname(__file__), "mcore", "megatron_lm.py")
     run = subprocess.run([sys.executable, script, "lookup", str(save)], capture_output=True, text=True,
                          timeout=300, check=True)  # fmt: skip
-    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"found": out, "loaded": True}
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {
+        "found": out, "loaded": True, "content_metadata": None}  # fmt: skip
+    # the distributed optimizer's layout: Megatron-LM read none, so took dp_zero_gather_scatter
+    dist = export_megatron(
+        imported["g_tp2"], tmp_path / "d" / "iter_0000002", optimizer="distributed"
+    )
+    run = subprocess.run([sys.executable, script, "lookup", str(tmp_path / "d")], capture_output=True,
+                         text=True, timeout=300, check=True)  # fmt: skip
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"found": dist, "loaded": True,
+        "content_metadata": {"distrib_optim_sharding_type": "fully_reshardable",
+                             "distrib_optim_fully_reshardable_mem_efficient": False}}  # fmt: skip
     back = ucp.Checkpoint(import_megatron(save, tmp_path / "u", heads=HEADS, vocab_size=VOCAB))
     ref = ucp.Checkpoint(imported["g_tp2"])
     for atom in ref.atoms:

@@ -10,7 +10,8 @@ Megatron-LM's `pretrain_gpt.py` saves them (an argparse.Namespace holding enums:
 `attention_backend`, `exit_signal`).
 `lookup`: Megatron-LM's own checkpoint lookup on a save folder (what `--load DIR` does first);
 prints one JSON line: the folder `checkpointing._load_base_checkpoint` found (null: none, so
-Megatron-LM would start from random weights) and whether its state dict loaded.
+Megatron-LM would start from random weights), whether its state dict loaded, and the content
+metadata Megatron-LM builds the optimizer's layout from (`dist_checkpointing.load_content_metadata`).
 Runs in its own process: Megatron-LM's training package is imported here, never by the tests.
 """
 
@@ -45,7 +46,10 @@ def lookup(load: str) -> None:
 
     args = parse_args()
     state, name, _release, _kind = checkpointing._load_base_checkpoint(load, args, rank0=True)
-    print(json.dumps({"found": name, "loaded": state is not None}))
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_content_metadata(preloaded_state_dict=state) if state else None
+    print(json.dumps({"found": name, "loaded": state is not None, "content_metadata": meta}))
 
 
 def with_args(src: str, dst: str, *flags: str) -> None:

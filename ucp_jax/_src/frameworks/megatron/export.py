@@ -362,6 +362,10 @@ def export_megatron(
     else:
         groups = _param_groups(ck, cfg, False, given)
         common = {"optimizer": _common_optimizer(groups, step, dtype, optimizer), "iteration": step}
+    common["checkpoint_version"] = 3.0  # Megatron-LM's: its mcore layout, nothing to reorder
+    if optimizer == "distributed":  # Megatron-LM builds the optimizer's layout from this
+        common["content_metadata"] = {"distrib_optim_sharding_type": "fully_reshardable",
+                                      "distrib_optim_fully_reshardable_mem_efficient": False}  # fmt: skip
     sd["common_state/shard_0_1"] = _obj(common)
     with space.folder_in_place(dst, "the export") as tmp:  # an old dst goes at the end
         dcp.save(
