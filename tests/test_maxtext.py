@@ -167,6 +167,43 @@ def test_llama_state_exports_to_maxtext_and_back(tmp_path):
         np.testing.assert_allclose(got.read(name, "fp32"), src.read(name, "fp32"), rtol=1e-6)
 
 
+def test_rope_type_follows_the_models_rope_scaling(tmp_path):
+    """Llama 3.1's RoPE scaling exports as MaxText's ``llama3.1`` rope and comes back scaled;
+    a rope the model does not compute (given, or another scaling) is refused: an export of a
+    scaled model (torchtitan's Llama 3) was written with the unscaled ``default`` rope."""
+    from ucp_jax._src.frameworks.maxtext.layout import LLAMA31_SCALING, MaxTextFormatError
+    from ucp_jax.models.llama_config import LlamaConfig, ucp_extra
+
+    def saved(name: str, scaling: tuple) -> Path:
+        cfg = LlamaConfig(vocab_size=128, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                          n_layers=2, d_ff=128, rope_theta=5e5, rope_scaling=scaling)  # fmt: skip
+        layout = Layout(tensor=2)
+        params = llama.to_layout(llama.init_canonical(cfg, 0), cfg, layout, llama.make_mesh(layout))
+        from ucp_jax.demo import init_opt_state, make_optimizer
+
+        opt = init_opt_state(make_optimizer(), params)
+        ucp.save(tmp_path / name, params, opt, step=3, rules=llama.ucp_rules(cfg, layout),
+                 extra=ucp_extra(cfg))  # fmt: skip
+        return tmp_path / name
+
+    scaled = saved("scaled", LLAMA31_SCALING)
+    with pytest.raises(MaxTextFormatError, match=r"rope='default' \(--rope\), but the model's"):
+        export_maxtext(scaled, tmp_path / "x1", rope="default")
+    export_maxtext(scaled, tmp_path / "mt")
+    back = import_maxtext(tmp_path / "mt", tmp_path / "back", rope="llama3.1", rope_theta=5e5)
+    assert llama.config_from_checkpoint(back).rope_scaling == llama.config_from_checkpoint(
+        scaled).rope_scaling  # fmt: skip
+    src, got = ucp.open(scaled), ucp.open(back)
+    for name in (a for a in src.atoms if src.atoms[a].role is None):
+        np.testing.assert_allclose(got.read(name, "fp32"), src.read(name, "fp32"), rtol=1e-6)
+    with pytest.raises(MaxTextFormatError, match=r"rope='llama3.1' \(--rope\), but the model's"):
+        export_maxtext(saved("plain", ()), tmp_path / "x2", rope="llama3.1")
+    linear = saved("linear", (("factor", 2.0), ("rope_type", "linear")))
+    with pytest.raises(MaxTextFormatError, match=r"is not Llama 3\.1's"):
+        export_maxtext(linear, tmp_path / "x3")
+    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3"))
+
+
 def test_params_only_export_and_missing_moments(tmp_path, converted):
     _, ckpt = converted
     with ocp.StandardCheckpointer() as ck:

@@ -28,12 +28,12 @@ import numpy as np
 
 from ...checkpoint import Checkpoint
 from ...format.manifest import PARAM_SLOT, STEP_SLOT
-from ...llama_config import config_from_checkpoint
+from ...llama_config import LlamaConfig, config_from_checkpoint
 from ...mapping.slot_names import VALUE_SLOT
 from ...util.dtypes import np_dtype
 from ..common.destination import not_over_source
 from ..common.orbax_write import save_tree
-from .layout import MaxTextFormatError, MaxTextModel, layer_index, row_blocks
+from .layout import LLAMA31_SCALING, MaxTextFormatError, MaxTextModel, layer_index, row_blocks
 
 BLOCK_BYTES = 32 << 20
 MOMENTS = {"exp_avg": "mu", "exp_avg_sq": "nu"}
@@ -146,6 +146,26 @@ def maxtext_state(
     return state
 
 
+def _rope_type(cfg: LlamaConfig, rope: str | None, where: str) -> str:
+    """MaxText's ``rope_type`` computing the model's RoPE: ``llama3.1`` for Llama 3.1's scaling
+    (MaxText's only one), ``default`` for none; `rope`, if given, must be that one."""
+    scaling = dict(cfg.rope_scaling)
+    if scaling and scaling != dict(LLAMA31_SCALING):
+        raise MaxTextFormatError(
+            f"{where}: the model's RoPE scaling {scaling} is not Llama 3.1's "
+            f"{dict(LLAMA31_SCALING)}, the one MaxText's llama3.1 rope computes; MaxText would "
+            "run it unscaled"
+        )
+    own = "llama3.1" if scaling else "default"
+    if rope is not None and rope != own:
+        raise MaxTextFormatError(
+            f"{where}: rope={rope!r} (--rope), but the model's RoPE is "
+            + ("Llama 3.1's scaled one" if scaling else "unscaled")
+            + f": MaxText would compute another model; leave it out (the model's is {own!r})"
+        )
+    return own
+
+
 def export_maxtext(
     src: Any,
     dst: Any,
@@ -165,7 +185,8 @@ def export_maxtext(
         dst: MaxText's checkpoint folder (``<base_output_directory>/<run_name>/checkpoints``).
         scan_layers: the layers stacked (MaxText's ``scan_layers``, default True) or not.
         step_dir: the step folder to write (default: the checkpoint's step minus one).
-        rope: MaxText's ``rope_type`` (default: the MaxText source's, else ``default``).
+        rope: MaxText's ``rope_type`` (default: the model's: ``llama3.1`` for Llama 3.1's RoPE
+            scaling, else ``default``); one the model does not compute is refused.
         query_scaled: fold ``1/sqrt(head_dim)`` into the query kernel (default: the MaxText
             source's, else True as MaxText's llama2 block expects).
         params_only: write only ``params`` (for ``load_parameters_path``), no optimizer state.
@@ -176,7 +197,8 @@ def export_maxtext(
 
     Raises:
         HFConfigError: the checkpoint records no model config.
-        MaxTextFormatError: not a dense Llama MaxText can hold, or no Adam moments.
+        MaxTextFormatError: not a dense Llama MaxText can hold (a RoPE scaling other than Llama
+            3.1's, a `rope` the model does not compute), or no Adam moments.
         FileExistsError: the step folder exists and ``overwrite`` is not set.
     """
     ck = src if isinstance(src, Checkpoint) else Checkpoint(src)
@@ -184,7 +206,7 @@ def export_maxtext(
     cfg = config_from_checkpoint(ck)
     mt = (ck.manifest.extra or {}).get("maxtext") if isinstance(ck.manifest.extra, dict) else None
     mt = mt if isinstance(mt, dict) else {}
-    rope = rope or str(mt.get("rope", "default"))
+    rope = _rope_type(cfg, rope, ck.path)
     if query_scaled is None:
         query_scaled = bool(mt.get("query_scaled", True))
     model = MaxTextModel(cfg, scan_layers, rope, query_scaled)
