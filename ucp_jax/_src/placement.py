@@ -10,7 +10,7 @@ next; at most `budget` bytes of pinned staging are held, the oldest transfers wa
 >>> import numpy as np, jax
 >>> from jax.sharding import SingleDeviceSharding
 >>> placer = Placer(budget=1 << 20, mode="pinned_host")
->>> a = placer.place((2,), SingleDeviceSharding(jax.devices()[0]), lambda index: np.ones(2))
+>>> a = placer.place((2,), SingleDeviceSharding(jax.devices()[0]), lambda i: np.ones(2), np.float64)
 >>> placer.finish(); (a.sharding.memory_kind, float(a.sum()))
 ('device', 2.0)
 """
@@ -88,13 +88,21 @@ class Placer:
         )
 
     def place(
-        self, shape: tuple[int, ...], sharding: Any, host_of: Callable[[Any], np.ndarray]
+        self,
+        shape: tuple[int, ...],
+        sharding: Any,
+        host_of: Callable[[Any], np.ndarray],
+        dtype: Any,
     ) -> jax.Array:
-        """The global array of `shape` on `sharding`, each shard from `host_of(index)`."""
+        """The global array of `shape` and `dtype` on `sharding`, each shard from
+        `host_of(index)` (none where the sharding has no device of this process: a pipeline
+        stage's leaf on another process's devices; JAX then needs the dtype)."""
         kind = staging_memory(sharding, self.mode)
         if kind is None:
-            return jax.make_array_from_callback(shape, sharding, host_of)
-        staged = jax.make_array_from_callback(shape, sharding.with_memory_kind(kind), host_of)
+            return jax.make_array_from_callback(shape, sharding, host_of, dtype=dtype)
+        staged = jax.make_array_from_callback(
+            shape, sharding.with_memory_kind(kind), host_of, dtype=dtype
+        )
         out = jax.device_put(staged, sharding.with_memory_kind("device"))
         nbytes = sum(s.data.nbytes for s in staged.addressable_shards)
         self.staged_bytes += nbytes

@@ -482,7 +482,9 @@ def _place(r: ResolvedLeaf, hosts: dict[Any, np.ndarray], placer: Placer) -> Any
     """The leaf's global array, each device's shard from its host region."""
     b = r.binding
     assert b.sharding is not None
-    return placer.place(b.shape, b.sharding, lambda index: hosts[index_to_box(index, b.shape)])
+    return placer.place(
+        b.shape, b.sharding, lambda index: hosts[index_to_box(index, b.shape)], b.dtype
+    )
 
 
 def _result(ckpt: Checkpoint, b: LeafBinding, atom: str | None, fut: Any) -> Any:
