@@ -11,9 +11,11 @@ The names that need JAX (save, restore, targets, ...) and the submodules `orbax`
 `ucp inspect`) start without importing JAX.
 """
 
-from typing import TYPE_CHECKING
+import typing as _typing
 
+from ._src.errors import ArgumentError as ArgumentError
 from ._src.errors import ChecksumError as ChecksumError
+from ._src.errors import DestinationExistsError as DestinationExistsError
 from ._src.errors import DeviceCountError as DeviceCountError
 from ._src.errors import FormatVersionError as FormatVersionError
 from ._src.errors import HostMemoryError as HostMemoryError
@@ -41,10 +43,13 @@ from ._src.mapping.patterns import Transposed as Transposed
 from ._src.mapping.patterns import VocabPadded as VocabPadded
 from ._src.mapping.rename import Renamed as Renamed
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
+    from . import memory as memory
+    from . import orbax as orbax
+    from . import torch as torch
     from ._src.checkpoint import Checkpoint as Checkpoint
     from ._src.checkpoint import list_checkpoints as list_checkpoints
-    from ._src.checkpoint import open_checkpoint as open  # noqa: F401  (contract name: ucp.open)
+    from ._src.checkpoint import open_checkpoint as open
     from ._src.format.removal import delete_checkpoint as delete_checkpoint
     from ._src.format.store import Location as Location
     from ._src.frameworks.common.orbax_source import OrbaxImportError as OrbaxImportError
@@ -89,18 +94,35 @@ _LAZY = {
 _SUBMODULES = ("orbax", "torch", "memory")
 
 
-def __getattr__(name: str):  # PEP 562: JAX and torch are imported on first use
-    import importlib
+if not _typing.TYPE_CHECKING:  # (a type checker sees the names above; a misspelt one is an error)
 
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module, __name__), attr)
-        globals()[name] = value
-        return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str) -> _typing.Any:  # PEP 562: JAX and torch imported on first use
+        import importlib
+
+        if name in _LAZY:
+            module, attr = _LAZY[name]
+            value = getattr(importlib.import_module(module, __name__), attr)
+            globals()[name] = value
+            return value
+        if name in _SUBMODULES:
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+    return sorted({*(n for n in globals() if not n.startswith("_")), *_LAZY, *_SUBMODULES})
+
+
+# every public name (a type checker takes `open`, imported under another name, as exported)
+__all__ = [
+    "ArgumentError", "AtomInfo", "Averaged", "Checkpoint", "ChecksumError",
+    "DestinationExistsError", "DeviceCountError", "FormatVersionError", "Fused", "HostMemoryError",
+    "LimitError", "Location", "MismatchError", "NotACheckpointError", "OrbaxImportError",
+    "Partitioned", "Pattern", "PatternError", "ReadStats", "Renamed", "Replicated",
+    "RestorePlan", "RestorePlanError", "SaveHandle", "SlotInfo", "Stacked", "StorageFullError",
+    "StoreError", "StoreUnreachableError", "Transposed", "UcpError", "UnsafePathError",
+    "VocabPadded", "WriterConflictError", "__version__", "async_save", "delete_checkpoint",
+    "export_maxtext", "export_orbax", "import_maxtext", "import_orbax", "last_read_stats",
+    "list_checkpoints", "make_mesh", "memory", "open", "orbax", "plan", "restore", "save",
+    "targets", "torch",
+]  # fmt: skip

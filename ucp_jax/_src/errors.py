@@ -126,5 +126,10 @@ class ArgumentError(UcpError, ValueError):
     """An argument asks for what the operation cannot do (a dtype a model cannot take, ...)."""
 
 
+class DestinationExistsError(UcpError, FileExistsError):
+    """The destination of a save, import or export holds a checkpoint or files already: pass
+    ``overwrite=True`` (``--overwrite``) or choose another."""
+
+
 class UnsafePickleError(UcpError, pickle.UnpicklingError):
     """A torch file asks for a global that is not on the allow-list; nothing of it was run."""

@@ -253,8 +253,13 @@ def _bounded(n: int, key: str, where: str, limit: int = MAX_LAYERS) -> int:
 
 
 def _get(
-    cfg: Mapping[str, Any], key: str, kind: type, where: str, default: Any = ...,
-    *, null: bool = False,
+    cfg: Mapping[str, Any],
+    key: str,
+    kind: type,
+    where: str,
+    default: Any = ...,
+    *,
+    null: bool = False,
 ) -> Any:
     """`cfg[key]` checked to be a `kind` (a positive one for numbers), else `default` when the
     key is missing (`...`: required); None where the default is None or `null` allows it (a

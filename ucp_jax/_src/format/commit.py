@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, DestinationExistsError
 from ..util.libc import exchange
 from . import aggregate, index, integrity, space, writers
 from .durable import fsync_dir
@@ -131,7 +131,7 @@ class Staging:
         if marker is not None:
             with contextlib.suppress(Exception):  # (the refusal below is what matters)
                 index.heal(self.final, marker)
-            raise FileExistsError(
+            raise DestinationExistsError(
                 f"{self.final.url} already holds a committed checkpoint; pass overwrite=True "
                 "(--overwrite) or save to a new path"
             )
@@ -214,7 +214,7 @@ class Staging:
                 os.rmdir(final)
         if os.path.exists(final):
             if not self.overwrite:
-                raise FileExistsError(f"{final} appeared during the save; not replacing it")
+                raise DestinationExistsError(f"{final} appeared during the save; not replacing it")
             if exchange(self.target.local_path, final):  # readers find the old or the new
                 shutil.rmtree(self.target.local_path, ignore_errors=True)  # now the old one
                 fsync_dir(os.path.dirname(final))
@@ -241,7 +241,7 @@ def _check_local_folder(final: str, overwrite: bool) -> None:
     if not os.path.lexists(final):
         return
     if not os.path.isdir(final) or os.path.islink(final):
-        raise FileExistsError(
+        raise DestinationExistsError(
             f"{final} is a file, not a checkpoint folder; save to another path (a checkpoint is "
             "a folder)"
         )
@@ -254,7 +254,7 @@ def _check_local_folder(final: str, overwrite: bool) -> None:
     if COMMIT in names:
         return  # a checkpoint: the COMMIT check decides
     if not overwrite:
-        raise FileExistsError(
+        raise DestinationExistsError(
             f"{final} holds an unfinished checkpoint (no COMMIT: a save that was stopped); pass "
             "overwrite=True to replace it, or save to a new path"
         )
@@ -273,7 +273,7 @@ def _refuse_foreign(where: str, names: Any, what: str, replaced: str) -> None:
     object-store path) that no save writes."""
     foreign = sorted(n for n in names if not checkpoint_entry(n))
     if foreign:
-        raise FileExistsError(
+        raise DestinationExistsError(
             f"{where} holds {what} that are not a checkpoint's ({foreign[:3]}"
             f"{', ...' if len(foreign) > 3 else ''}); a save replaces {replaced}, so it "
             f"refuses, even with overwrite=True: save to a new path, or move those {what}"

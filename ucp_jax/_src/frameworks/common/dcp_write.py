@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ...errors import DestinationExistsError
 from .progress import Progress
 
 
@@ -61,7 +62,9 @@ def write_dcp(
 
     dst = os.path.abspath(os.fspath(dst))
     if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+        raise DestinationExistsError(
+            f"{dst} exists; pass overwrite=True (--overwrite) to replace it"
+        )
     lazy = {k: v for k, v in entries.items() if isinstance(v, LazyTensor)}
     bar = Progress(progress, sum(v.nbytes for v in lazy.values()), what)
 

@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+from ...errors import DestinationExistsError
 from .orbax_source import local_folder
 
 LAYOUTS = ("item", "manager", "v1")
@@ -26,7 +27,9 @@ LAYOUTS = ("item", "manager", "v1")
 def _clear(path: str, overwrite: bool, what: str) -> None:
     if os.path.lexists(path):
         if not overwrite:
-            raise FileExistsError(f"{path} exists ({what}); pass overwrite=True (--overwrite)")
+            raise DestinationExistsError(
+                f"{path} exists ({what}); pass overwrite=True (--overwrite)"
+            )
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:

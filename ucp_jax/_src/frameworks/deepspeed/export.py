@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ...checkpoint import Checkpoint
-from ...errors import MismatchError
+from ...errors import DestinationExistsError, MismatchError
 from ...format import space
 from ...format.manifest import PARAM_SLOT, STEP_SLOT
 from ...mapping.patterns import Partitioned, VocabPadded, chain_from_json
@@ -97,7 +97,7 @@ def export_deepspeed_universal(
     src = (ck.manifest.source or {}).get("deepspeed") or {}
     stacks = _expert_stacks(params, _ep_of(expert_parallel, src))
     if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(
+        raise DestinationExistsError(
             f"{dst} exists; pass overwrite=True (--overwrite) or export to a new folder"
         )
     largest = max((ck.atoms[a].nbytes for a in params), default=0)  # a whole atom, as fp32 too

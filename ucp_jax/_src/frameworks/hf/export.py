@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ...checkpoint import Checkpoint
-from ...errors import MismatchError
+from ...errors import DestinationExistsError, MismatchError
 from ...format import space
 from ...format.manifest import PARAM_SLOT
 from ...llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
@@ -226,7 +226,7 @@ def write_folder(
     """
     dst = os.path.abspath(os.fspath(dst))
     if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(
+        raise DestinationExistsError(
             f"{dst} exists; pass overwrite=True (--overwrite) or export to a new folder"
         )
     for t in tensors:

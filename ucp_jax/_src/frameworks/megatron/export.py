@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ...checkpoint import Checkpoint
-from ...errors import UcpError
+from ...errors import DestinationExistsError, UcpError
 from ...format import space
 from ...llama_config import LlamaConfig, config_from_checkpoint
 from ..common.destination import local_destination, not_over_source
@@ -312,7 +312,9 @@ def export_megatron(
     vp = padded_vocab or meg.get("padded_vocab") or -(-cfg.vocab_size // 128) * 128
     dst = os.fspath(dst)
     if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+        raise DestinationExistsError(
+            f"{dst} exists; pass overwrite=True (--overwrite) to replace it"
+        )
     total = sum(a.nbytes for a in ck.atoms.values())  # the whole state dict is built in memory
     space.require_memory(2 * total, f"{dst}: the export", space.EXPORT_FIX)
     step = ck.step or 0
