@@ -239,17 +239,20 @@ def test_sigterm_work_that_does_not_finish_is_cut_off_after_the_grace(tmp_path):
     assert ucp.open(tmp_path / "final").step == 2  # the save beside it was not held up
 
 
-def test_a_job_ending_without_waiting_commits_its_save_and_persist(tmp_path):
+@pytest.mark.parametrize("end", ["return", "shutdown"])
+def test_a_job_ending_without_waiting_commits_its_save_and_persist(tmp_path, end):
     """Two jax.distributed processes return right after an `async_save` and a snapshot that
-    persists: both checkpoints are committed before the processes exit (the exit hooks run while
-    the coordination service is still up), and no process reports an error."""
+    persists (or call `jax.distributed.shutdown()` then): both checkpoints are committed before
+    the job's coordination ends (the exit hooks run while the coordination service is still up;
+    a shutdown finishes them first), and no process reports an error."""
     from pathlib import Path
 
     import numpy as np
     from mp.runner import run_job
 
     worker = Path(__file__).parent / "mp" / "exit_worker.py"
-    outs = run_job(lambda i, addr: [str(worker), str(i), "2", addr, str(tmp_path)], 2, 300, 2)
+    args = [str(tmp_path)] + ([end] if end == "shutdown" else [])
+    outs = run_job(lambda i, addr: [str(worker), str(i), "2", addr, *args], 2, 300, 2)
     for out, err in outs:
         assert "returning" in out and "ucp_jax:" not in err, err
     full = np.arange(1024 * 256, dtype=np.float32).reshape(1024, 256)
@@ -257,6 +260,26 @@ def test_a_job_ending_without_waiting_commits_its_save_and_persist(tmp_path):
         ck = ucp.open(path)
         assert ck.step == 2
         np.testing.assert_array_equal(ck.read("x"), full)
+
+
+def test_a_background_save_failing_at_exit_ends_the_process_with_status_1(tmp_path):
+    """A script returning with an `async_save` in flight that then fails: its error is printed
+    and the process exits 1 (it exited 0, so a scheduler counted a job whose last checkpoint was
+    lost as a success)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import numpy as np\nimport ucp_jax as ucp\nfrom ucp_jax._src import save\n"
+        "def failing(self, host):\n    raise OSError('the disk caught fire')\n"
+        "save.SaveJob.write = failing\n"
+        f"ucp.async_save({str(tmp_path / 'ck')!r}, {{'w': np.ones(3)}}, step=1)\n"
+        "print('returning', flush=True)\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, (run.returncode, run.stderr)
+    assert "returning" in run.stdout and "the disk caught fire" in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
+import contextlib
 import logging
 import os
 import signal
@@ -32,18 +33,24 @@ log = logging.getLogger("ucp_jax")
 
 
 def finish_before_exit(fn: Callable[[], None], what: str) -> None:
-    """Run `fn` when the interpreter exits, while thread pools still take work.
+    """Run `fn` when the interpreter exits, while thread pools still take work, and before
+    `jax.distributed.shutdown()` once work has started (`finish_on_sigterm`).
 
-    An error is printed to stderr, prefixed with `what`, and does not stop the other hooks.
+    An error is printed to stderr, prefixed with `what`, does not stop the other hooks, and
+    makes the process exit with status 1 (a job whose last checkpoint was lost must not end as
+    a success).
 
     >>> finish_before_exit(lambda: None, "nothing to finish")
     """
+    _BEFORE_SHUTDOWN[what] = fn
 
     def hook() -> None:
+        global _FAILED
         try:
             fn()
         except BaseException as e:
             print(f"ucp_jax: {what}: {e}", file=sys.stderr)
+            _FAILED = True
 
     register = getattr(threading, "_register_atexit", None)  # CPython 3.9+; private
     if register is None:  # another interpreter: the plain hook, late as it may be
@@ -63,6 +70,7 @@ def finish_on_sigterm(fn: Callable[[], None], what: str) -> bool:
     The work runs on a thread of its own, for at most `UCP_SIGTERM_GRACE_S` (the main thread,
     where the handler runs, may have been stopped holding a lock that work needs).
     """
+    _finish_before_shutdown()  # (work starts: JAX is imported by now)
     current = signal.getsignal(signal.SIGTERM)
     ours = current is _on_sigterm
     if not ours:  # ours only where the default action would end the process
@@ -81,6 +89,50 @@ def finish_on_sigterm(fn: Callable[[], None], what: str) -> bool:
     if not ours:
         signal.signal(signal.SIGTERM, _on_sigterm)
     return True
+
+
+_BEFORE_SHUTDOWN: dict[str, Callable[[], None]] = {}
+_FAILED = False  # work finished at exit failed: the process exits with status 1
+
+
+def _exit_status() -> None:
+    """The last exit hook (registered first): status 1 where work finished at exit failed
+    (`os._exit` skips the hooks registered before ucp_jax was imported: logging is flushed)."""
+    if _FAILED:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+
+atexit.register(_exit_status)
+
+
+def _finish_before_shutdown() -> None:
+    """Finish the work of `finish_before_exit` when `jax.distributed.shutdown()` is called (a
+    distributed script's usual last line): a multi-process save needs the coordination service
+    for its last barriers, and after the shutdown they failed, the checkpoint lost, while the
+    process exited 0. The work's error is raised from the shutdown, after it ran."""
+    distributed = sys.modules.get("jax._src.distributed")  # (none: no job, and no JAX import)
+    state = getattr(distributed, "global_state", None)  # (moved: the exit hooks still run)
+    original = getattr(state, "shutdown", None)
+    if state is None or original is None or getattr(original, "_ucp_finishes", False):
+        return
+
+    def shutdown() -> None:
+        errors: list[BaseException] = []
+        for fn in list(_BEFORE_SHUTDOWN.values()):
+            try:
+                fn()
+            except BaseException as e:  # (the job is still shut down, then it is raised)
+                errors.append(e)
+        original()
+        if errors:
+            raise errors[0]
+
+    shutdown._ucp_finishes = True  # type: ignore[attr-defined]
+    state.shutdown = shutdown
 
 
 _SIGTERM_WORK: dict[str, Callable[[], None]] = {}
