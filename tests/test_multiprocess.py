@@ -110,3 +110,21 @@ def test_each_process_wrote_only_its_own_shards(job, name):
         path = ck.atoms["dense.kernel"].slots[slot].path
         rows = [sorted({box[0][0] for box in rec["written"][path]}) for rec in recs]
         assert rows == [[0], [8]], f"{path}: process row offsets {rows}"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_save_failing_on_one_process_stops_the_others_at_once(tmp_path, mode):
+    """Process 1's writes fail (a full disk): process 1 raises its StorageFullError, process 0 stops at
+    its next barrier with AnotherProcessFailedError naming process 1 and the error (it waited
+    out the barrier timeout, 30 minutes by default, and then raised JAX's DEADLINE_EXCEEDED);
+    nothing is committed. The workers' barrier timeout is 120 s: a few seconds means no wait."""
+    worker = Path(__file__).parent / "mp" / "fail_worker.py"
+    outs = run_job(lambda i, addr: [str(worker), str(i), addr, str(tmp_path), mode], 2, 200)
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert got[1]["error"] == "StorageFullError" and "injected on process 1" in got[1]["message"]
+    # several processes wrote the partial files: the next save removes them (it said removed)
+    assert "stay until the next save to this path removes them" in got[1]["message"], got[1]
+    assert got[0]["error"] == "AnotherProcessFailedError", got[0]
+    assert "process 1 failed" in got[0]["message"] and "StorageFullError" in got[0]["message"]
+    assert max(g["seconds"] for g in got) < 60, got
+    assert ucp.list_checkpoints(tmp_path) == []

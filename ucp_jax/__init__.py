@@ -13,6 +13,7 @@ The names that need JAX (save, restore, targets, ...) and the submodules `orbax`
 
 import typing as _typing
 
+from ._src.errors import AnotherProcessFailedError as AnotherProcessFailedError
 from ._src.errors import ArgumentError as ArgumentError
 from ._src.errors import ChecksumError as ChecksumError
 from ._src.errors import DestinationExistsError as DestinationExistsError
@@ -115,7 +116,7 @@ def __dir__() -> list[str]:
 
 # every public name (a type checker takes `open`, imported under another name, as exported)
 __all__ = [
-    "ArgumentError", "AtomInfo", "Averaged", "Checkpoint", "ChecksumError",
+    "AnotherProcessFailedError", "ArgumentError", "AtomInfo", "Averaged", "Checkpoint", "ChecksumError",
     "DestinationExistsError", "DeviceCountError", "FormatVersionError", "Fused", "HostMemoryError",
     "LimitError", "Location", "MismatchError", "NotACheckpointError", "OrbaxImportError",
     "Partitioned", "Pattern", "PatternError", "ReadStats", "Renamed", "Replicated",

@@ -95,6 +95,11 @@ class WriterConflictError(UcpError):
     folder or bucket path); this save stopped without committing anything."""
 
 
+class AnotherProcessFailedError(UcpError, RuntimeError):
+    """Another process of the job failed during a save all of them make (its error is in the
+    message); this process stopped with it, and nothing was committed."""
+
+
 class DeviceCountError(UcpError, ValueError):
     """A mesh or parallel layout needs more devices than there are: `needed` and `available` say
     how many (restore onto a layout that fits, or run with more devices)."""

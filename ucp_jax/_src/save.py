@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .errors import AnotherProcessFailedError
 from .format import (
     aggregate,
     commit,
@@ -36,7 +37,7 @@ from .save_plan import SavePlan
 from .util import config
 from .util.dtypes import zarr_dtype
 from .util.inflight import InflightWindow
-from .util.sync import barrier
+from .util.sync import Rendezvous
 
 log = logging.getLogger("ucp_jax")
 _PADDING_WARNED: set[str] = set()  # leaves whose padding held values (logged once a process)
@@ -273,11 +274,23 @@ class SaveJob:
         StoreError), for every caller: `save`, `async_save`, the Orbax handlers, the memory
         tier's persist."""
         alone = jax.process_count() == 1
+        self._rendezvous = Rendezvous(
+            self.tag, ["created", "written", "committed"], AnotherProcessFailedError
+        )
         try:
-            with commit.failing_cleanly(self.staging, self.loc, alone=alone):
-                self._write_aggregated(host) if self.aggregated else self._write_per_array(host)
-        except (ValueError, NotImplementedError) as e:
-            remote.raise_translated(e, self.loc.kvstore, "the save's writes", writing=True)
+            try:
+                with commit.failing_cleanly(self.staging, self.loc, alone=alone):
+                    if self.aggregated:
+                        self._write_aggregated(host)
+                    else:
+                        self._write_per_array(host)
+            except (ValueError, NotImplementedError) as e:
+                remote.raise_translated(e, self.loc.kvstore, "the save's writes", writing=True)
+        except (
+            BaseException
+        ) as e:  # said as the user sees it; the others stop at their next barrier
+            self._rendezvous.fail(e)
+            raise
 
     def _write_per_array(self, host: Sequence[np.ndarray] | None) -> None:
         if jax.process_index() == 0:
@@ -289,7 +302,7 @@ class SaveJob:
             arrays = {k: f.result() for k, f in creating.items()}
         else:
             arrays = {}
-        barrier(self.tag + "-created")
+        self._rendezvous.wait("created")
         for key, (shape, info) in self.slots.items():
             if key not in arrays:
                 arrays[key] = store.open_array(self.staging.target, shape, info, write=True)
@@ -344,7 +357,7 @@ class SaveJob:
             for f in futs:
                 f.result()  # recorded in the transaction
             txn.commit_async().result()
-        barrier(self.tag + "-created")
+        self._rendezvous.wait("created")
         arrays = _Handles(db, self.slots)  # opened where a write goes through TensorStore
         written: dict[SlotInfo, set[str]] = {}
         in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
@@ -437,10 +450,10 @@ class SaveJob:
             self.staging.still_ours()
 
     def _commit(self) -> None:
-        barrier(self.tag + "-written")
+        self._rendezvous.wait("written")
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)
-        barrier(self.tag + "-committed")
+        self._rendezvous.wait("committed")
 
 
 def transaction_bytes(share: int, budget: int, *, local: bool = True) -> int:

@@ -289,7 +289,7 @@ def failing_cleanly(staging: Any, dest: Location, *, alone: bool) -> Iterator[No
         yield
     except BaseException as e:
         why: BaseException | None = space.full_error(
-            e, dest, "the checkpoint", "earlier checkpoints are intact"
+            e, dest, "the checkpoint", "earlier checkpoints are intact", removed=alone
         )
         with contextlib.suppress(Exception):
             if alone and hasattr(staging, "abandon"):

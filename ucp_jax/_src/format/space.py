@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import HostMemoryError, StorageFullError
+from ..errors import AnotherProcessFailedError, HostMemoryError, StorageFullError
 
 _CODES = (errno.ENOSPC, errno.EDQUOT)
 EXPORT_FIX = "free host memory or raise the limit (exports hold a block of a tensor at a time)"
@@ -79,7 +79,9 @@ def _usage(path: str) -> str:
     return f"{u.free / mib:.1f} MiB of {u.total / mib:.1f} MiB free on {mount} now"
 
 
-def full_error(e: BaseException, dest: Any, what: str, kept: str) -> StorageFullError | None:
+def full_error(
+    e: BaseException, dest: Any, what: str, kept: str, *, removed: bool = True
+) -> StorageFullError | None:
     """A StorageFullError for `e` if it says the storage is full (or, an OSError or RuntimeError
     that says nothing of why, if the local destination is nearly full), else None. Call it before
     the partial files are removed.
@@ -88,9 +90,13 @@ def full_error(e: BaseException, dest: Any, what: str, kept: str) -> StorageFull
         dest: the destination (a local path, a URL or a Location), named in the message.
         what: what was being written ("the checkpoint", "the export").
         kept: what the user still has ("earlier checkpoints are intact").
+        removed: the partial files are removed (False: several processes wrote them, and the
+            next save to the path removes them).
     """
     if isinstance(e, StorageFullError):
         return e
+    if isinstance(e, AnotherProcessFailedError):  # (its message may quote the other's full disk)
+        return None
     url = getattr(dest, "url", None) or os.fspath(dest)
     local = getattr(dest, "local_path", None) if hasattr(dest, "url") else url
     if local is not None and "://" in local:
@@ -101,8 +107,14 @@ def full_error(e: BaseException, dest: Any, what: str, kept: str) -> StorageFull
     where = _usage(local) if local is not None else "the store"
     err = StorageFullError(
         f"{url}: the disk is full (no space left on the device; {where}) while writing {what}; "
-        f"nothing was committed and the partial files were removed, {kept}: free space (delete "
-        f"old checkpoints, or keep fewer) or write elsewhere, then try again ({e})"
+        + (
+            "nothing was committed and the partial files were removed"
+            if removed
+            else "nothing was committed; the partial files (written by several "
+            "processes) stay until the next save to this path removes them"
+        )
+        + f", {kept}: free space (delete old checkpoints, or keep fewer) or write elsewhere, "
+        f"then try again ({e})"
     )
     err.errno = errno.ENOSPC
     return err

@@ -1,0 +1,56 @@
+"""One process of a 2-process job whose save fails on process 1 only (its writes raise, as a
+full disk's do): process 1 raises its error at once, and process 0 stops at its next barrier
+with `AnotherProcessFailedError` naming it, instead of waiting out the barrier timeout.
+
+Usage: fail_worker.py PROCESS_ID COORDINATOR OUT MODE (MODE: sync or async). Prints one JSON
+line: the error's class, its message and the seconds the save took to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def main() -> None:
+    pid, addr, out, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    jax.distributed.initialize(addr, num_processes=2, process_id=pid)
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import ucp_jax as ucp
+    from ucp_jax._src import save
+
+    if pid == 1:
+        regions = save.SaveJob._regions
+
+        def failing(self, host):  # type: ignore[no-untyped-def]
+            yield from []
+            raise OSError(28, "No space left on device (injected on process 1)")
+            yield from regions(self, host)  # (unreached: keeps it a generator of the same kind)
+
+        save.SaveJob._regions = failing  # type: ignore[method-assign]
+    mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    x = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")), lambda i: full[i])
+    t0 = time.monotonic()
+    try:
+        if mode == "async":
+            ucp.async_save(f"{out}/ck", {"x": x}, step=1).wait()
+        else:
+            ucp.save(f"{out}/ck", {"x": x}, step=1)
+        got = {"error": None}
+    except Exception as e:
+        got = {"error": type(e).__name__, "message": str(e)}
+    got["seconds"] = time.monotonic() - t0
+    print(json.dumps(got), flush=True)
+
+
+if __name__ == "__main__":
+    main()
