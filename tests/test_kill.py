@@ -102,14 +102,14 @@ def _fail_midwrite(monkeypatch: pytest.MonkeyPatch, after: int = 3) -> None:
 
 def _fail_before_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     """The next save raises after every region is written, before the manifest and COMMIT."""
-    barrier = save_mod.barrier
+    wait = save_mod.Rendezvous.wait
 
-    def failing(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if name.endswith("-written"):
+    def failing(self, name: str):  # type: ignore[no-untyped-def]
+        if name == "written":
             raise Injected("lost the job")
-        return barrier(name, *args, **kwargs)
+        return wait(self, name)
 
-    monkeypatch.setattr(save_mod, "barrier", failing)
+    monkeypatch.setattr(save_mod.Rendezvous, "wait", failing)
 
 
 def _stored_keys(root: str, name: str) -> list[str]:

@@ -95,7 +95,8 @@ def test_placer_holds_at_most_its_budget():
     placer = Placer(budget=4 * 1024, mode="pinned_host")
     dev = SingleDeviceSharding(jax.devices()[0])
     outs = [
-        placer.place((256,), dev, lambda index, i=i: np.full(256, i, np.float32)) for i in range(10)
+        placer.place((256,), dev, lambda index, i=i: np.full(256, i, np.float32), np.float32)
+        for i in range(10)
     ]
     assert placer._held <= 4 * 1024 + 1024  # one array over at most
     placer.finish()
