@@ -628,6 +628,32 @@ def test_unreachable_gcs_emulator_fails_within_the_bound(monkeypatch):
         stop.set()
 
 
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_a_refused_endpoint_fails_in_a_second_not_at_the_deadline(kind, monkeypatch):
+    """An emulator or S3 server that is down (nothing listens at its port): the first read of
+    ucp.open / restore / list_checkpoints waited out UCP_STORE_TIMEOUT_S (60 s) and advised
+    raising it; it fails after a second now, saying the connection was refused."""
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("UCP_STORE_TIMEOUT_S", "30")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    if kind == "gcs":
+        monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"127.0.0.1:{port}")
+        url = f"gs://{BUCKET}/z"
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+        url = f"s3://{BUCKET}/z"
+    for call in (lambda: ucp.open(f"{url}/step_1"), lambda: ucp.list_checkpoints(url)):
+        t0 = time.monotonic()
+        with pytest.raises(
+            ucp.StoreUnreachableError, match=f"connection refused at 127.0.0.1:{port}"
+        ) as err:
+            call()
+        assert time.monotonic() - t0 < 10
+        assert "UCP_STORE_TIMEOUT_S" not in str(err.value)
+
+
 def test_s3_checkpoints_at_the_top_of_a_bucket(s3):
     """Checkpoints saved at a bucket's top are listed from its URL (with or without a slash)
     and its spec, in step order; deleting one leaves the others."""

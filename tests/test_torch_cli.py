@@ -45,6 +45,7 @@ def test_convert_safetensors_and_dcp(tmp_path, capsys):
     assert (
         main(["convert", "safetensors", str(tmp_path / "m.safetensors"), str(tmp_path / "s")]) == 0
     )
+    assert ", no step, in " in capsys.readouterr().out  # (it printed "step None")
     np.testing.assert_array_equal(ucp.open(tmp_path / "s").read("w"), np.arange(6.0).reshape(2, 3))
     import torch.distributed.checkpoint as dcp
 
@@ -52,6 +53,26 @@ def test_convert_safetensors_and_dcp(tmp_path, capsys):
         dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=tmp_path / "d", no_dist=True)
     assert main(["convert", "dcp", str(tmp_path / "d"), str(tmp_path / "u")]) == 0
     np.testing.assert_array_equal(ucp.open(tmp_path / "u").read("w"), np.ones(4))
+
+
+@pytest.mark.parametrize("kind", ["hf", "safetensors", "dcp", "deepspeed", "megatron"])
+def test_a_convert_from_a_url_or_a_file_in_the_folder_says_what_to_pass(tmp_path, capsys, kind):
+    """A foreign source is a local folder: a URL said 'no such file', and a model folder's
+    config.json given for the folder said '.../config.json/config.json: Not a directory'."""
+    assert main(["convert", kind, "gs://bucket/model", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "gs://bucket/model: the " in err and "copy it from the store first" in err, err
+    if kind == "hf":
+        (tmp_path / "m").mkdir()
+        (tmp_path / "m" / "config.json").write_text("{}")
+        assert (
+            main(["convert", "hf", str(tmp_path / "m" / "config.json"), str(tmp_path / "o")]) == 1
+        )
+        err = capsys.readouterr().err
+        assert (
+            f"pass the model folder holding config.json and the weights ({tmp_path / 'm'})" in err
+        )
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("kind", ["hf", "deepspeed-universal", "dcp", "megatron", "torchtitan"])

@@ -9,7 +9,7 @@ from typing import Any
 from ..checkpoint import Checkpoint
 from ..util import config
 from ..util.libc import limit_malloc_arenas
-from .args import shard_size
+from .args import CliError, shard_size
 from .text import mib
 
 _FLOATS = "as float32, bfloat16 or float16 (fp32, bf16, fp16; default: as stored)"
@@ -36,7 +36,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--preset", default=None, help="map names/layouts onto a model (e.g. llama-demo)"
     )
-    p.add_argument("--dtype", default=None, help=f"store weights {_FLOATS} (or float64)")
+    p.add_argument("--dtype", default=None,
+                   help="store weights as float32, bfloat16, float16 or float64 (fp32, bf16, "
+                   "fp16; default: as stored)")  # fmt: skip
     p = kinds.add_parser(
         "hf", help="a Hugging Face Llama/Mistral/Qwen2/Mixtral folder (config.json)"
     )
@@ -172,6 +174,19 @@ def _run_torch_command(args: Any) -> int:
     import os
     import time
 
+    if args.cmd == "convert":
+        src = str(args.src)
+        if "://" in src and not src.startswith("file://"):
+            raise CliError(
+                f"{src}: the {args.kind} source is read from a local folder; copy it from the "
+                "store first (the universal checkpoint, DST, may be a URL)"
+            )
+        if args.kind == "hf" and os.path.isfile(src):
+            raise CliError(
+                f"{src}: a file; pass the model folder holding config.json and the weights "
+                f"({os.path.dirname(os.path.abspath(src))})"
+            )
+
     # the modules of ucp_jax._src.frameworks that serve the command, imported on demand
     modules = {"deepspeed": ("deepspeed.zero", "deepspeed.universal"), "safetensors": ("hf.safetensors",),
                "dcp": ("dcp.read",), "hf": ("hf.read",), "megatron": ("megatron.read",)}.get(args.kind, ("deepspeed.export",))  # fmt: skip
@@ -275,7 +290,8 @@ def _run_torch_command(args: Any) -> int:
     total = sum(a.nbytes for a in ck.atoms.values())
     only = (ck.manifest.source.get("torchtitan") or {}).get("model_only")
     print(
-        f"wrote {ck.path}: {len(ck.atoms)} atoms, {mib(total)} MiB, step {ck.step}, "
+        f"wrote {ck.path}: {len(ck.atoms)} atoms, {mib(total)} MiB, "
+        f"{'no step' if ck.step is None else f'step {ck.step}'}, "
         f"in {time.perf_counter() - t0:.2f} s{' (model only: no optimizer state)' if only else ''}"
     )
     return 0

@@ -17,7 +17,10 @@ import configparser
 import copy
 import json
 import os
+import socket
 import threading
+import time
+import urllib.parse
 from typing import Any, NoReturn
 
 from ..errors import StoreError, StoreUnreachableError, UcpError
@@ -283,9 +286,11 @@ def unreachable(spec: dict[str, Any], what: str, cause: str) -> StoreUnreachable
         if spec.get("driver") in ("gcs", "gcs_grpc")
         else "check the URL and the network"
     )
+    slow = ("" if cause.startswith("connection refused") else
+            f", or raise UCP_STORE_TIMEOUT_S (now {config.store_timeout_s():g} s) if it is only "
+            "slow")  # fmt: skip
     return StoreUnreachableError(
-        f"{describe(spec)}: the store did not answer {what} ({cause}); {hint}, or raise "
-        f"UCP_STORE_TIMEOUT_S (now {config.store_timeout_s():g} s) if it is only slow"
+        f"{describe(spec)}: the store did not answer {what} ({cause}); {hint}{slow}"
     )
 
 
@@ -365,13 +370,60 @@ def wait(future: Any, spec: dict[str, Any], what: str) -> Any:
         StoreError: the store refused (no such bucket, access denied, bad credentials).
     """
     timeout = config.store_timeout_s()
+    deadline = time.monotonic() + timeout
+    endpoint = _endpoint(spec)
     try:
-        return future.result(timeout=timeout)
+        if endpoint is not None:  # no answer in a second: is anything listening there?
+            try:
+                return future.result(timeout=min(REFUSED_CHECK_S, timeout))
+            except TimeoutError:
+                if (why := connection_refused(endpoint)) is not None:
+                    future.cancel()
+                    raise unreachable(spec, what, why) from None
+        return future.result(timeout=max(deadline - time.monotonic(), 0.0))
     except TimeoutError:
         future.cancel()
         raise unreachable(spec, what, f"no answer within {timeout:g} s") from None
     except (ValueError, NotImplementedError) as e:
         raise_translated(e, spec, what)
+
+
+REFUSED_CHECK_S = 1.0  # a first request unanswered this long: the endpoint's port is tried
+
+
+def _endpoint(spec: dict[str, Any]) -> str | None:
+    """The URL of a store's own endpoint (an S3-compatible server, a GCS emulator), or None for
+    the cloud's (whose address is no one port to try)."""
+    spec = bytes_store(spec)
+    if spec.get("driver") == "s3":
+        return spec.get("endpoint") or None
+    if spec.get("driver") in ("gcs", "gcs_grpc"):
+        return os.environ.get("TENSORSTORE_GCS_HTTP_URL") or None
+    return None
+
+
+def connection_refused(url: str) -> str | None:
+    """Why nothing answers at `url`'s host and port ("connection refused at ..."), or None when
+    a connection is made, or its failure says nothing certain (a timeout, a name not found).
+
+    >>> connection_refused("http://127.0.0.1:9")  # (the discard port: nothing listens)
+    'connection refused at 127.0.0.1:9 (nothing listens there)'
+    """
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    host = parts.hostname
+    if not host:
+        return None
+    try:
+        socket.create_connection((host, port), timeout=REFUSED_CHECK_S).close()
+    except ConnectionRefusedError:
+        return f"connection refused at {host}:{port} (nothing listens there)"
+    except OSError:
+        return None
+    return None
 
 
 def probe(kv: Any, spec: dict[str, Any]) -> None:
