@@ -359,3 +359,28 @@ def test_a_save_over_a_checkpoint_is_a_ucp_error(tmp_path):
     with pytest.raises(ucp.DestinationExistsError, match="pass overwrite=True") as e:
         ucp.save(tmp_path / "a", {"w": np.ones(3, np.float32)}, step=1)
     assert isinstance(e.value, ucp.UcpError) and isinstance(e.value, FileExistsError)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, "1GiB", True])
+def test_max_inflight_bytes_must_be_a_positive_int(tmp_path, bad):
+    """0, -5 and 2.5 were accepted as a bound (max(int(x), 1)); "1GiB" was a bare ValueError
+    of int() naming neither the argument nor the fix."""
+    tree = {"w": np.ones(3, np.float32)}
+    with pytest.raises(ucp.ArgumentError, match=r"save\(max_inflight_bytes="):
+        ucp.save(tmp_path / "a", tree, max_inflight_bytes=bad)
+    assert not (tmp_path / "a").exists()
+    ucp.save(tmp_path / "b", tree, max_inflight_bytes=1)
+    target = {"w": jax.ShapeDtypeStruct((3,), np.float32)}
+    with pytest.raises(ucp.ArgumentError, match=r"restore\(max_inflight_bytes=.*positive number"):
+        ucp.restore(tmp_path / "b", target, max_inflight_bytes=bad)
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_the_inflight_environment_variable_must_be_positive(monkeypatch, value):
+    from ucp_jax._src.util import config
+
+    monkeypatch.setenv("UCP_INFLIGHT_BYTES", value)
+    with pytest.raises(ValueError, match=f"UCP_INFLIGHT_BYTES={value}: .*at least 1"):
+        config.inflight_bytes()
+    monkeypatch.setenv("UCP_SNAPSHOT_DEVICE_COPIES", "false")  # off, as every switch's
+    assert config.snapshot_device_copies() is False

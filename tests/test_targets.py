@@ -87,3 +87,14 @@ def test_64_bit_host_scalars_get_host_targets_while_x64_is_off(tmp_path):
     assert_tree_bitexact(opt_state, opt.init(state))
     assert isinstance(ucp.targets({"a": np.zeros((8, 2))}, mesh_of((8,)), P("a"))[0]["a"],
                       jax.ShapeDtypeStruct)  # fmt: skip
+
+
+def test_make_mesh_says_the_sizes_must_use_every_device():
+    """Too many devices asked for: the fix said 'a product at most 8', and make_mesh then
+    refused data=2, tensor=2 (4 of 8); both errors now say the product must be the count."""
+    n = len(jax.devices())
+    with pytest.raises(ucp.DeviceCountError, match=f"choose sizes whose product is {n} "):
+        ucp.make_mesh(data=2 * n)
+    with pytest.raises(ValueError, match=f"choose sizes whose product is {n} .*devices= a subset"):
+        ucp.make_mesh(data=2, tensor=n // 4)
+    assert ucp.make_mesh(devices=jax.devices()[:2], data=2).size == 2

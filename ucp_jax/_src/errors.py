@@ -110,16 +110,35 @@ class DeviceCountError(UcpError, ValueError):
         self.available = available
 
 
-def check_device_count(what: str, needed: int, devices: list[Any]) -> None:
-    """Raise DeviceCountError unless `devices` holds at least `needed` devices for `what`."""
+def check_device_count(what: str, needed: int, devices: list[Any], fix: str | None = None) -> None:
+    """Raise DeviceCountError unless `devices` holds at least `needed` devices for `what`
+    (`fix`: what to do, default: sizes whose product is at most the devices available)."""
     if len(devices) < needed:
         kinds = sorted({d.platform for d in devices}) or ["none"]
+        fix = fix or f"choose sizes whose product is at most {len(devices)}"
         raise DeviceCountError(
             f"{what} needs {needed} devices, {len(devices)} available ({', '.join(kinds)}); "
-            f"choose sizes whose product is at most {len(devices)}, or run with more devices",
+            f"{fix}, or run with more devices",
             needed=needed,
             available=len(devices),
         )
+
+
+def check_inflight_bytes(value: Any, where: str) -> int | None:
+    """`max_inflight_bytes` as given: None (the default) or a positive int of bytes.
+
+    >>> check_inflight_bytes(1 << 20, "restore")
+    1048576
+
+    Raises:
+        ArgumentError: another value (0, a negative number, a float, "1GiB").
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise ArgumentError(
+        f"{where}(max_inflight_bytes={value!r}): expected a positive number of bytes (an int, "
+        "e.g. 1 << 30 for 1 GiB) or None for the default (UCP_INFLIGHT_BYTES, 1 GiB)"
+    )
 
 
 class HostMemoryError(UcpError, MemoryError):

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from .checkpoint import Checkpoint
-from .errors import MismatchError, PatternError, RestorePlanError
+from .errors import MismatchError, PatternError, RestorePlanError, check_inflight_bytes
 from .mapping.binding import LeafBinding, bind_state
 from .mapping.boxes import box_size, index_to_box
 from .mapping.rename import Renamed
@@ -151,6 +151,7 @@ def plan(
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     compiled = CompiledRules(rules) if rules else CompiledRules.from_json(ckpt.manifest.rules)
     pbind, obind = bind_state(params_target, opt_state_target, compiled)
+    max_inflight_bytes = check_inflight_bytes(max_inflight_bytes, "plan")
     budget = config.inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
     return build(ckpt, pbind + obind, compiled if rules else None, cast, budget)
 

@@ -12,7 +12,13 @@ import numpy as np
 import tensorstore as ts
 
 from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
-from .errors import ChecksumError, HostMemoryError, MismatchError, NotACheckpointError
+from .errors import (
+    ChecksumError,
+    HostMemoryError,
+    MismatchError,
+    NotACheckpointError,
+    check_inflight_bytes,
+)
 from .format import direct, read_batches, remote
 from .format.manifest import COMMIT, STEP_SLOT
 from .format.store import Location, wrap_io_error
@@ -180,6 +186,7 @@ def _restore(
     global _last_stats
     compiled = CompiledRules(rules) if rules else CompiledRules.from_json(ckpt.manifest.rules)
     pbind, obind = bind_state(params_target, opt_state_target, compiled)
+    max_inflight_bytes = check_inflight_bytes(max_inflight_bytes, "restore")
     budget = config.inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
     from .plan_report import build  # every problem in one error, before anything is read
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .errors import AnotherProcessFailedError
+from .errors import AnotherProcessFailedError, check_inflight_bytes
 from .format import (
     aggregate,
     commit,
@@ -112,9 +112,10 @@ class SaveJob:
         if staging is None:
             staging = commit.Staging(self.loc, overwrite=overwrite)
         self.staging = staging
+        max_inflight_bytes = check_inflight_bytes(max_inflight_bytes, "save")
         if max_inflight_bytes is None:
             max_inflight_bytes = config.inflight_bytes()
-        self.budget = max(int(max_inflight_bytes), 1)
+        self.budget = max_inflight_bytes
         self.seq = next(_SAVE_COUNTER)
         self.tag = f"ucp-save-{self.seq}-{zlib.crc32(self.loc.url.encode()):08x}"
         try:

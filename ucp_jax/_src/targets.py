@@ -44,11 +44,13 @@ def make_mesh(devices: Any = None, **axes: int) -> Mesh:
         if len(devs) % known:
             raise ValueError(f"make_mesh: {len(devs)} devices do not divide by {known}")
         sizes[free[0]] = len(devs) // known
-    check_device_count(f"make_mesh: axes {sizes}", math.prod(sizes.values()), devs)
+    fix = (f"choose sizes whose product is {len(devs)} (one may be -1: the rest), or pass "
+           "devices= a subset")  # fmt: skip
+    check_device_count(f"make_mesh: axes {sizes}", math.prod(sizes.values()), devs, fix)
     if math.prod(sizes.values()) != len(devs):
         raise ValueError(
             f"make_mesh: axes {sizes} make {math.prod(sizes.values())} devices but "
-            f"{len(devs)} are available; change the sizes or use -1 for one axis"
+            f"{len(devs)} are available; {fix}"
         )
     arr = np.array(devs, dtype=object).reshape(tuple(sizes.values()) or (1,))
     return Mesh(arr, tuple(sizes) or ("x",))

@@ -33,7 +33,13 @@ def inflight_bytes() -> int:
     >>> inflight_bytes() > 0
     True
     """
-    return int(_number("UCP_INFLIGHT_BYTES", GIB, int, "bytes"))
+    n = int(_number("UCP_INFLIGHT_BYTES", GIB, int, "bytes"))
+    if n < 1:
+        raise ValueError(
+            f"environment variable UCP_INFLIGHT_BYTES={n}: bytes in flight must be at least 1; "
+            f"unset it (default {GIB}) or give a positive size"
+        )
+    return n
 
 
 def save_layout() -> str:
@@ -131,7 +137,12 @@ def snapshot_device_copies() -> bool:
     >>> isinstance(snapshot_device_copies(), bool)
     True
     """
-    return os.environ.get("UCP_SNAPSHOT_DEVICE_COPIES", "0") not in ("", "0")
+    return os.environ.get("UCP_SNAPSHOT_DEVICE_COPIES", "0").strip().lower() not in (
+        "",
+        "0",
+        "false",
+        "no",
+    )  # (the off values of every switch: "false" had turned it on)
 
 
 def staging() -> str:
