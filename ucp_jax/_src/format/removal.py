@@ -46,8 +46,12 @@ def delete_checkpoint(path: Any) -> None:
         WriterConflictError: a save to that path is in progress.
         UnsafePathError: the local path is a symbolic link (its target is not removed).
 
-    >>> for old in ucp.list_checkpoints("/tmp/ckpt")[:-3]:  # doctest: +SKIP
-    ...     ucp.delete_checkpoint(old)
+    In a multi-process job, call it on one process (deleting is not a collective): two
+    processes deleting one checkpoint race, and the second is told there is nothing there.
+
+    >>> if jax.process_index() == 0:  # doctest: +SKIP
+    ...     for old in ucp.list_checkpoints("/tmp/ckpt")[:-3]:
+    ...         ucp.delete_checkpoint(old)
     """
     loc = Location.parse(path)
     local = loc.local_path
