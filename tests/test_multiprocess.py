@@ -128,3 +128,22 @@ def test_a_save_failing_on_one_process_stops_the_others_at_once(tmp_path, mode):
     assert "process 1 failed" in got[0]["message"] and "StorageFullError" in got[0]["message"]
     assert max(g["seconds"] for g in got) < 60, got
     assert ucp.list_checkpoints(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "differs"),
+    [("path", "path"), ("step", "step"), ("leaves", "leaves"), ("values", "values of host")],
+)
+def test_processes_saving_different_things_are_told_so(tmp_path, mode, differs):
+    """Process 1 saves to another path (it waited at its own barriers until the timeout), another
+    step, an extra leaf or another value of a numpy leaf (all three were committed silently,
+    with process 0's): process 1 raises an ArgumentError naming what differs, process 0 stops
+    at its next barrier; nothing is committed."""
+    worker = Path(__file__).parent / "mp" / "fail_worker.py"
+    outs = run_job(lambda i, addr: [str(worker), str(i), addr, str(tmp_path), mode], 2, 200)
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert got[1]["error"] == "ArgumentError", got[1]
+    assert f"make different calls: {differs}" in got[1]["message"], got[1]
+    assert got[0]["error"] == "AnotherProcessFailedError", got[0]
+    assert max(g["seconds"] for g in got) < 60, got
+    assert ucp.list_checkpoints(tmp_path) == []

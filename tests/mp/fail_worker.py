@@ -2,7 +2,9 @@
 full disk's do): process 1 raises its error at once, and process 0 stops at its next barrier
 with `AnotherProcessFailedError` naming it, instead of waiting out the barrier timeout.
 
-Usage: fail_worker.py PROCESS_ID COORDINATOR OUT MODE (MODE: sync or async). Prints one JSON
+Usage: fail_worker.py PROCESS_ID COORDINATOR OUT MODE (MODE: sync or async; or path, step,
+leaves, values: process 1 makes another call than process 0, which is refused on process 1 as an
+ArgumentError naming what differs, and stops process 0 at its next barrier). Prints one JSON
 line: the error's class, its message and the seconds the save took to fail.
 """
 
@@ -27,7 +29,7 @@ def main() -> None:
     import ucp_jax as ucp
     from ucp_jax._src import save
 
-    if pid == 1:
+    if pid == 1 and mode in ("sync", "async"):
         regions = save.SaveJob._regions
 
         def failing(self, host):  # type: ignore[no-untyped-def]
@@ -39,12 +41,21 @@ def main() -> None:
     mesh = jax.make_mesh((jax.device_count(),), ("d",))
     full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
     x = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")), lambda i: full[i])
+    path, step, tree = f"{out}/ck", 1, {"x": x, "lr": np.float32(0.1)}
+    if pid == 1 and mode == "path":
+        path = f"{out}/ck_{pid}"  # (a per-process temporary folder, say)
+    elif pid == 1 and mode == "step":
+        step = 2
+    elif pid == 1 and mode == "leaves":
+        tree = {**tree, "extra": np.zeros(3, np.float32)}
+    elif pid == 1 and mode == "values":
+        tree = {**tree, "lr": np.float32(0.2)}
     t0 = time.monotonic()
     try:
         if mode == "async":
-            ucp.async_save(f"{out}/ck", {"x": x}, step=1).wait()
+            ucp.async_save(path, tree, step=step).wait()
         else:
-            ucp.save(f"{out}/ck", {"x": x}, step=1)
+            ucp.save(path, tree, step=step)
         got = {"error": None}
     except Exception as e:
         got = {"error": type(e).__name__, "message": str(e)}

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .errors import AnotherProcessFailedError, check_inflight_bytes
+from .errors import AnotherProcessFailedError, ArgumentError, check_inflight_bytes
 from .format import (
     aggregate,
     commit,
@@ -117,7 +117,9 @@ class SaveJob:
             max_inflight_bytes = config.inflight_bytes()
         self.budget = max_inflight_bytes
         self.seq = next(_SAVE_COUNTER)
-        self.tag = f"ucp-save-{self.seq}-{zlib.crc32(self.loc.url.encode()):08x}"
+        # the same on every process of a job making the same calls (not the path's: a process
+        # saving elsewhere is told so by the agreement on the arguments, not left at a barrier)
+        self.tag = f"ucp-save-{self.seq}"
         try:
             json.dumps(extra)
         except TypeError as e:
@@ -140,6 +142,8 @@ class SaveJob:
         )
         for b in bindings:
             plan.add(b)
+        self._host_values = [(b.name, b.value) for b in bindings
+                             if not isinstance(b.value, jax.Array)]  # fmt: skip
         self.atoms, self.tasks, self.merged, self.slots = (
             plan.atoms, plan.tasks, plan.merged, plan.slots)  # fmt: skip
         self._shards: dict[int, dict[Any, Any]] = {}  # id(leaf value) -> device -> its shard
@@ -279,6 +283,7 @@ class SaveJob:
             self.tag, ["created", "written", "committed"], AnotherProcessFailedError
         )
         try:
+            self._rendezvous.agree(self._summary(), ArgumentError)
             try:
                 with commit.failing_cleanly(self.staging, self.loc, alone=alone):
                     if self.aggregated:
@@ -292,6 +297,23 @@ class SaveJob:
         ) as e:  # said as the user sees it; the others stop at their next barrier
             self._rendezvous.fail(e)
             raise
+
+    def _summary(self) -> dict[str, Any]:
+        """What every process of a job must agree on: the path, the step, the state's leaves
+        (names, shapes, dtypes, layouts), the rules, `extra` and the values of small host leaves
+        (numpy, Python numbers: saved from process 0)."""
+
+        def crc(value: Any) -> str:
+            return f"{zlib.crc32(json.dumps(value, sort_keys=True, default=str).encode()):08x}"
+
+        small = [
+            (n, np.asarray(v)) for n, v in self._host_values if np.asarray(v).nbytes <= 1 << 16
+        ]
+        values = zlib.crc32(b"".join(n.encode() + a.tobytes() for n, a in small))
+        m = self.manifest
+        return {"path": self.loc.url, "step": m.step, "leaves": crc(m.leaves),
+                "rules": crc(m.rules), "extra": crc(m.extra),
+                "values of host leaves (numpy, Python numbers)": f"{values:08x}"}  # fmt: skip
 
     def _write_per_array(self, host: Sequence[np.ndarray] | None) -> None:
         if jax.process_index() == 0:
@@ -455,6 +477,7 @@ class SaveJob:
         if jax.process_index() == 0:
             self.staging.commit(self.manifest)
         self._rendezvous.wait("committed")
+        self._rendezvous.forget()
 
 
 def transaction_bytes(share: int, budget: int, *, local: bool = True) -> int:

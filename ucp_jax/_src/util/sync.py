@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -63,7 +64,16 @@ class Rendezvous:
             error: a process said it failed before reaching it.
         """
         assert name == self.names[self.passed], (name, self.names, self.passed)
-        barrier(f"{self.tag}-{name}")
+        try:
+            barrier(f"{self.tag}-{name}")
+        except Exception as e:
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+            raise self.error(
+                f"not every process reached the barrier {self.tag}-{name} within "
+                f"UCP_BARRIER_TIMEOUT_S ({config.barrier_timeout_s():g} s): a process died, hangs, "
+                "or did not make this call (every process must, with the same arguments)"
+            ) from e
         self.passed += 1
         if jax.process_count() > 1:
             failed = coordination_client().key_value_dir_get(f"{self.tag}-failed/")
@@ -73,6 +83,40 @@ class Rendezvous:
                     f"process {key.rsplit('/', 1)[-1]} failed, so this one stopped too (nothing "
                     f"was committed): {why}"
                 )
+
+    def agree(self, summary: dict[str, Any], differs: type[Exception]) -> None:
+        """Check that this process's `summary` of the operation (its arguments) is process 0's:
+        process 0 publishes its own, the others compare (one key read each, whatever the job's
+        size).
+
+        Raises:
+            differs: naming the first field that differs (the others then stop at their next
+                barrier, told by `fail`).
+        """
+        if jax.process_count() == 1:
+            return
+        import json
+
+        client, key = coordination_client(), f"{self.tag}-agree"
+        if jax.process_index() == 0:
+            client.key_value_set(key, json.dumps(summary))
+            return
+        timeout_ms = int(config.barrier_timeout_s() * 1000)
+        theirs = json.loads(client.blocking_key_value_get(key, timeout_ms))
+        for field, mine in summary.items():
+            if theirs.get(field) != mine:
+                raise differs(
+                    f"process {jax.process_index()} and process 0 make different calls: "
+                    f"{field} {mine!r:.200} here, {theirs.get(field)!r:.200} on process 0; every "
+                    "process must make the same call (the same path, step and state)"
+                )
+
+    def forget(self) -> None:
+        """Once every process passed the last barrier: process 0 removes the published summary
+        (the coordination service keeps keys for the job's life)."""
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            with contextlib.suppress(Exception):
+                coordination_client().key_value_delete(f"{self.tag}-agree")
 
     def fail(self, error: BaseException) -> None:
         """Say this process failed with `error` (unless it only learned of another's failure)
