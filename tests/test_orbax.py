@@ -188,6 +188,13 @@ def test_sync_manager_and_plain_checkpointers(tmp_path):
     mngr.save(12, args=uo.UniversalSave(params))
     assert mngr.all_steps() == [12]
     assert ucp.open(tmp_path / "m" / "step_12" / "default").step == 12  # step from the folder
+    # the manager's root and a step are no checkpoints: each says which folders in it are
+    # (it said only "a folder that holds no checkpoint"; `convert orbax` said "not an Orbax
+    # checkpoint" of a folder that needs no conversion)
+    with pytest.raises(ucp.NotACheckpointError, match=r"checkpoints: .*step_12/default"):
+        ucp.open(tmp_path / "m")
+    with pytest.raises(ucp.NotACheckpointError, match=r"step_12/default is a universal checkpoint"):
+        ucp.import_orbax(tmp_path / "m" / "step_12", tmp_path / "converted")
     assert_tree_bitexact(want, mngr.restore(12, args=uo.UniversalRestore(tgt)).params)
     mngr.close()
     # a manager that commits in place (Orbax's way on GCS and S3): no tmp folder to read

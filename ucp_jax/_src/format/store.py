@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -372,6 +373,20 @@ def wrap_io_error(e: Exception, where: str) -> Exception:
     return e
 
 
+def committed_below(folder: str, names: list[str], depth: int = 2, limit: int = 64) -> list[str]:
+    """Folders under `folder` (at most `depth` levels down, `limit` entries a level) holding a
+    committed checkpoint: a CheckpointManager's `<step>/<item>` saved by ucp's handler."""
+    out = []
+    for name in sorted(names)[:limit]:
+        sub = os.path.join(folder, name)
+        if os.path.isfile(os.path.join(sub, COMMIT)):
+            out.append(sub)
+        elif depth > 1 and os.path.isdir(sub) and not os.path.islink(sub):
+            with contextlib.suppress(OSError):
+                out += committed_below(sub, os.listdir(sub), depth - 1, limit)
+    return out
+
+
 def load_manifest(loc: Location) -> Manifest:
     """Read the manifest of a committed checkpoint.
 
@@ -391,6 +406,9 @@ def load_manifest(loc: Location) -> Manifest:
                     "`ucp convert orbax` (ucp.import_orbax)")  # fmt: skip
         elif local is not None and os.path.isdir(local) and not any(map(checkpoint_entry, names)):
             hint = "a folder that holds no checkpoint (no manifest.json, no COMMIT)"
+            if below := committed_below(local, names):  # an Orbax CheckpointManager's root
+                more = f", ... ({len(below)})" if len(below) > 3 else ""
+                hint += f"; these folders in it are checkpoints: {', '.join(below[:3])}{more}"
         elif loc.has_any():
             hint = "a save to it did not finish (no COMMIT marker); it is not a checkpoint"
         elif loc.local_path is not None and os.path.exists(

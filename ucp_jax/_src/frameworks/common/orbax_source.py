@@ -167,6 +167,13 @@ def locate(src: Any, *, item: str | None = None, step: int | None = None) -> tup
             raise NotACheckpointError(f"{path}: not step {step}; pass the CheckpointManager root")
     items = {d: os.path.join(path, d) for d in _subdirs(path) if _is_item(os.path.join(path, d))}
     if not items:
+        universal = [d for d in _subdirs(path) if os.path.isfile(os.path.join(path, d, "COMMIT"))]
+        if os.path.isfile(os.path.join(path, "COMMIT")) or universal:
+            what = path if not universal else os.path.join(path, universal[0])
+            raise NotACheckpointError(
+                f"{path}: not an Orbax checkpoint: {what} is a universal checkpoint already (saved "
+                "through ucp's UniversalSave handler); open or restore it as it is, no conversion"
+            )
         raise NotACheckpointError(
             f"{path}: not an Orbax checkpoint: no {METADATA} here, no item folder holding one, "
             "and no finalized step folders; pass an item folder (StandardCheckpointer), a "
