@@ -306,8 +306,9 @@ def export_megatron(
             padded_vocab, bool) and padded_vocab >= cfg.vocab_size):  # fmt: skip
         raise MegatronExportError(
             f"export_megatron: padded_vocab={padded_vocab!r} (--padded-vocab); expected the "
-            f"rows of Megatron's embedding: at least the vocabulary, {cfg.vocab_size}, and "
-            "divisible by its tensor-parallel size (Megatron pads to a multiple of 128 x TP)"
+            f"rows of Megatron's embedding: at least the vocabulary, {cfg.vocab_size} (the "
+            "loading job's padded size: Megatron pads to a multiple of 128 x its TP size, which "
+            "this export cannot know)"
         )
     vp = padded_vocab or meg.get("padded_vocab") or -(-cfg.vocab_size // 128) * 128
     dst = os.fspath(dst)
