@@ -5,7 +5,7 @@ with `AnotherProcessFailedError` naming it, instead of waiting out the barrier t
 Usage: fail_worker.py PROCESS_ID COORDINATOR OUT MODE (MODE: sync or async; or path, step,
 leaves, values: process 1 makes another call than process 0, which is refused on process 1 as an
 ArgumentError naming what differs, and stops process 0 at its next barrier; or absent: process
-1 never saves, and process 0's barrier times out after 5 s). Prints one JSON
+1 never saves, and process 0's barrier times out after 2 s). Prints one JSON
 line: the error's class, its message and the seconds the save took to fail.
 """
 
@@ -53,10 +53,10 @@ def main() -> None:
     elif pid == 1 and mode == "values":
         tree = {**tree, "lr": np.float32(0.2)}
     t0 = time.monotonic()
-    if mode == "absent":  # process 1 never calls save; process 0 waits 5 s at a barrier
-        os.environ["UCP_BARRIER_TIMEOUT_S"] = "5"
+    if mode == "absent":  # process 1 never calls save; process 0 waits 2 s at a barrier
+        os.environ["UCP_BARRIER_TIMEOUT_S"] = "2"
         if pid == 1:
-            time.sleep(25)  # alive (its death would end the job), but not saving
+            time.sleep(12)  # alive (its death would end the job), but not saving
             print(json.dumps({"error": None, "seconds": 0}), flush=True)
             return
     try:
