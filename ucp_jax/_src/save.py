@@ -292,9 +292,8 @@ class SaveJob:
                         self._write_per_array(host)
             except (ValueError, NotImplementedError) as e:
                 remote.raise_translated(e, self.loc.kvstore, "the save's writes", writing=True)
-        except (
-            BaseException
-        ) as e:  # said as the user sees it; the others stop at their next barrier
+        # (said as the user sees it, translated above; the others stop at their next barrier)
+        except BaseException as e:
             self._rendezvous.fail(e)
             raise
 

@@ -56,6 +56,7 @@ class Rendezvous:
 
     def __init__(self, tag: str, names: list[str], error: type[Exception]) -> None:
         self.tag, self.names, self.passed, self.error = tag, names, 0, error
+        self.broken = False  # a barrier timed out: the others are not all coming
 
     def wait(self, name: str) -> None:
         """Barrier `name` (the next of `names`), then raise if another process failed.
@@ -67,13 +68,7 @@ class Rendezvous:
         try:
             barrier(f"{self.tag}-{name}")
         except Exception as e:
-            if "DEADLINE_EXCEEDED" not in str(e):
-                raise
-            raise self.error(
-                f"not every process reached the barrier {self.tag}-{name} within "
-                f"UCP_BARRIER_TIMEOUT_S ({config.barrier_timeout_s():g} s): a process died, hangs, "
-                "or did not make this call (every process must, with the same arguments)"
-            ) from e
+            raise self._timed_out(e, f"the barrier {self.tag}-{name}") from e
         self.passed += 1
         if jax.process_count() > 1:
             failed = coordination_client().key_value_dir_get(f"{self.tag}-failed/")
@@ -102,7 +97,10 @@ class Rendezvous:
             client.key_value_set(key, json.dumps(summary))
             return
         timeout_ms = int(config.barrier_timeout_s() * 1000)
-        theirs = json.loads(client.blocking_key_value_get(key, timeout_ms))
+        try:
+            theirs = json.loads(client.blocking_key_value_get(key, timeout_ms))
+        except Exception as e:
+            raise self._timed_out(e, "process 0's call") from e
         for field, mine in summary.items():
             if theirs.get(field) != mine:
                 raise differs(
@@ -110,6 +108,18 @@ class Rendezvous:
                     f"{field} {mine!r:.200} here, {theirs.get(field)!r:.200} on process 0; every "
                     "process must make the same call (the same path, step and state)"
                 )
+
+    def _timed_out(self, e: Exception, what: str) -> Exception:
+        """The error for `e`: ours where it is a timeout (and the processes left are then not
+        waited for: `fail` waits at no more barriers), else `e` itself."""
+        if "DEADLINE_EXCEEDED" not in str(e):
+            return e
+        self.broken = True
+        return self.error(
+            f"not every process reached {what} within UCP_BARRIER_TIMEOUT_S "
+            f"({config.barrier_timeout_s():g} s): a process died, hangs, or did not make this call "
+            "(every process must, with the same arguments)"
+        )
 
     def forget(self) -> None:
         """Once every process passed the last barrier: process 0 removes the published summary
@@ -128,7 +138,7 @@ class Rendezvous:
             if not isinstance(error, self.error):
                 why = f"{type(error).__name__}: {error}"[:4000]
                 client.key_value_set(f"{self.tag}-failed/{jax.process_index()}", why)
-            for name in self.names[self.passed :]:
+            for name in [] if self.broken else self.names[self.passed :]:
                 barrier(f"{self.tag}-{name}")
                 self.passed += 1
         except Exception:
