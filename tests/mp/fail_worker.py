@@ -56,7 +56,7 @@ def main() -> None:
     if mode == "absent":  # process 1 never calls save; process 0 waits 2 s at a barrier
         os.environ["UCP_BARRIER_TIMEOUT_S"] = "2"
         if pid == 1:
-            time.sleep(12)  # alive (its death would end the job), but not saving
+            time.sleep(8)  # alive past process 0's timeout (its death ends the job), not saving
             print(json.dumps({"error": None, "seconds": 0}), flush=True)
             return
     try:
