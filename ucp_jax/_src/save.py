@@ -283,7 +283,8 @@ class SaveJob:
             self.tag, ["created", "written", "committed"], AnotherProcessFailedError
         )
         try:
-            self._rendezvous.agree(self._summary(), ArgumentError)
+            if not alone:  # (a summary costs a pass over the manifest: only for the others)
+                self._rendezvous.agree(self._summary(), ArgumentError)
             try:
                 with commit.failing_cleanly(self.staging, self.loc, alone=alone):
                     if self.aggregated:

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ..checkpoint import Checkpoint
+from ..frameworks.common.destination import not_local
 from ..util import config
 from ..util.libc import limit_malloc_arenas
 from .args import CliError, shard_size
@@ -176,7 +177,7 @@ def _run_torch_command(args: Any) -> int:
 
     if args.cmd == "convert":
         src = str(args.src)
-        if "://" in src and not src.startswith("file://"):
+        if not_local(src):
             raise CliError(
                 f"{src}: the {args.kind} source is read from a local folder; copy it from the "
                 "store first (the universal checkpoint, DST, may be a URL)"

@@ -137,12 +137,7 @@ def snapshot_device_copies() -> bool:
     >>> isinstance(snapshot_device_copies(), bool)
     True
     """
-    return os.environ.get("UCP_SNAPSHOT_DEVICE_COPIES", "0").strip().lower() not in (
-        "",
-        "0",
-        "false",
-        "no",
-    )  # (the off values of every switch: "false" had turned it on)
+    return _switch("UCP_SNAPSHOT_DEVICE_COPIES", default=False)
 
 
 def staging() -> str:
@@ -160,9 +155,11 @@ def staging() -> str:
     return raw
 
 
-def _switch(name: str) -> bool:
-    """An on-by-default switch: off when the variable is 0, false or no."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no")
+def _switch(name: str, default: bool = True) -> bool:
+    """A switch: off when the variable is 0, false or no, on when it is anything else, and
+    `default` when it is unset or empty."""
+    raw = os.environ.get(name, "").strip().lower()
+    return default if not raw else raw not in ("0", "false", "no")
 
 
 def direct_read() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any
 
 import jax
@@ -90,8 +91,6 @@ class Rendezvous:
         """
         if jax.process_count() == 1:
             return
-        import json
-
         client, key = coordination_client(), f"{self.tag}-agree"
         if jax.process_index() == 0:
             client.key_value_set(key, json.dumps(summary))

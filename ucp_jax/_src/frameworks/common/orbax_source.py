@@ -30,6 +30,8 @@ import jax
 import numpy as np
 
 from ...errors import ArgumentError, NotACheckpointError, UcpError
+from ...format.manifest import COMMIT
+from ...format.store import committed_below
 from ...untrusted.paths import check_component, refuse_symlinks
 from .destination import not_local
 
@@ -167,9 +169,9 @@ def locate(src: Any, *, item: str | None = None, step: int | None = None) -> tup
             raise NotACheckpointError(f"{path}: not step {step}; pass the CheckpointManager root")
     items = {d: os.path.join(path, d) for d in _subdirs(path) if _is_item(os.path.join(path, d))}
     if not items:
-        universal = [d for d in _subdirs(path) if os.path.isfile(os.path.join(path, d, "COMMIT"))]
-        if os.path.isfile(os.path.join(path, "COMMIT")) or universal:
-            what = path if not universal else os.path.join(path, universal[0])
+        universal = committed_below(path, _subdirs(path), depth=1)
+        if os.path.isfile(os.path.join(path, COMMIT)) or universal:
+            what = universal[0] if universal else path
             raise NotACheckpointError(
                 f"{path}: not an Orbax checkpoint: {what} is a universal checkpoint already (saved "
                 "through ucp's UniversalSave handler); open or restore it as it is, no conversion"
