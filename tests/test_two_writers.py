@@ -2,8 +2,8 @@
 and a save racing a restore of the checkpoint it replaces.
 
 Real processes (`mp/race_worker.py`), started together round after round: in every round one save
-wins whole and the other gets a clear error (`WriterConflictError`, or `FileExistsError` when it
-came after the winner's commit); the committed checkpoint holds one job's values only, never a
+wins whole and the other gets a clear error (`WriterConflictError`, or `DestinationExistsError`
+when it came after the winner's commit); the committed checkpoint holds one job's values only, never a
 mix. A restore racing overwrites of the same path gets the old values or the new, bit-exact.
 """
 
@@ -28,7 +28,7 @@ import ucp_jax as ucp
 from ucp_jax._src.format import commit
 
 WORKER = Path(__file__).parent / "mp" / "race_worker.py"
-CLEAR = {"WriterConflictError", "FileExistsError"}
+CLEAR = {"WriterConflictError", "DestinationExistsError"}  # (the latter a FileExistsError)
 
 
 def _race(root: str, sync: Path, rounds: int, overwrite: bool = False) -> list[dict[int, dict]]:
