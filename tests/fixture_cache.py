@@ -1,6 +1,7 @@
 """Shared by the fixtures that run real frameworks (DeepSpeed, Megatron-Core) under `torchrun`.
 
-`torchrun` runs one of their training scripts (gloo, CPU, retried once: gloo on a loaded 2-core
+`torchrun` runs one of their training scripts on N local ranks, as torchrun does (gloo, CPU; the
+ranks forked by forkrun.py after the framework's imports; retried once: gloo on a loaded 2-core
 host occasionally aborts a rank), and `built_once` builds a fixture's checkpoints once per cache
 key under pytest's cache directory, process-safe, so later runs reuse them.
 """
@@ -13,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,14 +22,19 @@ from collections.abc import Callable, Iterable, Iterator
 
 from mp.runner import free_port
 
+FORKRUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkrun.py")
+
 
 def torchrun(
     script: str, nproc: int, args: list[str], cwd: str, *, timeout: int = 600,
     pythonpath: str | None = None,
 ) -> None:  # fmt: skip
-    """Run `script` under torchrun with `nproc` ranks; raise with its output on failure.
+    """Run `script` on `nproc` local ranks, as under torchrun; raise with its output on failure.
 
-    `pythonpath`: a folder put ahead of the venv's packages (another framework version).
+    The ranks are forked from one process that imported torch and the framework first
+    (tests/forkrun.py: the same script and environment as torchrun gives them, at a third of
+    the CPU on these 2-core machines). `pythonpath`: a folder put ahead of the venv's packages
+    (another framework version).
     """
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("XLA_FLAGS", None)
@@ -35,21 +42,49 @@ def torchrun(
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
     first = ""
     for _ in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", script, *args]  # fmt: skip
-        # torchrun leaves a torchelastic_* folder in the temp folder at every run: give it one
-        # of its own, removed after
-        with tempfile.TemporaryDirectory(prefix="ucp-torchrun-") as tmp:
-            env["TMPDIR"] = tmp
-            p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                               timeout=timeout)  # fmt: skip
-        if p.returncode == 0:
+        cmd = [sys.executable, FORKRUN, f"--nproc={nproc}", f"--port={free_port()}", script,
+               *args]  # fmt: skip
+        code, out, err = _run_in_own_session(cmd, cwd, env, timeout)
+        if code == 0:
             return
-        first = first or p.stderr[-4000:]
+        if code is None:  # not retried: a second wait as long
+            raise RuntimeError(
+                f"{' '.join(cmd)} took over {timeout} s:\n{out[-3000:]}\n{err[-6000:]}"
+            )
+        first = first or err[-4000:]
     raise RuntimeError(
-        f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+        f"{' '.join(cmd)} failed ({code}):\n{out[-3000:]}\n{err[-6000:]}"
         f"\n--- first attempt ---\n{first}"
     )
+
+
+def _run_in_own_session(
+    cmd: list[str], cwd: str, env: dict[str, str], timeout: float
+) -> tuple[int | None, str, str]:
+    """Run `cmd` in a session of its own, its output to files (a process the ranks started and
+    left behind would hold a pipe open), then kill what is left of the session.
+
+    Returns (exit status, None past `timeout`; stdout; stderr).
+    """
+    with tempfile.TemporaryDirectory(prefix="ucp-ranks-") as tmp:  # their temporary files too
+        env = dict(env, TMPDIR=tmp)
+        with (
+            open(os.path.join(tmp, "out"), "w+") as out,
+            open(os.path.join(tmp, "err"), "w+") as err,
+        ):
+            p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True,
+                                 start_new_session=True)  # fmt: skip
+            try:
+                code = p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            out.seek(0)
+            err.seek(0)
+            return code, out.read(), err.read()
 
 
 def source_key(files: Iterable[str], versions: str) -> str:

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import deepspeed
 import deepspeed.comm as dist
+from ds_cpu import skip_the_inference_shm_op
 from tiny_model import BATCH, batch, init_model
 
 
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--result", help="rank 0 writes the losses here (JSON)")
     args = ap.parse_args()
 
+    skip_the_inference_shm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {job.split(":")[0]: run(job, args, world, rank) for job in args.jobs}

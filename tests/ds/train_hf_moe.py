@@ -23,6 +23,7 @@ import deepspeed.comm as dist
 import torch
 import transformers as T
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from ds_cpu import skip_the_inference_shm_op
 from torch import nn
 
 STEPS, BATCH, SEQ = 3, 4, 12
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("jobs", nargs="+", help="name:dtype:experts (fp32|bf16, fused|per_expert)")
     ap.add_argument("--root", required=True)
     args = ap.parse_args()
+    skip_the_inference_shm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     for job in args.jobs:
         run(job, args.root, dist.get_world_size(), dist.get_rank())

@@ -26,6 +26,7 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
+from ds_cpu import skip_the_inference_shm_op
 from moe_model import BATCH, TinyMoE, batch
 
 LOCAL = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
@@ -147,6 +148,7 @@ def main() -> None:
             sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONHASHSEED": rank}
         )
 
+    skip_the_inference_shm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {job.split(":")[0]: run(job, args, world, rank) for job in args.jobs}

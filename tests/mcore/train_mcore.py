@@ -34,6 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+# imported in functions below: tests/forkrun.py imports them once, before it forks the ranks
+FORK_PRELOAD = (
+    "megatron.core.parallel_state", "megatron.core.tensor_parallel", "megatron.core.distributed",
+    "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.optimizer", "megatron.core.transformer", "megatron.core.transformer.module",
+    "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",
+)  # fmt: skip
+
 # ------------------------------------------------------------------------------ CPU shims
 
 # The one module of megatron-core that imports triton unconditionally (MoE paged stash kernels,
