@@ -8,7 +8,8 @@ framework (Megatron-Core: ~10 s of CPU per rank, 60% of a 2-rank job; torchrun's
 torch once more). Forked ranks share those imports. What a rank runs is unchanged: the script as
 `__main__` with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, GROUP_RANK), gloo initialised by the script itself after the fork.
-Before forking it runs the script's top level (not as `__main__`: its imports and shims) and
+Before forking it runs the script's top level (not as `__main__`: its imports and shims; the
+script's work must be under `if __name__ == "__main__"`, as in any torchrun script) and
 imports the modules named in the script's `FORK_PRELOAD` (those its functions import). Nothing
 that starts threads may be imported before the fork (checked: it refuses to fork then). Like
 torchrun, a failing rank fails the run: the others are stopped, and the exit status is 1; a
