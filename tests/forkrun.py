@@ -64,7 +64,8 @@ def main() -> None:
     for name in top.get("FORK_PRELOAD", ()):
         importlib.import_module(name)
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-    if threads or len(os.listdir("/proc/self/task")) > 1:
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]  # Linux
+    if threads or len(tasks) > 1:
         sys.exit(f"forkrun: the preloaded modules started threads ({threads}): cannot fork")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
     sys.stdout.flush()
