@@ -72,7 +72,7 @@ def _run_in_own_session(
             open(os.path.join(tmp, "out"), "w+") as out,
             open(os.path.join(tmp, "err"), "w+") as err,
         ):
-            p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True,
+            p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err,
                                  start_new_session=True)  # fmt: skip
             try:
                 code = p.wait(timeout=timeout)

@@ -69,7 +69,8 @@ class Rendezvous:
         try:
             barrier(f"{self.tag}-{name}")
         except Exception as e:
-            raise self._timed_out(e, f"the barrier {self.tag}-{name}") from e
+            self._raise_if_timed_out(e, f"the barrier {self.tag}-{name}")
+            raise
         self.passed += 1
         if jax.process_count() > 1:
             failed = coordination_client().key_value_dir_get(f"{self.tag}-failed/")
@@ -99,7 +100,8 @@ class Rendezvous:
         try:
             theirs = json.loads(client.blocking_key_value_get(key, timeout_ms))
         except Exception as e:
-            raise self._timed_out(e, "process 0's call") from e
+            self._raise_if_timed_out(e, "process 0's call")
+            raise
         for field, mine in summary.items():
             if theirs.get(field) != mine:
                 raise differs(
@@ -108,17 +110,17 @@ class Rendezvous:
                     "process must make the same call (the same path, step and state)"
                 )
 
-    def _timed_out(self, e: Exception, what: str) -> Exception:
-        """The error for `e`: ours where it is a timeout (and the processes left are then not
-        waited for: `fail` waits at no more barriers), else `e` itself."""
+    def _raise_if_timed_out(self, e: Exception, what: str) -> None:
+        """Raise our error for `e` where it is a timeout (the processes left are then not waited
+        for: `fail` waits at no more barriers); any other error is the caller's to re-raise."""
         if "DEADLINE_EXCEEDED" not in str(e):
-            return e
+            return
         self.broken = True
-        return self.error(
+        raise self.error(
             f"not every process reached {what} within UCP_BARRIER_TIMEOUT_S "
             f"({config.barrier_timeout_s():g} s): a process died, hangs, or did not make this call "
             "(every process must, with the same arguments)"
-        )
+        ) from e
 
     def forget(self) -> None:
         """Once every process passed the last barrier: process 0 removes the published summary
