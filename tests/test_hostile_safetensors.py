@@ -233,7 +233,8 @@ def test_special_files_in_a_source_folder_are_refused(box):
         os.mkfifo(os.path.join(box.src, "b.safetensors"))
         with box.refused(UnsafePathError, "b.safetensors: safetensors file is a FIFO"):
             import_safetensors(box.src, box.out)
-        from ucp_jax._src.llama_config import HFConfigError, read_config_json
+        from ucp_jax._src.hf_config import read_config_json
+        from ucp_jax._src.llama_config import HFConfigError
 
         os.mkfifo(os.path.join(box.root, "config.json"))
         with pytest.raises(HFConfigError, match=r"config.json: .* is a FIFO, not a regular file"):

@@ -11,7 +11,8 @@ import-linter contracts in pyproject.toml, checked by `lint-imports`; see docs/A
 - the operations: `checkpoint` (open / read), `resolve`, `plan_report`, `save`, `restore`,
   `targets`;
 - `memory/`: the in-memory snapshot tier (layout, redundancy schemes, recovery);
-- `llama_config`: the Llama family's configuration, shared by `ucp_jax.models` and the importers;
+- `llama_config`, `hf_config`: the Llama family's configuration, shared by `ucp_jax.models` and
+  the importers; a Hugging Face `config.json` read into it;
 - `frameworks/`: one folder per foreign format, each with its read and write side (`deepspeed/`,
   `megatron/`, `hf/`, `dcp/`, `orbax/`), over `frameworks/common/` (the atom writer, progress,
   DCP files);

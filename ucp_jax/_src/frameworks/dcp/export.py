@@ -29,7 +29,7 @@ import torch
 from ...checkpoint import Checkpoint
 from ...errors import UcpError
 from ...format.manifest import PARAM_SLOT
-from ...llama_config import config_from_checkpoint
+from ...hf_config import config_from_checkpoint
 from ..common import llama_export as X
 from ..common.dcp_write import LazyTensor, RawBlob, write_dcp
 from ..common.destination import local_destination, not_over_source

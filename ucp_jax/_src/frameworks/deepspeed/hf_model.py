@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ...llama_config import FAMILIES, HFConfigError, LlamaConfig, config_from_hf, read_config_json
+from ...hf_config import config_from_hf, read_config_json
+from ...llama_config import FAMILIES, HFConfigError, LlamaConfig
 
 CONFIG = "config.json"
 

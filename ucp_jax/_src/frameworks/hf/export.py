@@ -24,7 +24,8 @@ from ...checkpoint import Checkpoint
 from ...errors import DestinationExistsError, MismatchError
 from ...format import space
 from ...format.manifest import PARAM_SLOT
-from ...llama_config import LlamaConfig, config_from_checkpoint, config_from_hf
+from ...hf_config import config_from_checkpoint, config_from_hf
+from ...llama_config import LlamaConfig
 from ...untrusted.paths import check_component
 from ...untrusted.safetensors import DTYPES, INDEX
 from ..common.destination import local_destination, not_over_source

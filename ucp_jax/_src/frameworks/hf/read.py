@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import MismatchError, NotACheckpointError
-from ...llama_config import LlamaConfig, config_from_hf, read_config_json
+from ...hf_config import config_from_hf, read_config_json
+from ...llama_config import LlamaConfig
 from ...untrusted.limits import ucp_errors
 from ...untrusted.paths import join_inside
 from ...untrusted.safetensors import INDEX, SafetensorsError, SafetensorsFile, open_tensors

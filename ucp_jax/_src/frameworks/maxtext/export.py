@@ -28,7 +28,8 @@ import numpy as np
 
 from ...checkpoint import Checkpoint
 from ...format.manifest import PARAM_SLOT, STEP_SLOT
-from ...llama_config import LlamaConfig, config_from_checkpoint
+from ...hf_config import config_from_checkpoint
+from ...llama_config import LlamaConfig
 from ...mapping.slot_names import VALUE_SLOT
 from ...util.dtypes import np_dtype
 from ..common.destination import not_over_source

@@ -34,7 +34,8 @@ import torch
 from ...checkpoint import Checkpoint
 from ...errors import DestinationExistsError, UcpError
 from ...format import space
-from ...llama_config import LlamaConfig, config_from_checkpoint
+from ...hf_config import config_from_checkpoint
+from ...llama_config import LlamaConfig
 from ..common.destination import local_destination, not_over_source
 from .common import BACKEND_FILE, EXPERTS, LAYERS, TENSORS, atom_of, model_keys
 from .tracker import write_tracker

@@ -21,7 +21,7 @@ from typing import Any
 
 from ...checkpoint import Checkpoint
 from ...errors import UcpError
-from ...llama_config import config_from_checkpoint
+from ...hf_config import config_from_checkpoint
 from ..common import llama_export as X
 from ..common.dcp_write import write_dcp
 from ..common.destination import local_destination, not_over_source
