@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax as ucp
-from ucp_jax._src.mapping import patterns
+from ucp_jax._src.mapping import pattern_json, patterns
 from ucp_jax._src.memory import schemes
 
 # ------------------------------------------------------------------------ recipe: a new pattern
@@ -51,9 +51,9 @@ class Prefixed(patterns.Pattern):
 
 @pytest.fixture
 def prefixed_registered():
-    patterns.register_pattern(Prefixed)
+    pattern_json.register_pattern(Prefixed)
     yield
-    patterns._KINDS.pop(Prefixed.kind, None)
+    pattern_json._KINDS.pop(Prefixed.kind, None)
 
 
 def test_recipe_pattern(tmp_path, prefixed_registered):

@@ -442,7 +442,7 @@ def test_transposed_bad_perm():
 
 
 def test_pattern_json_roundtrip():
-    from ucp_jax._src.mapping.patterns import pattern_from_json
+    from ucp_jax._src.mapping.pattern_json import pattern_from_json
 
     for p in [ucp.Replicated(), ucp.Averaged(), ucp.Partitioned(1), ucp.Transposed((1, 0)),
               ucp.VocabPadded(7, 1), ucp.Fused((2, 2), 0, "t", atoms=("a", "b")),

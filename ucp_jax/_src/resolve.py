@@ -18,7 +18,8 @@ from .errors import MismatchError, PatternError
 from .format.manifest import STEP_SLOT, AtomInfo
 from .mapping.binding import LeafBinding, ReadGroup, read_groups
 from .mapping.names import legacy_names
-from .mapping.patterns import Fused, chain_from_json, fused_marks_to_json
+from .mapping.pattern_json import chain_from_json, fused_marks_to_json
+from .mapping.patterns import Fused
 from .mapping.stack_count import stack_overrun
 from .util.dtypes import np_dtype
 

@@ -18,7 +18,7 @@ from .format import encode, store
 from .format.manifest import AtomInfo, SlotInfo, atom_dir
 from .mapping.binding import LeafBinding, WriteTask, plan_writes
 from .mapping.merge import MERGE_BYTES, MergedWrite, merge_plan
-from .mapping.patterns import chain_to_json, fused_marks_to_json
+from .mapping.pattern_json import chain_to_json, fused_marks_to_json
 from .util.dtypes import dtype_name
 
 

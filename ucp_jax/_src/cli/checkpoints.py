@@ -15,7 +15,7 @@ from ..checkpoint import Checkpoint
 from ..errors import UcpError
 from ..format import index, store
 from ..format.manifest import COMMIT
-from ..mapping.patterns import chain_text
+from ..mapping.pattern_json import chain_text
 from ..util.dtypes import np_dtype
 from .args import rule_list, target_trees
 from .text import mib, path_forms, printable

@@ -126,8 +126,8 @@ def check_manifest(d: Mapping[str, Any], where: str) -> None:
 
 
 def check_patterns(d: Mapping[str, Any], where: str) -> None:
-    """Every pattern and rule in the manifest parses (through `patterns.pattern_from_json`)."""
-    from ..mapping.patterns import pattern_from_json
+    """Every pattern and rule in the manifest parses (through `pattern_json.pattern_from_json`)."""
+    from ..mapping.pattern_json import pattern_from_json
 
     def parse(p: Any, what: str) -> None:
         try:

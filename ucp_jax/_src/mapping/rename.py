@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from .patterns import LeafContext, Node, Pattern, expand_template, register_pattern
+from .pattern_json import register_pattern
+from .patterns import LeafContext, Node, Pattern, expand_template
 
 
 @register_pattern

@@ -8,7 +8,8 @@ from typing import Any
 
 from ..errors import PatternError
 from ..untrusted.regex import compile_untrusted
-from .patterns import PatternChain, as_chain, chain_from_json, chain_to_json
+from .pattern_json import chain_from_json, chain_to_json
+from .patterns import PatternChain, as_chain
 from .rename import Renamed as Renamed  # registered, so manifests that record it read back
 
 Rule = tuple[str, Any]

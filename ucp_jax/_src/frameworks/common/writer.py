@@ -22,7 +22,8 @@ from ...errors import MismatchError, UnsafePathError
 from ...format import commit, space, store, zarr_json
 from ...format.manifest import PARAM_SLOT, AtomInfo, Manifest, SlotInfo, atom_dir, source_header
 from ...mapping.boxes import Box, box_shape
-from ...mapping.patterns import FusedMark, Pattern, chain_to_json, fused_marks_to_json
+from ...mapping.pattern_json import chain_to_json, fused_marks_to_json
+from ...mapping.patterns import FusedMark, Pattern
 from ...untrusted.paths import check_component
 from ...util import config
 from ...util.dtypes import dtype_name, zarr_dtype

@@ -29,7 +29,8 @@ from ...checkpoint import Checkpoint
 from ...errors import DestinationExistsError, MismatchError
 from ...format import space
 from ...format.manifest import PARAM_SLOT, STEP_SLOT
-from ...mapping.patterns import Partitioned, VocabPadded, chain_from_json
+from ...mapping.pattern_json import chain_from_json
+from ...mapping.patterns import Partitioned, VocabPadded
 from ...untrusted.paths import check_component, join_inside
 from ..common.destination import local_destination, not_over_source
 from ..common.optax_count import optax_count
