@@ -129,6 +129,28 @@ def test_a_cast_rounds_up_to_halfway_past_the_largest_value(target, fits, beyond
         assert "beyond" in cast_loss(np.array([1.0, x]), target)
 
 
+@pytest.mark.parametrize("target", [np.int64, np.uint64, np.int32, np.uint32, np.int8])
+@pytest.mark.parametrize("source", [np.float64, np.float32])
+def test_a_float_one_past_an_integer_types_top_is_refused(target, source):
+    # the first integer past the top (int64: 2**63) must not pass for the top itself, which
+    # float64 cannot hold (2**63 - 1 rounds to 2**63): the cast would wrap it to -2**63
+    info = np.iinfo(target)
+    past = np.array([1.0, float(int(info.max) + 1)], source)
+    assert (
+        cast_loss(past, target)
+        == f"holds {past[1]}, outside {np.dtype(target).name} [{info.min}, {info.max}]"
+    )
+    below = np.nextafter(past[1:], source(0))  # the largest float of `source` under it fits
+    assert cast_loss(below, target) is None
+    assert below.astype(target)[0] == int(below[0])
+    low = np.array([float(info.min)], source)  # the bottom is a power of two (or 0): it fits
+    assert cast_loss(low, target) is None
+    under = np.array([float(int(info.min) - 1)], source)  # the first integer under the bottom,
+    if int(under[0]) > int(info.min) - 1:  # or the float under it where `source` rounds it up
+        under = np.nextafter(under, source(-np.inf))
+    assert "outside" in cast_loss(under, target)
+
+
 def test_missing_atom_names_close_matches(saved):
     path, params = saved
     tgt = targets({"weight": params["w"], "b": params["b"]}, mesh_of((8,)))

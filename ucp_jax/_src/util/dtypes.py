@@ -74,9 +74,11 @@ def cast_loss(value: np.ndarray, dtype: Any) -> str | None:
             lo, hi = v.min(), v.max()
             bad = lo if lo < info.min else hi if hi > info.max else None
         else:
-            f = v.astype(np.float64)
+            # the first integer past the top, a power of two and so exact in float64: the top
+            # itself is not (int64's 2**63 - 1 rounds to 2**63, which would pass and then wrap)
+            f, past_top = v.astype(np.float64), float(int(info.max) + 1)
             with np.errstate(invalid="ignore"):
-                out = ~np.isfinite(f) | (np.trunc(f) < info.min) | (np.trunc(f) > info.max)
+                out = ~np.isfinite(f) | (np.trunc(f) < info.min) | (np.trunc(f) >= past_top)
             bad = f.flat[int(np.argmax(out))] if out.any() else None
         if bad is not None:
             return f"holds {bad}, outside {dst.name} [{info.min}, {info.max}]"
