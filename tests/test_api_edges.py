@@ -144,15 +144,20 @@ def test_traced_and_donated_leaves_are_named(tmp_path) -> None:
     assert sorted(os.listdir(tmp_path)) == []
 
 
-@pytest.mark.parametrize("step", [1.5, "10", 2.0, np.float32(3), True])
+@pytest.mark.parametrize(
+    "step", [1.5, "10", 2.0, np.float32(3), True, np.array([1, 2]), np.zeros((0,), np.int32)]
+)
 def test_a_step_that_is_not_an_integer_is_refused(tmp_path, step: object) -> None:
     with pytest.raises(TypeError, match="step must be an integer"):
         ucp.save(tmp_path / "ck", {"w": np.ones(2, np.float32)}, step=step)
     assert not (tmp_path / "ck").exists()
 
 
-def test_a_step_array_of_one_integer_is_taken(tmp_path) -> None:
-    ucp.save(tmp_path / "ck", {"w": np.ones(2, np.float32)}, step=jnp.asarray(7, jnp.int32))
+@pytest.mark.parametrize(
+    "step", [jnp.asarray(7, jnp.int32), np.array([7]), jnp.asarray([[7]], jnp.uint32)]
+)
+def test_a_step_array_of_one_integer_is_taken(tmp_path, step: object) -> None:
+    ucp.save(tmp_path / "ck", {"w": np.ones(2, np.float32)}, step=step)
     assert ucp.open(tmp_path / "ck").step == 7
 
 

@@ -59,12 +59,12 @@ def _step_value(step: Any) -> int | None:
     if step is None:
         return None
     a = np.asarray(step)
-    if a.shape != () or a.dtype.kind not in "iu":
+    if a.size != 1 or a.dtype.kind not in "iu":
         raise TypeError(
             f"save: step must be an integer (an int, or an integer array of one value), found "
-            f"{step!r:.60} ({type(step).__name__}); pass int(step) if you mean it"
+            f"{step!r:.60} ({type(step).__name__}, shape {a.shape}); pass int(step) if you mean it"
         )
-    return int(a)
+    return int(a.reshape(()))
 
 
 def _check_leaves_live(params: Any, opt_state: Any) -> None:
