@@ -30,6 +30,7 @@ from .format import (
 from .format.folders import metadata_bytes
 from .format.manifest import AtomInfo, Manifest
 from .format.zarr_json import check_zarr_json
+from .mapping.boxes import basic_index
 from .untrusted import paths
 from .util.dtypes import np_dtype
 
@@ -402,68 +403,6 @@ class Checkpoint:
                     raise
                 raise store.wrap_io_error(e, f"{self.path}: atom {name!r} slot {slot!r}") from e
         return out[local]
-
-
-def basic_index(
-    index: Any, shape: tuple[int, ...], where: str
-) -> tuple[list[tuple[int, int]], tuple[Any, ...]]:
-    """The box a numpy basic index reads, and the index that takes its result from that box.
-
-    Ints (negative ones from the end), slices (any step, clipped as numpy clips them),
-    ``...`` and ``None``, with numpy's meaning; the box is what storage reads.
-
-    Raises:
-        IndexError: an int out of range, too many indices, or an index that is not basic.
-
-    >>> basic_index((slice(2, 5), -1), (8, 8), "x")
-    ([(2, 5), (7, 8)], (slice(0, None, 1), 0))
-    >>> basic_index(np.s_[::-2], (5,), "x")
-    ([(0, 5)], (slice(None, None, -2),))
-    """
-    items = index if isinstance(index, tuple) else (index,)
-    if sum(i is Ellipsis for i in items) > 1:
-        raise IndexError(f"{where}: an index can only have a single ellipsis ('...')")
-    used = sum(i is not None and i is not Ellipsis for i in items)
-    if used > len(shape):
-        raise IndexError(
-            f"{where}: too many indices: the array has {len(shape)} dimensions, {used} were indexed"
-        )
-    k = next((j for j, i in enumerate(items) if i is Ellipsis), len(items))
-    items = items[:k] + (slice(None),) * (len(shape) - used) + items[k + 1 :]
-    box: list[tuple[int, int]] = []
-    local: list[Any] = []
-    axis = 0
-    for i in items:
-        if i is None:
-            local.append(None)
-            continue
-        n = shape[axis]
-        if isinstance(i, int | np.integer) and not isinstance(i, bool | np.bool_):
-            j = int(i) + n if i < 0 else int(i)
-            if not 0 <= j < n:
-                raise IndexError(
-                    f"{where}: index {int(i)} is out of bounds for axis {axis} with size {n}"
-                )
-            box.append((j, j + 1))
-            local.append(0)
-        elif isinstance(i, slice):
-            r = range(*i.indices(n))
-            if not r:
-                box.append((0, 0))
-                local.append(slice(0, 0))
-            elif r.step > 0:
-                box.append((r[0], r[-1] + 1))
-                local.append(slice(0, None, r.step))
-            else:
-                box.append((r[-1], r[0] + 1))
-                local.append(slice(None, None, r.step))
-        else:
-            raise IndexError(
-                f"{where}: {type(i).__name__} index {i!r:.60}: only basic indices (ints, slices, "
-                "..., None) read a region; read the region and index the result for the rest"
-            )
-        axis += 1
-    return box, tuple(local)
 
 
 def _check_file_sizes(folder: str, si: Any, keys: Sequence[str], where: str) -> None:
