@@ -24,7 +24,7 @@ from helpers import mesh_of, need_devices, ocdbt_values, place, targets
 import ucp_jax as ucp
 from ucp_jax._src import save as save_mod
 from ucp_jax._src.cli import main as cli_main
-from ucp_jax._src.restore import last_read_stats
+from ucp_jax._src.read_stats import last_read_stats
 
 # COMMIT, manifest.json, the root database and one process's database: its data files and the
 # B-tree node files of its few commits; TensorStore writes a commit's nodes into one to three

@@ -231,7 +231,7 @@ def test_relayout_roundtrip(tmp_path, src, dst):
     )  # fmt: skip
     out, _ = ucp.restore(tmp_path / "ck", tgt, rules=layout_rules(dst[2]))
     assert_tree_bitexact(want, out)
-    from ucp_jax._src.restore import last_read_stats
+    from ucp_jax._src.read_stats import last_read_stats
 
     assert last_read_stats().amplification == 1.0
 

@@ -8,7 +8,7 @@ from conftest import assert_tree_bitexact
 from helpers import OPTIMIZERS, float_params, mesh_of, mixed_params, place, targets, trained_state
 
 import ucp_jax as ucp
-from ucp_jax._src.restore import last_read_stats
+from ucp_jax._src.read_stats import last_read_stats
 
 # (save mesh shape or None for one device, save style) -> (restore mesh shape, restore style)
 PAIRS = [

@@ -60,8 +60,8 @@ if _typing.TYPE_CHECKING:
     from ._src.frameworks.orbax.read import import_orbax as import_orbax
     from ._src.plan_report import RestorePlan as RestorePlan
     from ._src.plan_report import plan as plan
-    from ._src.restore import ReadStats as ReadStats
-    from ._src.restore import last_read_stats as last_read_stats
+    from ._src.read_stats import ReadStats as ReadStats
+    from ._src.read_stats import last_read_stats as last_read_stats
     from ._src.restore import restore as restore
     from ._src.save_api import SaveHandle as SaveHandle
     from ._src.save_api import async_save as async_save
@@ -84,8 +84,8 @@ _LAZY = {
     "plan": ("._src.plan_report", "plan"),
     "RestorePlan": ("._src.plan_report", "RestorePlan"),
     "restore": ("._src.restore", "restore"),
-    "ReadStats": ("._src.restore", "ReadStats"),
-    "last_read_stats": ("._src.restore", "last_read_stats"),
+    "ReadStats": ("._src.read_stats", "ReadStats"),
+    "last_read_stats": ("._src.read_stats", "last_read_stats"),
     "SaveHandle": ("._src.save_api", "SaveHandle"),
     "async_save": ("._src.save_api", "async_save"),
     "save": ("._src.save_api", "save"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -11,6 +10,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from . import read_stats
 from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
 from .errors import (
     ChecksumError,
@@ -35,58 +35,6 @@ from .util.gcpause import gc_paused
 from .util.inflight import InflightWindow
 
 log = logging.getLogger("ucp_jax")
-
-
-@dataclasses.dataclass
-class ReadStats:
-    """What the last restore in this process read.
-
-    Attributes:
-        bytes_needed: bytes of the distinct regions this process's devices need.
-        bytes_read: bytes requested from storage (padding is never read).
-        bytes_padding: bytes filled with zeros by VocabPadded.
-        reads: number of region reads issued.
-        bytes_chunks: bytes of the stored chunks those reads touch (storage reads whole chunks;
-            more than bytes_read when a region cuts through chunks).
-        bytes_staged: bytes placed on devices through pinned host memory (`UCP_STAGING`).
-    """
-
-    bytes_needed: int = 0
-    bytes_read: int = 0
-    bytes_padding: int = 0
-    reads: int = 0
-    bytes_chunks: int = 0
-    bytes_staged: int = 0
-
-    @property
-    def amplification(self) -> float:
-        """bytes_read / (bytes_needed - padding): 1.00 means every needed byte was read once."""
-        want = self.bytes_needed - self.bytes_padding
-        return self.bytes_read / want if want else 1.0
-
-    @property
-    def chunk_amplification(self) -> float:
-        """bytes_chunks / bytes_read: 1.00 means every chunk touched was wholly needed."""
-        return self.bytes_chunks / self.bytes_read if self.bytes_read else 1.0
-
-
-def chunk_bytes_touched(box: Sequence[tuple[int, int]], shape: Sequence[int], chunk: Sequence[int],
-                        itemsize: int) -> int:  # fmt: skip
-    """Bytes of the whole chunks of a regular grid that a box touches."""
-    n = itemsize
-    for (lo, hi), dim, c in zip(box, shape, chunk):
-        if hi <= lo:
-            return 0
-        n *= min(-(-hi // c) * c, dim) - (lo // c) * c
-    return n
-
-
-_last_stats = ReadStats()
-
-
-def last_read_stats() -> ReadStats:
-    """Read statistics of the last `restore` in this process."""
-    return _last_stats
 
 
 # ------------------------------------------------------------------------------------ restore
@@ -183,7 +131,6 @@ def _restore(
     cast: bool,
     max_inflight_bytes: int | None,
 ) -> tuple[Any, Any]:
-    global _last_stats
     compiled = CompiledRules(rules) if rules else CompiledRules.from_json(ckpt.manifest.rules)
     pbind, obind = bind_state(params_target, opt_state_target, compiled)
     max_inflight_bytes = check_inflight_bytes(max_inflight_bytes, "restore")
@@ -218,7 +165,7 @@ def _restore(
     ckpt.open_arrays([(name, slot) for name, slot, _ in regions])
     ckpt.check_sizes(regions)  # before reading: no file decodes into more than its chunk
     ckpt.locate_shards(regions)  # local folders: shards read directly (format/direct.py)
-    stats = ReadStats()
+    stats = read_stats.ReadStats()
     _check_memory(ckpt, resolved, budget)
     try:
         values = _read_all(ckpt, resolved, stats, budget)
@@ -226,7 +173,7 @@ def _restore(
         raise HostMemoryError(f"{ckpt.path}: a restore buffer could not be allocated ({e}); "
                               f"{_MEMORY_FIX}") from e  # fmt: skip
     ckpt.check_fingerprints(regions)  # the files read are the ones written there, or raise
-    _last_stats = stats
+    read_stats.record(stats)
     values = rewrap(values, [r.binding.key_impl for r in resolved])
     return unbind_state(params_target, opt_state_target, values)
 
@@ -276,7 +223,7 @@ def _check_memory(ckpt: Checkpoint, resolved: list[ResolvedLeaf], budget: int) -
 
 
 def _read_all(
-    ckpt: Checkpoint, resolved: list[ResolvedLeaf], stats: ReadStats, budget: int
+    ckpt: Checkpoint, resolved: list[ResolvedLeaf], stats: read_stats.ReadStats, budget: int
 ) -> list[Any]:
     """Issue reads leaf by leaf, keeping at most `budget` bytes of host data in flight.
 
@@ -334,7 +281,7 @@ def _issue(
     r: ResolvedLeaf,
     g: ReadGroup,
     out: np.ndarray,
-    stats: ReadStats,
+    stats: read_stats.ReadStats,
     batcher: read_batches.Batcher | None,
 ) -> tuple[np.ndarray, list[tuple[Any, Any, Any]]]:
     """Start filling the region `g.box` of leaf `r.binding` into `out` (an uninitialised buffer
@@ -359,7 +306,7 @@ def _issue(
         stats.bytes_read += box_size(p.atom_box) * itemsize
         stats.reads += 1
         sinfo = ckpt.atoms[name].slots[slot]
-        stats.bytes_chunks += chunk_bytes_touched(
+        stats.bytes_chunks += read_stats.chunk_bytes_touched(
             p.atom_box, shape, sinfo.inner_chunks or sinfo.chunks, itemsize
         )
         if dtype == b.dtype:
