@@ -224,7 +224,7 @@ def test_encode_shard_refuses_a_partial_shard() -> None:
 def test_a_data_file_is_synced_once_and_again_when_it_grew(tmp_path: Path, monkeypatch) -> None:
     """A save starts making each data file durable as transactions land: a file once, then again
     only if a commit still writing it made it grow, not every file at every commit."""
-    from ucp_jax._src import save as save_mod
+    from ucp_jax._src.format.durable import sync_landed
 
     class Syncs:
         def __init__(self):
@@ -239,19 +239,19 @@ def test_a_data_file_is_synced_once_and_again_when_it_grew(tmp_path: Path, monke
     d.mkdir(parents=True)
     (d / "a").write_bytes(b"x" * 10)
     requested: dict[str, int] = {}
-    save_mod._sync_landed(syncs, str(tmp_path), 0, requested)
+    sync_landed(syncs, str(tmp_path), 0, requested)
     assert asked == ["a"]
     (d / "b").write_bytes(b"y")
-    save_mod._sync_landed(syncs, str(tmp_path), 0, requested)
+    sync_landed(syncs, str(tmp_path), 0, requested)
     assert asked == ["a", "b"]
     with open(d / "b", "ab") as f:
         f.write(b"more")
-    save_mod._sync_landed(syncs, str(tmp_path), 0, requested)
+    sync_landed(syncs, str(tmp_path), 0, requested)
     assert asked == ["a", "b", "b"]
-    save_mod._sync_landed(syncs, str(tmp_path), 0, requested)
+    sync_landed(syncs, str(tmp_path), 0, requested)
     assert asked == ["a", "b", "b"]
-    save_mod._sync_landed(syncs, None, 0, requested)  # not a local save: nothing to ask
-    save_mod._sync_landed(syncs, str(tmp_path / "gone"), 0, requested)  # no data files yet
+    sync_landed(syncs, None, 0, requested)  # not a local save: nothing to ask
+    sync_landed(syncs, str(tmp_path / "gone"), 0, requested)  # no data files yet
     assert asked == ["a", "b", "b"]
 
 

@@ -26,7 +26,7 @@ from .format import (
     store,
     zarr_json,
 )
-from .format.durable import EarlySync, sync_tree
+from .format.durable import EarlySync, sync_landed, sync_tree
 from .format.integrity import keys_in_box
 from .format.manifest import PER_ARRAY_VERSION, Manifest, SlotInfo, source_header
 from .mapping.binding import LeafBinding, WriteTask, bind_state, describe_leaf
@@ -319,7 +319,7 @@ class SaveJob:
         if jax.process_index() == 0:
             self.staging.prepare()
             creating = {
-                key: _create(self.staging.target, shape, info)
+                key: store.create_array(self.staging.target, shape, info)
                 for key, (shape, info) in self.slots.items()
             }
             arrays = {k: f.result() for k, f in creating.items()}
@@ -381,7 +381,7 @@ class SaveJob:
                 f.result()  # recorded in the transaction
             txn.commit_async().result()
         self._rendezvous.wait("created")
-        arrays = _Handles(db, self.slots)  # opened where a write goes through TensorStore
+        arrays = store.ArrayHandles(db, self.slots)  # opened where a write goes through TensorStore
         written: dict[SlotInfo, set[str]] = {}
         in_txn: dict[tuple[str, str], Any] = {}  # the arrays bound to the open transaction
         # Whole shards are encoded here (hardware CRC32C) and written as raw values in the same
@@ -410,11 +410,11 @@ class SaveJob:
                 if committing and committing[0].done():  # landed: its data file to the disk now
                     while committing and committing[0].done():
                         committing.popleft().result()
-                    _sync_landed(syncs, local, me, requested)
+                    sync_landed(syncs, local, me, requested)
                 if staged >= txn_bytes:
                     if len(committing) == MAX_COMMITTING:
                         committing.popleft().result()
-                        _sync_landed(syncs, local, me, requested)
+                        sync_landed(syncs, local, me, requested)
                     self._still_ours(me)
                     committing.append(txn.commit_async())
                     txn, staged = ts.Transaction(atomic=True), 0
@@ -425,7 +425,7 @@ class SaveJob:
             committing.append(txn.commit_async())
             while committing:
                 committing.popleft().result()
-                _sync_landed(syncs, local, me, requested)
+                sync_landed(syncs, local, me, requested)
             syncs.wait()
         except BaseException:
             # Nothing of the open transaction lands; what earlier ones committed stays in this
@@ -491,33 +491,6 @@ def transaction_bytes(share: int, budget: int, *, local: bool = True) -> int:
     return max(TXN_MIN, min(budget, share) // TXN_PARTS)
 
 
-def _sync_landed(syncs: EarlySync, local: str | None, me: int, requested: dict[str, int]) -> None:
-    """Start making this process's data files written so far durable (a local save): those not
-    in `requested` (name -> size when started) or grown since (a commit still writing it).
-
-    Data files are written without an fsync each (`durable.sync_tree` makes them durable before
-    COMMIT); below the kernel's dirty-page thresholds nothing would reach the disk until then, so
-    the disk would sit idle while shards are encoded and then take the whole save at the end.
-    Syncing each as its transaction lands overlaps the disk's writes and its cache's flushes with
-    the rest of the save (large states on a VM: 0.78-0.88x the save's time, docs/performance.md).
-    """
-    if local is None:
-        return
-    d = os.path.join(local, f"{aggregate.PROCESS_PREFIX}{me}", "d")
-    try:
-        entries = list(os.scandir(d))
-    except OSError:
-        return
-    for e in entries:
-        try:
-            size = e.stat().st_size
-        except OSError:
-            continue
-        if requested.get(e.name) != size:
-            syncs.start(e.path)
-            requested[e.name] = size
-
-
 def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:
     """Wait for every write future (all of them, even after one fails); raise the first error."""
     first: BaseException | None = None
@@ -528,24 +501,3 @@ def _wait_all(futs: Sequence[Any], *, raise_first: bool = True) -> None:
             first = first or e
     if first is not None and raise_first:
         raise first
-
-
-class _Handles(dict[tuple[str, str], Any]):
-    """The slots' arrays for TensorStore's array writes, each opened on first use; opening for
-    writing trusts the manifest's metadata (no read, nothing to wait for)."""
-
-    def __init__(self, db: store.Location, slots: dict[tuple[str, str], Any]) -> None:
-        super().__init__()
-        self.db, self.slots = db, slots
-
-    def __missing__(self, key: tuple[str, str]) -> Any:
-        shape, info = self.slots[key]
-        arr = self[key] = store.open_array(self.db, shape, info, write=True)
-        return arr
-
-
-def _create(loc: store.Location, shape: tuple[int, ...], info: SlotInfo, txn: Any = None) -> Any:
-    import tensorstore as ts
-
-    spec = store.array_spec(loc, shape, info)
-    return ts.open(spec, create=True, context=loc.ctx, transaction=txn)

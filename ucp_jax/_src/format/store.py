@@ -424,3 +424,23 @@ def load_manifest(loc: Location) -> Manifest:
     if data is None:
         raise NotACheckpointError(f"{loc.url}: COMMIT present but manifest.json missing")
     return Manifest.loads(data, loc.url, marker)
+
+
+class ArrayHandles(dict[tuple[str, str], Any]):
+    """The slots' arrays for TensorStore's array writes, each opened on first use; opening for
+    writing trusts the manifest's metadata (no read, nothing to wait for)."""
+
+    def __init__(self, db: Location, slots: dict[tuple[str, str], Any]) -> None:
+        super().__init__()
+        self.db, self.slots = db, slots
+
+    def __missing__(self, key: tuple[str, str]) -> Any:
+        shape, info = self.slots[key]
+        arr = self[key] = open_array(self.db, shape, info, write=True)
+        return arr
+
+
+def create_array(loc: Location, shape: tuple[int, ...], info: SlotInfo, txn: Any = None) -> Any:
+    """Create a slot's array (the per-array layout, version 2), in transaction `txn` if given."""
+    spec = array_spec(loc, shape, info)
+    return ts.open(spec, create=True, context=loc.ctx, transaction=txn)
