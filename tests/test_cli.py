@@ -187,13 +187,20 @@ def test_plan_targets_and_rules_that_name_nothing_usable_are_user_errors(
     None target planned 0 leaves with exit 0)."""
     path = _ckpt(tmp_path)
     mod = _module(tmp_path, monkeypatch, "ucp_cli_plan_mod",
-                  "def make_none():\n    return None\n\nNOTLIST = 5\n")  # fmt: skip
+                  "def make_none():\n    return None\n\nNOTLIST = 5\n\n"
+                  "def make_text():\n    return '/tmp'\n\n"
+                  "def make_pair():\n    return {'w': 1.0}, {'mu': {'w': object()}}\n")  # fmt: skip
     plan = ["plan", str(path), "--target"]
     _one_line_user_error(capsys, [*plan, f"{mod}:nothere"], "--target", "has no 'nothere'",
-                         "it has NOTLIST, make_none;")  # fmt: skip
+                         "it has NOTLIST, make_none, make_pair, make_text;")  # fmt: skip
     _one_line_user_error(capsys, [*plan, "ucp_cli_no_such_mod:x"], "cannot import module")
     _one_line_user_error(capsys, [*plan, f"{mod}:NOTLIST"], "of type int, not a function")
     _one_line_user_error(capsys, [*plan, f"{mod}:make_none"], "returned None")
+    # what is no tree of targets (was `TypeError: leaf '' is a str`, exit 2)
+    _one_line_user_error(capsys, [*plan, f"{mod}:make_text"],
+                         "returned params targets whose leaf (the whole tree) is a str")  # fmt: skip
+    _one_line_user_error(capsys, [*plan, f"{mod}:make_pair"],
+                         "returned opt_state targets whose leaf ['mu']['w'] is a object")  # fmt: skip
     _one_line_user_error(capsys, [*plan, f"{mod}:make_none", "--rules", f"{mod}:NOTLIST"],
                          "--rules", "of type int, not a list of rules")  # fmt: skip
     for bad in ("--target", "--rules"):  # no MODULE:NAME form: a usage error, as `--step x`

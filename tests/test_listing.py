@@ -262,6 +262,27 @@ def test_ucp_index_of_a_local_folder_says_what_to_pass(tmp_path, capsys):
     assert f"list it with ucp ls {tmp_path}" in err
 
 
+@pytest.mark.parametrize("stray", ["notes_1\u00b2", "\u2460", "run_\u0663"])
+def test_names_with_other_digits_sort_beside_checkpoints(tmp_path, mem_root, capsys, stray):
+    # every name is sorted before any is filtered: "notes_1²" ('²' is a digit to str.isdigit,
+    # not to int()) made `ucp ls` and list_checkpoints fail with a ValueError
+    ucp.save(tmp_path / "step_2", _tree(1), step=2)
+    (tmp_path / stray).write_bytes(b"")
+    (tmp_path / f"{stray}_dir").mkdir()
+    assert ucp.list_checkpoints(tmp_path) == [str(tmp_path / "step_2")]
+    assert cli_main(["ls", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(tmp_path / "step_2")]
+    # an object store's listing (no index: every key) sorts the same names
+    root = f"{mem_root}/stray"
+    ucp.save(f"{root}/step_2", _tree(1), step=2)
+    ucp.save(f"{root}/{stray}", _tree(2), step=3)
+    ucp.save(f"{root}/step_10", _tree(3), step=10)
+    want = sorted(["step_2", stray, "step_10"], key=index.natural)
+    assert ucp.list_checkpoints(root) == [f"{root}/{n}" for n in want]
+    _unindex(root)
+    assert ucp.list_checkpoints(root) == [f"{root}/{n}" for n in want]
+
+
 def test_a_restore_reads_the_database_manifest_without_asking_for_it_per_array(s3):
     # A committed OCDBT database does not change: an opened checkpoint reads its arrays through
     # its own cache of the manifest. Each array's read asked for manifest.ocdbt again (a

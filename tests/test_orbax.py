@@ -193,6 +193,12 @@ def test_sync_manager_and_plain_checkpointers(tmp_path):
     # checkpoint" of a folder that needs no conversion)
     with pytest.raises(ucp.NotACheckpointError, match=r"checkpoints: .*step_12/default"):
         ucp.open(tmp_path / "m")
+    # a step folder names its universal items (it said "an Orbax checkpoint ...; import it with
+    # `ucp convert orbax`", which then refused: the item is universal already)
+    with pytest.raises(ucp.NotACheckpointError, match=r"an Orbax step \(_CHECKPOINT_METADATA\) "
+                       r"whose items are universal checkpoints: .*step_12/default;"):  # fmt: skip
+        ucp.open(tmp_path / "m" / "step_12")
+    assert cli.main(["inspect", str(tmp_path / "m" / "step_12")]) == 1
     with pytest.raises(ucp.NotACheckpointError, match=r"step_12/default is a universal checkpoint"):
         ucp.import_orbax(tmp_path / "m" / "step_12", tmp_path / "converted")
     assert_tree_bitexact(want, mngr.restore(12, args=uo.UniversalRestore(tgt)).params)
@@ -218,6 +224,29 @@ def test_sync_manager_and_plain_checkpointers(tmp_path):
         assert (ck.step, ck.extra) == (3, {"k": 1})
         assert_tree_bitexact(want, ckptr.restore(path, args=uo.UniversalRestore(tgt)).params)
         ckptr.close()
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_item_saved_alone_takes_no_step_from_its_parents_name(tmp_path, in_place):
+    # ocp.Checkpointer(handler).save(path) without a step: no manager, so no step, however the
+    # folder above is named (it recorded 2024 for runs/exp_2024/final, and `ucp export orbax
+    # --manager` then wrote a step 2024)
+    from orbax.checkpoint._src.path.atomicity import CommitFileTemporaryPath
+
+    params = place(float_params(), mesh_of((8,)))
+    kw = {"temporary_path_class": CommitFileTemporaryPath} if in_place else {}
+    for path in (tmp_path / "exp_2024" / "final", tmp_path / "7" / "ckpt"):
+        ckptr = ocp.Checkpointer(uo.UniversalCheckpointHandler(), **kw)
+        ckptr.save(path, args=uo.UniversalSave(params))
+        ckptr.close()
+        assert ucp.open(path).step is None
+    # a manager's step still comes from its folder, committed in place or renamed
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, **kw)
+    mngr = ocp.CheckpointManager(tmp_path / "exp_2024" / "run", options=options)
+    mngr.save(6, args=uo.UniversalSave(params))
+    mngr.wait_until_finished()
+    mngr.close()
+    assert ucp.open(tmp_path / "exp_2024" / "run" / "6" / "default").step == 6
 
 
 def _ref_fuse(subs, n, axis):

@@ -212,6 +212,17 @@ def test_edited_format_version_is_a_ucp_error(saves, tmp_path, layout, value) ->
     assert cli_main(["verify", str(ck)]) == 1
 
 
+@pytest.mark.parametrize("fmt", ["ucp/\u00b2", "ucp/x", "ucp/", "ucp"])
+def test_a_format_string_without_a_version_number_is_a_ucp_error(saves, tmp_path, fmt) -> None:
+    # a manifest with no format_version takes it from `format` ("ucp/1"); "ucp/²" passed
+    # str.isdigit and then failed int() with a bare ValueError
+    ck = _copy(saves["aggregated"][0], tmp_path / "ck")
+    _reseal(ck, lambda m: (m.pop("format_version"), m.update(format=fmt)))
+    with pytest.raises(ucp.NotACheckpointError):
+        ucp.open(ck)
+    assert cli_main(["verify", str(ck)]) == 1
+
+
 # -------------------------------------------------------------------------------- messages
 
 

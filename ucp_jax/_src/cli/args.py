@@ -92,7 +92,26 @@ def target_trees(ref: str) -> tuple[Any, Any]:
             f"--target {ref!r} returned None; the function must return the params targets or a "
             "(params targets, opt_state targets) pair (is its return statement missing?)"
         )
-    return made if isinstance(made, tuple) and len(made) == 2 else (made, None)
+    trees = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
+    _check_target_leaves(ref, trees)
+    return trees
+
+
+def _check_target_leaves(ref: str, trees: tuple[Any, Any]) -> None:
+    """Every leaf of what `--target` returned is a target (a user error otherwise, exit 1)."""
+    import jax
+    import numpy as np
+
+    ok = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, complex)
+    for which, tree in zip(("params", "opt_state"), trees):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if not isinstance(leaf, ok):
+                at = jax.tree_util.keystr(path) or "(the whole tree)"
+                raise CliError(
+                    f"--target {ref!r} returned {which} targets whose leaf {at} is a "
+                    f"{type(leaf).__name__} ({leaf!r:.40}); the function must return trees of "
+                    "jax.ShapeDtypeStruct (ucp.targets makes them), arrays or numbers"
+                )
 
 
 def rule_list(ref: str) -> list[Any]:

@@ -77,8 +77,11 @@ def natural(name: str) -> list[Any]:
 
     >>> sorted(["step_10", "step_9", "step_100", "best"], key=natural)
     ['best', 'step_9', 'step_10', 'step_100']
+    >>> sorted(["notes_1²", "step_2"], key=natural)  # '²' is a digit to isdigit, not to int
+    ['notes_1²', 'step_2']
     """
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+    # the runs `\d` splits off are exactly the decimal ones (isdecimal), which int() reads
+    return [int(t) if t.isdecimal() else t for t in re.split(r"(\d+)", name)]
 
 
 def _whole(folder: str, name: str) -> bool:

@@ -241,7 +241,7 @@ class Manifest:
 def _format_version(d: Mapping[str, Any], fmt: str, where: str) -> int:
     """The manifest's format version: an int from 1 up (from the `format` string when absent)."""
     raw: Any = d.get("format_version") if "format_version" in d else fmt.split("/")[1]
-    if isinstance(raw, str) and "format_version" not in d and raw.isdigit():
+    if isinstance(raw, str) and "format_version" not in d and raw.isdecimal():
         raw = int(raw)
     if type(raw) is not int or raw < 1:
         raise NotACheckpointError(

@@ -36,7 +36,12 @@ class Extent:
 def _ocdbt_value(ref: str, folder: str) -> Extent | None:
     """'value:<base>:<file>:<offset>:<length>' -> the Extent (None: not a plain local range)."""
     parts = ref.split(":")
-    if len(parts) != 5 or parts[0] != "value" or not parts[3].isdigit() or not parts[4].isdigit():
+    if (
+        len(parts) != 5
+        or parts[0] != "value"
+        or not parts[3].isdecimal()
+        or not parts[4].isdecimal()
+    ):
         return None
     rel = parts[1] + parts[2]
     if not _SAFE_PATH.match(rel) or ".." in rel.split("/"):

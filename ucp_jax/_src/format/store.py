@@ -401,14 +401,17 @@ def load_manifest(loc: Location) -> Manifest:
     if marker is None:
         hint = "no such checkpoint"
         names = listdir(local) if local is not None else []
-        if mark := orbax_mark(names):
+        below = committed_below(local, names) if local is not None else []
+        listed = ", ".join(below[:3]) + (f", ... ({len(below)})" if len(below) > 3 else "")
+        if (mark := orbax_mark(names)) and below:  # a CheckpointManager's step of ucp items
+            hint = f"an Orbax step ({mark}) whose items are universal checkpoints: {listed}"
+        elif mark:
             hint = (f"an Orbax checkpoint ({mark}), not a universal one; import it with "
                     "`ucp convert orbax` (ucp.import_orbax)")  # fmt: skip
         elif local is not None and os.path.isdir(local) and not any(map(checkpoint_entry, names)):
             hint = "a folder that holds no checkpoint (no manifest.json, no COMMIT)"
-            if below := committed_below(local, names):  # an Orbax CheckpointManager's root
-                more = f", ... ({len(below)})" if len(below) > 3 else ""
-                hint += f"; these folders in it are checkpoints: {', '.join(below[:3])}{more}"
+            if below:  # an Orbax CheckpointManager's root
+                hint += f"; these folders in it are checkpoints: {listed}"
         elif loc.has_any():
             hint = "a save to it did not finish (no COMMIT marker); it is not a checkpoint"
         elif loc.local_path is not None and os.path.exists(

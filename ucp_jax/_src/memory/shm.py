@@ -125,9 +125,19 @@ def _damaged(why: list[str] | None, path: Path, what: str) -> None:
 
 
 def list_nodes(root: Path) -> list[int]:
-    """Node folders under a namespace root."""
+    """Node folders under a namespace root (named `str(node)`: other entries are not nodes).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     for n in ("1", "0", "\u00b2", "07", "x"):
+    ...         (Path(d) / n).mkdir()
+    ...     list_nodes(Path(d))
+    [0, 1]
+    """
     try:
-        return sorted(int(n) for n in os.listdir(root) if n.isdigit())
+        return sorted(
+            int(n) for n in os.listdir(root) if n.isascii() and n.isdecimal() and n == str(int(n))
+        )
     except OSError:
         return []
 

@@ -28,7 +28,7 @@ def _read_int(path: str) -> int | None:
             raw = f.read().strip()
     except OSError:
         return None
-    return int(raw) if raw.isdigit() else None
+    return int(raw) if raw.isdecimal() else None
 
 
 def _cgroup() -> int | None:

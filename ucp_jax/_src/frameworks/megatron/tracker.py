@@ -35,7 +35,7 @@ def iteration_folder(folder: str) -> str:
         text = f.read(64).decode("ascii", "replace").strip()
     if text == "release":
         name = "release"
-    elif text.isdigit() and len(text) <= 12:
+    elif text.isdecimal() and len(text) <= 12:
         name = f"iter_{int(text):07d}"
     else:
         raise MegatronFormatError(

@@ -40,7 +40,8 @@ and that `ucp.open` refuses, and the previous step stays `latest_step()`.
 not saved or restored this item yet must name the handler to get it:
 `ocp.CheckpointManager(root, item_handlers=UniversalCheckpointHandler())` (or a dict per item).
 The manifest's step is `UniversalSave(step=...)`, else the step folder's number (`<step>` or
-`<prefix>_<step>`), else None. `restore` returns `UniversalState(params, opt_state)`.
+`<prefix>_<step>`) of a manager's step, else None (an item saved on its own by
+`ocp.Checkpointer(handler).save(path)` has no step folder, whatever its parent is named). `restore` returns `UniversalState(params, opt_state)`.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from ...mapping.rules import Rule
 from ...restore import restore as ucp_restore
 
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's metadata of the folder a Checkpointer saves
 
 
 class UniversalState(NamedTuple):
@@ -111,12 +113,25 @@ def _step_from_directory(directory: Any) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _saved_alone(directory: str) -> bool:
+    """Whether Orbax saves this item on its own (`ocp.Checkpointer(handler).save(path)`), not as
+    an item of a CheckpointManager's step: a Checkpointer writes its `_CHECKPOINT_METADATA` into
+    the folder it saves before the handler runs, where a manager writes it into the step folder,
+    so the parent folder's name is no step (`/runs/exp_2024/final` is not step 2024)."""
+    loc = store.Location.parse(directory)
+    if loc.local_path is not None:
+        return os.path.exists(os.path.join(loc.local_path, CHECKPOINT_METADATA))
+    return loc.read(CHECKPOINT_METADATA) is not None
+
+
 def in_place_job(directory: Any, args: Any) -> save_mod.SaveJob:
     """The `SaveJob` of a save into Orbax's own temporary step folder (written in place: Orbax
     renames and finalizes it), from `UniversalSave`-like `args` (params, opt_state, step, rules,
     extra); the step, when not given, from the folder's name."""
     path = os.fspath(directory)
-    step = args.step if args.step is not None else _step_from_directory(path)
+    step = args.step
+    if step is None and not _saved_alone(path):
+        step = _step_from_directory(path)
     return save_mod.SaveJob(
         path,
         args.params,
