@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -377,6 +378,14 @@ def test_errors(tmp_path, shm_dir):
         SnapshotManager(None, persist_every=2, shm_dir=shm_dir)
     with pytest.raises(ValueError, match="namespace"):
         SnapshotManager(None, namespace="a/b", shm_dir=shm_dir)
+    # a group of one node keeps no redundancy for it (xor with group_size=1 gave [[0], [1], ...])
+    for redundancy, bad, least in (("xor", 1, 2), ("replica", 0, 2), ("rs2", 2, 3),
+                                   ("xor", 2.5, 2), ("xor", True, 2), (None, 0, 1)):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(
+                f"group_size={bad!r}: redundancy {redundancy!r} needs groups of at least {least} "
+                "nodes, an integer")):  # fmt: skip
+            SnapshotManager(None, redundancy=redundancy, group_size=bad, shm_dir=shm_dir)
+    SnapshotManager(None, redundancy="xor", group_size=np.int64(3), shm_dir=shm_dir).close()
     mgr = _mgr(tmp_path, shm_dir)
     params, opt_state, _ = _train(None, 1)
     pt, ot = _targets(params, opt_state, mesh_of((8,)))

@@ -283,12 +283,12 @@ def test_planning_a_4k_device_layout_for_one_node_stays_small():
 def test_the_engine_plans_grid_leaves_from_their_grid(tmp_path, monkeypatch):
     """A snapshot lists the regions of the leaves off the grid only, and restores bit-exact."""
     need_devices(8)
-    from ucp_jax._src.memory import engine
+    from ucp_jax._src.memory import prepared
     from ucp_jax.memory import SnapshotManager
 
     listed = []
-    real = engine.write_regions
-    monkeypatch.setattr(engine, "write_regions", lambda b: listed.append(b.name) or real(b))
+    real = prepared.write_regions
+    monkeypatch.setattr(prepared, "write_regions", lambda b: listed.append(b.name) or real(b))
     mesh = _mesh("2x4")
     params = {
         "grid": jax.device_put(

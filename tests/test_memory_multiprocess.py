@@ -370,3 +370,35 @@ def test_a_snapshot_damaged_before_its_persist_is_persisted_by_no_process(tmp_pa
         import ucp_jax as ucp
 
         assert ucp.list_checkpoints(base["ckpt"]) == []
+
+
+def test_a_snapshot_failed_on_one_process_fails_on_its_peers_at_once(tmp_path_factory):
+    """Process 1's step-2 blob cannot be created (/dev/shm full). Its peer, which keeps its
+    parity, stops waiting for it at once with an error naming it and the cause (it waited for the
+    barrier timeout, 30 minutes, and then named a key); neither process commits or persists step
+    2. The loop catches the errors and trains on; the later snapshots keep each step's own
+    data-loader state: restored after node 0 is lost, step 4 comes back with step 4's extras
+    (step 2's were taken: a process's exchange count fell one behind its peers' for good)."""
+    with _scenario(tmp_path_factory, "shm_full") as (root, ns, base):
+        cfg = dict(redundancy="xor", persist_every=2, catch=True, **base)
+        t0 = time.monotonic()
+        train = _trained(root, "train", 2, 4, 0, steps=4, shm_full={"pid": 1, "step": 2}, **cfg)
+        assert time.monotonic() - t0 < TIMEOUT_S
+        errors = [r["snapshot_errors"] for r in train]
+        assert sorted(errors[0]) == sorted(errors[1]) == ["3"], errors  # raised by snapshot(3)
+        assert "no space left for" in errors[1]["3"] and "(injected)" in errors[1]["3"]
+        assert errors[0]["3"].startswith("AnotherProcessFailedError: ")
+        assert "process 1's snapshot of step 2 failed" in errors[0]["3"]
+        assert "no space left for" in errors[0]["3"]
+        for node in ("0", "1"):
+            committed = sorted(p.parent.name for p in (_shm(ns) / node).glob("step_*/COMMIT"))
+            # snapshot(3) raised step 2's error instead of starting: keep=2 holds steps 1 and 4
+            assert committed == ["step_1", "step_4"], (node, committed)
+        import ucp_jax as ucp
+
+        assert ucp.list_checkpoints(base["ckpt"]) == [os.path.join(base["ckpt"], "step_4")]
+        shutil.rmtree(_shm(ns) / "0")
+        out: dict = {}
+        _resume(root, out, "redundancy", 2, 4, **cfg)
+        _check(out["redundancy"], train, 4, "redundancy")
+        assert out["redundancy"][0]["lost"] == [0]

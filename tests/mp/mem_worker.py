@@ -173,6 +173,21 @@ def main() -> None:
 
         persist.write = damaged_write
 
+    full = cfg.get("shm_full")  # {"pid", "step"}: that process's blob of that step: ENOSPC
+    if full and full["pid"] == cfg["pid"]:
+        import errno
+
+        from ucp_jax._src.memory import shm
+
+        create = shm.Blob.create.__func__  # type: ignore[attr-defined]
+
+        def full_create(cls: Any, path: Any, nbytes: int) -> Any:
+            if f"step_{full['step']}" in str(path):
+                raise OSError(errno.ENOSPC, f"no space left for {path} (injected)")
+            return create(cls, path, nbytes)
+
+        shm.Blob.create = classmethod(full_create)  # type: ignore[method-assign]
+
     devs = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
     mesh = jax.sharding.Mesh(devs.reshape(n, -1), ("data", "model"))
     mgr = SnapshotManager(
@@ -200,12 +215,22 @@ def main() -> None:
             timing[f"step{step}"] = time.perf_counter() - t
             t = time.perf_counter()
             if step <= cfg["steps"]:
-                mgr.snapshot(step, params, opt_state, extra=loader_state(cfg["pid"], step))
+                try:
+                    mgr.snapshot(step, params, opt_state, extra=loader_state(cfg["pid"], step))
+                except RuntimeError as e:  # "catch": a loop that takes snapshots as best effort
+                    if not cfg.get("catch"):
+                        raise
+                    report.setdefault("snapshot_errors", {})[step] = f"{type(e).__name__}: {e}"
             timing[f"snap{step}"] = time.perf_counter() - t
             t = time.perf_counter()
             report["digests"][step] = digest((params, opt_state))
             dig += time.perf_counter() - t
-        mgr.wait()
+        try:
+            mgr.wait()
+        except RuntimeError as e:
+            if not cfg.get("catch"):
+                raise
+            report.setdefault("snapshot_errors", {})["wait"] = f"{type(e).__name__}: {e}"
         timing["digests"] = dig
         timing["done"] = time.perf_counter() - T0
         report["stats"] = vars(mgr.stats)

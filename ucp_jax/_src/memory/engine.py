@@ -3,29 +3,26 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
 
 from ..errors import in_background
-from ..mapping.binding import bind_state, write_regions
-from ..mapping.boxes import Box, index_to_box
 from ..mapping.keys import data_leaves
-from ..mapping.rules import CompiledRules, Rule
-from ..util import config
+from ..mapping.rules import Rule
 from ..util.at_exit import close_at_exit
 from . import copies, persist, recovery
 from . import extra as extras
-from .layout import LeafMeta, Placement, SnapshotLayout, build_pieces, make_groups
-from .placement import GridPlacement, explicit, of_binding
-from .prepared import Prepared, SnapshotStats
-from .redundancy import Sources, agree_rolls, copy_out, plan_fetches, roll, xor_fill
+from .layout import SnapshotLayout, make_groups
+from .prepared import Prepared, SnapshotStats, plan_snapshot
+from .redundancy import copy_out, roll, xor_fill
 from .runid import agree_run_id, default_namespace
 from .schemes import RedundancyScheme, scheme_for
 from .shm import NodeStore, huge_pages, namespace_root
@@ -62,7 +59,8 @@ class SnapshotManager:
             (`huge=within_size` or `huge=advise`) the snapshots are 2 MiB pages and a restore
             maps them ~100x faster than 4 KiB pages; `huge_pages` says which this is.
         keep: committed snapshots kept per node (at least 1).
-        group_size: nodes per redundancy group (default 2 for 'replica', up to 4/6 for 'xor'/'rs2').
+        group_size: nodes per redundancy group (default 2 for 'replica', up to 4/6 for 'xor'/'rs2');
+            at least 2 (3 for 'rs2'), or a ValueError.
         donation_safe: True (default): `snapshot()` makes device-side copies of what it copies
             (one computation per device; on CPU devices it copies into shared memory instead),
             so the caller may donate or delete the arrays as soon as it returns; costs up to
@@ -119,6 +117,14 @@ class SnapshotManager:
         scheme = scheme or RedundancyScheme()
         if group_size is None:
             group_size = scheme.default_group_size(nodes)
+        elif (isinstance(group_size, bool) or not isinstance(group_size, int | np.integer)
+              or group_size < (scheme.min_group_size if redundancy else 1)):  # fmt: skip
+            least = scheme.min_group_size if redundancy else 1
+            raise ValueError(
+                f"group_size={group_size!r}: redundancy {redundancy!r} needs groups of at least "
+                f"{least} nodes, an integer (a group of one keeps no redundancy for its node); "
+                f"leave it None for the default ({scheme.default_group_size(nodes)} here)"
+            )
         self.groups = make_groups(nodes, group_size, scheme.min_group_size)
         self.donation_safe = donation_safe
         self.rules = tuple(rules)
@@ -148,9 +154,8 @@ class SnapshotManager:
         self._plans = 0
         self._extra: Any = None
         self._peers = extras.PeerExchange(f"ucp-memory/{self.namespace}/{self.run}/extra")
-        self._extra_seq: int | None = None
         self._fill_s = 0.0
-        self._persist_seq = 0
+        self._started = 0  # snapshots started: the same count on every process
 
     # ------------------------------------------------------------------------------- snapshot
 
@@ -166,7 +171,9 @@ class SnapshotManager:
             Whether a snapshot was started.
 
         Raises:
-            RuntimeError: an earlier background snapshot or persist failed.
+            RuntimeError: an earlier background snapshot or persist failed
+                (`AnotherProcessFailedError`: another process's, whose redundancy this one
+                keeps; see docs/fault-tolerance.md).
             ValueError: `step` is negative (a snapshot of it could not be found again).
         """
         self._check_open()
@@ -181,6 +188,8 @@ class SnapshotManager:
         self._wait_copy()
         self._reraise()
         self._extra = extras.encode(extra)  # read by this snapshot's _fill (after the wait)
+        self._started += 1
+        snap = f"{self._started}.{step}"  # its name in the exchanges between processes
         t0 = time.perf_counter()
         leaves = data_leaves(params) + data_leaves(opt_state)  # typed PRNG keys: their data
         prep = self._prepare(params, opt_state, leaves)
@@ -194,13 +203,13 @@ class SnapshotManager:
             )
         job = None
         if self.persist_every and step % (self.every * self.persist_every) == 0:
-            job = persist.make_job(self.directory, step, params, opt_state, self.rules,
-                                   self._extra, f"ucp-memory/{self.namespace}/{self.run}")  # fmt: skip
+            job = persist.make_job(self.directory, step, params, opt_state, self.rules, self._extra,
+                                   f"ucp-memory/{self.namespace}/{self.run}/persist-{snap}")  # fmt: skip
         if prep.host_memory and not self.donation_safe:
             # CPU devices, references held: the background thread waits for the step's outputs
             # and copies them while the next steps are dispatched and run.
             self._inflight = self._copier.submit(
-                self._write_views, step, prep, leaves, rolled, job, time.perf_counter() - t0
+                self._write_views, snap, step, prep, leaves, rolled, job, time.perf_counter() - t0
             )
             return True
         if prep.host_memory:
@@ -214,19 +223,18 @@ class SnapshotManager:
             try:
                 writer, copied = self._fill(step, prep, datas, xor_now=True)
             except Exception as e:  # reported like a background failure, on every platform
-                self._error = self._error or e
+                self._inflight = self._copier.submit(self._abandon, snap, step, prep, job, e)
                 return True
             copy_s = time.perf_counter() - t1
-            self._inflight = self._copier.submit(
-                self._finish, step, prep, writer, copied, job, time.perf_counter() - t0, copy_s
-            )
+            self._inflight = self._copier.submit(self._finish, snap, step, prep, writer, copied,
+                                                 job, time.perf_counter() - t0, copy_s)  # fmt: skip
             return True
         datas = copies.dispatch(prep.fetches, prep.groups, leaves, rolled)
         for d in datas:
             if isinstance(d, jax.Array):
                 d.copy_to_host_async()
         dispatch_s = time.perf_counter() - t0
-        self._inflight = self._copier.submit(self._write, step, prep, datas, job, dispatch_s)
+        self._inflight = self._copier.submit(self._write, snap, step, prep, datas, job, dispatch_s)
         return True
 
     def _prepare(self, params: Any, opt_state: Any, leaves: list[Any]) -> Prepared:
@@ -249,71 +257,46 @@ class SnapshotManager:
         return prep
 
     def _plan(self, params: Any, opt_state: Any) -> Prepared:
-        """Plan the snapshots of one state structure: the layout and this node's fetches.
-
-        A leaf whose NamedSharding forms an even grid is described by its grid (`placement`):
-        no per-device work for it here. Other leaves list every region (`write_regions`).
-        """
-        pbind, obind = bind_state(params, opt_state, CompiledRules(()))
-        nodes = jax.process_count()
-        metas: list[LeafMeta] = []
-        placements: list[Placement] = []
-        shard_maps: list[dict[Any, Box] | None] = []
-        writers: dict[tuple[int, Box, int], tuple[Any, Box]] = {}
-        grids: dict[int, GridPlacement] = {}
-        for li, b in enumerate(pbind + obind):
-            meta = LeafMeta(b.name, tuple(b.shape), b.dtype, b.kind)
-            metas.append(meta)
-            on_grid = of_binding(b)
-            if on_grid is not None:
-                placements.append(on_grid)
-                grids[li] = on_grid
-                shard_maps.append(None)
-                continue
-            regs = []
-            for box, dev, sbox in write_regions(b):
-                node = 0 if dev is None else dev.process_index
-                writers[(li, box, node)] = (dev, sbox)
-                regs.append((box, node))
-            placements.append(explicit([(p.box, p.node, p.nbytes)
-                                        for p in build_pieces([meta], [regs], nodes)]))  # fmt: skip
-            if isinstance(b.value, jax.Array):
-                idx = b.value.sharding.devices_indices_map(b.shape)
-                shard_maps.append({d: index_to_box(i, b.shape) for d, i in idx.items()})
-            else:
-                shard_maps.append(None)
-        layout = SnapshotLayout(metas, nodes, self.groups, self.redundancy, placements=placements)
-        devices = jax.devices()
-        fetches, mine = plan_fetches(layout, Sources(shard_maps, writers, grids, devices),
-                                     devices, self.node, roll_nodes=[self.node])  # fmt: skip
-        # every process dispatches the rolls any node needs: the union of what each needs
+        """Plan the snapshots of one state structure (`prepared.plan_snapshot`)."""
         self._plans += 1
         tag = f"ucp-memory/{self.namespace}/{self.run}/plan-{self._plans}/rolls"
-        rolls = agree_rolls(mine, tag) if layout.scheme is not None else []
-        by_shift: dict[int, list[int]] = {}
-        for li, shift in rolls:
-            by_shift.setdefault(shift, []).append(li)
-        # UCP_SNAPSHOT_DEVICE_COPIES=1: CPU devices too take the accelerators' path (tests)
-        host_memory = not config.snapshot_device_copies() and all(
-            f.device is None or f.device.platform == "cpu" for f in fetches
-        )
-        return Prepared(layout, layout.to_json(), fetches, by_shift, layout.gaps(self.node),
-                         layout.size(self.node),
-                         [] if host_memory else copies.group_by_device(fetches, self.donation_safe),
-                         host_memory)  # fmt: skip
+        return plan_snapshot(params, opt_state, self.groups, self.redundancy, self.node,
+                             self.donation_safe, tag)  # fmt: skip
 
-    def _write_views(self, step: int, prep: Prepared, leaves: list[Any], rolled: dict[Any, Any],
-                     job: Any, dispatch_s: float) -> None:  # fmt: skip
+    def _write_views(self, snap: str, step: int, prep: Prepared, leaves: list[Any],
+                     rolled: dict[Any, Any], job: Any, dispatch_s: float) -> None:  # fmt: skip
         """Background: `_write` straight from the CPU buffers of the held arrays."""
-        self._write(step, prep, copies.host_views(prep.fetches, leaves, rolled), job, dispatch_s)
+        try:
+            datas = copies.host_views(prep.fetches, leaves, rolled)
+        except BaseException as e:
+            self._abandon(snap, step, prep, job, e)
+        self._write(snap, step, prep, datas, job, dispatch_s)
 
-    def _write(
-        self, step: int, prep: Prepared, datas: list[Any], job: Any, dispatch_s: float
-    ) -> None:
+    def _write(self, snap: str, step: int, prep: Prepared, datas: list[Any], job: Any,
+               dispatch_s: float) -> None:  # fmt: skip
         """Background: copy into this node's shared memory, commit, retire, maybe persist."""
         t0 = time.perf_counter()
-        writer, copied = self._fill(step, prep, datas)
-        self._finish(step, prep, writer, copied, job, dispatch_s, time.perf_counter() - t0)
+        try:
+            writer, copied = self._fill(step, prep, datas)
+        except BaseException as e:
+            self._abandon(snap, step, prep, job, e)
+        self._finish(snap, step, prep, writer, copied, job, dispatch_s, time.perf_counter() - t0)
+
+    def _abandon(
+        self, snap: str, step: int, prep: Prepared, job: Any, err: BaseException
+    ) -> NoReturn:
+        """Background: this process's snapshot `snap` failed before it committed. The processes
+        that wait for its extra or digest learn it at once (`PeerExchange.fail`), and a persist
+        of the step is declined by every process (this one's verdict says why: none persists a
+        step some process has no snapshot of). Raises `err` (`snapshot()` raises it next).
+        """
+        why = f"{type(err).__name__}: {err}"
+        with contextlib.suppress(Exception):
+            self._peers.fail(prep.layout, self.node, snap, why)
+        if job is not None:
+            self._start_persist(snap, job, None, prep.layout,
+                                f"process {self.node}'s snapshot of step {step} failed ({why})")  # fmt: skip
+        raise err
 
     def _fill(
         self, step: int, prep: Prepared, datas: list[Any], xor_now: bool = False
@@ -343,22 +326,22 @@ class SnapshotManager:
             raise
         return writer, copied
 
-    def _finish(self, step: int, prep: Prepared, writer: Any, copied: int, job: Any,
+    def _finish(self, snap: str, step: int, prep: Prepared, writer: Any, copied: int, job: Any,
                 dispatch_s: float, copy_s: float) -> None:  # fmt: skip
         """Background: commit a filled blob, retire old snapshots, maybe persist."""
-        # This node's extra goes to its peers from here, not from the training thread (a
-        # coordination-service write: 6-7 ms of `snapshot()` measured with 4 processes).
-        self._extra_seq = self._peers.publish(prep.layout, self.node, self._extra)
         t0 = time.perf_counter()
+        entry = None
         try:
+            # This node's extra goes to its peers from here, not from the training thread (a
+            # coordination-service write: 6-7 ms of `snapshot()` measured with 4 processes).
+            exchanged = self._peers.publish(prep.layout, self.node, snap, self._extra)
             if writer.xors is not None:  # the redundancy area, unless written on the step
                 xor_fill(writer.blob.array[prep.layout.primary[self.node] :], writer.xors)
                 writer.xors = None
             self._fill_s += time.perf_counter() - t0
-            if self._extra_seq is not None:  # the peers' digests and extras this node keeps
-                self._peers.seal(prep.layout, self.node, self._extra_seq, writer.blob.array)
-                writer.index["extra_kept"] = self._peers.kept(prep.layout, self.node,
-                                                              self._extra_seq)  # fmt: skip
+            if exchanged:  # the peers' digests and extras this node keeps
+                self._peers.seal(prep.layout, self.node, snap, writer.blob.array)
+                writer.index["extra_kept"] = self._peers.kept(prep.layout, self.node, snap)
             with self._lock:
                 entry = writer.commit()
                 abandoned = sorted({e.step for e in self.store.drop_newer(entry, self._pinned)})
@@ -368,24 +351,43 @@ class SnapshotManager:
                             step, abandoned)  # fmt: skip
                 if self.directory is not None and self.node == 0:
                     persist.remove_steps(self.directory, abandoned)
+        except BaseException as e:
+            if entry is None:  # not committed: its peers and its persist learn it
+                with self._lock:
+                    self._pinned.discard(writer.path)
+                self._abandon(snap, step, prep, job, e)
+            raise
         finally:
             with self._lock:
                 self._pinned.discard(writer.path)
         copy_s += time.perf_counter() - t0
         self.stats = SnapshotStats(step, prep.nbytes, copied, dispatch_s, copy_s,
                                    sum(map(len, prep.rolls.values())), self._fill_s)  # fmt: skip
-        layout = prep.layout
         if job is not None:
-            if self._persisting is not None:
-                self._persisting.result()  # one persist at a time, in step order
             with self._lock:
                 self._pinned.add(entry.path)
-            self._persist_seq += 1  # (the same sequence on every process: snapshots in order)
-            tag = f"ucp-memory/{self.namespace}/{self.run}/persist-{self._persist_seq}"
-            self._persisting = self._persister.submit(self._persist, job, entry, layout, tag)
+            self._start_persist(snap, job, entry, prep.layout)
         self._retire()
 
-    def _persist(self, job: Any, entry: Any, layout: SnapshotLayout, tag: str) -> None:
+    def _start_persist(self, snap: str, job: Any, entry: Any, layout: SnapshotLayout,
+                       failed: str = "") -> None:  # fmt: skip
+        """Persist committed snapshot `entry` of `job`'s step in the background, after the
+        persist before it (one at a time, in step order); with `failed` (no entry: this
+        process's snapshot of the step failed), take part only to decline it on every process."""
+        if self._persisting is not None:
+            previous, self._persisting = self._persisting, None
+            try:
+                previous.result()
+            except BaseException as e:  # raised by the next snapshot(), as in _reraise
+                self._error = self._error or e
+        tag = f"ucp-memory/{self.namespace}/{self.run}/persist-{snap}"
+        self._persisting = self._persister.submit(self._persist, job, entry, layout, tag, failed)
+
+    def _persist(self, job: Any, entry: Any, layout: SnapshotLayout, tag: str,
+                 failed: str = "") -> None:  # fmt: skip
+        if entry is None:
+            persist.write(job, None, layout, self.node, tag=tag, failed=failed)
+            return
         try:
             persist.write(job, self.store.live[entry.path], layout, self.node, entry.crc32, tag)
         finally:

@@ -141,16 +141,22 @@ class PeerExchange:
     it (the coordination service's key-value store; a few hundred bytes per process), and the
     digests of the nodes' bytes that their schemes keep (`seal`; rs2: a few words per node).
 
-    `publish` runs on the training thread when a snapshot starts; `kept` in the background before
-    the snapshot commits (it waits for its sources to publish the same snapshot). A process
-    deletes its own keys once they are `LAG` snapshots old (its readers, one collective step
-    behind at most, have read them).
+    A snapshot's keys are named by its `snap`, ``"<n>.<step>"``: `n` counts the snapshots this
+    manager started, the same on every process, since every process starts the same snapshots
+    (the redundancy exchange is a collective), and the step keeps a process whose count went
+    astray from ever reading another step's extra as its own. `publish` and `kept` run in the
+    background before the snapshot commits (`kept` waits for its sources to publish the same
+    snapshot). A process whose snapshot failed before it committed publishes a failure in its
+    keys instead (`fail`), so that the processes waiting for them stop at once, naming it, rather
+    than at the barrier timeout. A process deletes its own keys once they are `LAG` snapshots
+    old (its readers, one collective step behind at most, have read them).
     """
 
     LAG = 4
+    FAILED = "!"  # a failure published in a key (JSON, an extra's or a digest's, never starts so)
 
     def __init__(self, prefix: str) -> None:
-        self.prefix, self.seq = prefix, 0
+        self.prefix = prefix
         self._mine: list[str] = []
 
     @staticmethod
@@ -160,35 +166,54 @@ class PeerExchange:
 
         return layout.scheme is not None and jax.process_count() == layout.nodes > 1
 
-    def publish(self, layout: Any, node: int, encoded: Any) -> int | None:
-        """Publish this node's extra of the next snapshot; its sequence number (None: inactive)."""
+    def publish(self, layout: Any, node: int, snap: str, encoded: Any) -> bool:
+        """Publish this node's extra of snapshot `snap`; whether the exchange is active."""
         if not self.active(layout):
-            return None
+            return False
+        self._set(f"{self.prefix}/{snap}/{node}", serial(encoded).decode())
+        return True
+
+    def fail(self, layout: Any, node: int, snap: str, why: str) -> None:
+        """This node's snapshot `snap` failed before it committed: say so where its peers wait
+        (its extra and its digest), so that they stop too."""
+        if self.active(layout):
+            for key in (f"{self.prefix}/{snap}/{node}", f"{self.prefix}/{snap}/{node}/digest"):
+                self._set(key, self.FAILED + why)
+
+    def _set(self, key: str, value: str) -> None:
         from ..util.sync import coordination_client
 
-        self.seq += 1
-        key = f"{self.prefix}/{self.seq}/{node}"
         client = coordination_client()
-        client.key_value_set(key, serial(encoded).decode(), allow_overwrite=True)
+        client.key_value_set(key, value, allow_overwrite=True)
         self._mine.append(key)
         while len(self._mine) > 2 * self.LAG:  # (an extra and a digest per snapshot)
             client.key_value_delete(self._mine.pop(0))
-        return self.seq
 
-    def kept(self, layout: Any, node: int, seq: int) -> Any:
-        """What `node` keeps of its sources' extras of snapshot `seq` (waits for them)."""
+    def _get(self, snap: str, source: int, suffix: str = "") -> str:
+        """A source's key of snapshot `snap` (waits for it); raises where it says it failed."""
+        from ..errors import AnotherProcessFailedError
         from ..util import config
         from ..util.sync import coordination_client
 
-        client, timeout_ms = coordination_client(), int(config.barrier_timeout_s() * 1000)
-        raws = {
-            s: client.blocking_key_value_get(f"{self.prefix}/{seq}/{s}", timeout_ms).encode()
-            for s in layout.scheme.extra_sources(layout, node)
-        }
+        timeout_ms = int(config.barrier_timeout_s() * 1000)
+        raw: str = coordination_client().blocking_key_value_get(
+            f"{self.prefix}/{snap}/{source}{suffix}", timeout_ms
+        )
+        if raw.startswith(self.FAILED):
+            step = snap.partition(".")[2]
+            raise AnotherProcessFailedError(
+                f"process {source}'s snapshot of step {step} failed, so this process, which keeps "
+                f"redundancy for it, did not commit that step either: {raw[len(self.FAILED) :]}"
+            )
+        return raw
+
+    def kept(self, layout: Any, node: int, snap: str) -> Any:
+        """What `node` keeps of its sources' extras of snapshot `snap` (waits for them)."""
+        raws = {s: self._get(snap, s).encode() for s in layout.scheme.extra_sources(layout, node)}
         return layout.scheme.keep_extras(layout, node, raws)
 
-    def seal(self, layout: Any, node: int, seq: int, blob: Any) -> None:
-        """Before snapshot `seq` commits: publish the digest of this node's filled blob that its
+    def seal(self, layout: Any, node: int, snap: str, blob: Any) -> None:
+        """Before snapshot `snap` commits: publish the digest of this node's filled blob that its
         scheme asks for, wait for its sources' of the same snapshot, and write what it keeps of
         them into its blob (`RedundancyScheme.digest`, `keep_digests`; nothing for most schemes).
         """
@@ -196,18 +221,9 @@ class PeerExchange:
         sources = scheme.digest_sources(layout, node)
         if not sources:
             return
-        from ..util import config
-        from ..util.sync import coordination_client
-
-        client, timeout_ms = coordination_client(), int(config.barrier_timeout_s() * 1000)
-        key = f"{self.prefix}/{seq}/{node}/digest"
-        client.key_value_set(key, json.dumps(scheme.digest(layout, node, blob)),
-                             allow_overwrite=True)  # fmt: skip
-        self._mine.append(key)
-        got = {}
-        for s in sources:
-            raw = client.blocking_key_value_get(f"{self.prefix}/{seq}/{s}/digest", timeout_ms)
-            got[s] = json.loads(raw)
+        self._set(f"{self.prefix}/{snap}/{node}/digest",
+                  json.dumps(scheme.digest(layout, node, blob)))  # fmt: skip
+        got = {s: json.loads(self._get(snap, s, "/digest")) for s in sources}
         scheme.keep_digests(layout, node, blob, got)
 
 

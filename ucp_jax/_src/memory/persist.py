@@ -47,8 +47,8 @@ def make_job(directory: Any, step: int, params: Any, opt_state: Any, rules: tupl
                    extra=manifest_extra(extras), overwrite=True)  # fmt: skip
 
 
-def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int, crc32: int | None = None,
-          tag: str = "") -> bool:  # fmt: skip
+def write(job: SaveJob, blob: Blob | None, layout: SnapshotLayout, node: int,
+          crc32: int | None = None, tag: str = "", failed: str = "") -> bool:  # fmt: skip
     """Write this process's share of the checkpoint from the snapshot's bytes, then commit.
 
     Every process first checks its snapshot's bytes against `crc32`, the CRC-32 of its commit,
@@ -58,12 +58,17 @@ def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int, crc32: in
     raised on some processes only would leave the others in the next collective). Logged as
     an error; the next persisted snapshot is written from fresh bytes.
 
+    A process whose snapshot of the step failed (`failed` says why; no `blob`) takes part only
+    to give that verdict: then no process persists the step, and none waits for it.
+
     Returns:
         Whether the checkpoint was written.
     """
     t0 = time.perf_counter()
-    why = ""
-    if crc32 is not None and (got := blob_crc(blob.array)) != crc32:
+    why = failed
+    if blob is None:
+        why = why or "no snapshot of this step"
+    elif crc32 is not None and (got := blob_crc(blob.array)) != crc32:
         why = f"{blob.path} has CRC-32 {got:#010x}, not the {crc32:#010x} it was committed with"
     verdicts = [why]
     if tag and jax.process_count() > 1:
@@ -75,10 +80,11 @@ def write(job: SaveJob, blob: Blob, layout: SnapshotLayout, node: int, crc32: in
         with contextlib.suppress(Exception):
             job.staging.release()
         log.error("ucp.memory: step %s not persisted (on any process): the snapshot of "
-                  "process(es) %s was damaged in shared memory since its commit (%s); the next "
-                  "persisted snapshot is written from fresh bytes", job.manifest.step,
+                  "process(es) %s failed or was damaged in shared memory since its commit (%s); "
+                  "the next persisted snapshot is written from fresh bytes", job.manifest.step,
                   [i for i, _ in bad], bad[0][1])  # fmt: skip
         return False
+    assert blob is not None
     by_key = {(layout.leaves[p.leaf].name, p.box): p for p in layout.by_node[node]}
     host = []
     for t in job.tasks:
