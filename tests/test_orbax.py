@@ -199,6 +199,12 @@ def test_sync_manager_and_plain_checkpointers(tmp_path):
                        r"whose items are universal checkpoints: .*step_12/default;"):  # fmt: skip
         ucp.open(tmp_path / "m" / "step_12")
     assert cli.main(["inspect", str(tmp_path / "m" / "step_12")]) == 1
+    # an item of a manager's step is not deleted alone (Orbax would list a step it cannot restore)
+    item = tmp_path / "m" / "step_12" / "default"
+    with pytest.raises(ucp.ArgumentError, match=r"item of a step an Orbax CheckpointManager saved"):
+        ucp.delete_checkpoint(item)
+    assert cli.main(["rm", str(item)]) == 1
+    assert ucp.open(item).step == 12
     with pytest.raises(ucp.NotACheckpointError, match=r"step_12/default is a universal checkpoint"):
         ucp.import_orbax(tmp_path / "m" / "step_12", tmp_path / "converted")
     assert_tree_bitexact(want, mngr.restore(12, args=uo.UniversalRestore(tgt)).params)

@@ -22,11 +22,13 @@ import shutil
 import uuid
 from typing import Any
 
-from ..errors import NotACheckpointError, UnsafePathError
+from ..errors import ArgumentError, NotACheckpointError, UnsafePathError
 from . import index, writers
 from .durable import fsync_dir
 from .manifest import COMMIT
 from .store import Location
+
+ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"  # in the step folder of an Orbax manager
 
 LOCK_WAIT_S = 5.0  # a save's sweep of the folder holds other paths' locks for a moment
 
@@ -45,6 +47,7 @@ def delete_checkpoint(path: Any) -> None:
             it may be someone else's data).
         WriterConflictError: a save to that path is in progress.
         UnsafePathError: the local path is a symbolic link (its target is not removed).
+        ArgumentError: it is an item of an Orbax CheckpointManager's step (delete the step).
 
     In a multi-process job, call it on one process (deleting is not a collective): two
     processes deleting one checkpoint race, and the second is told there is nothing there.
@@ -55,10 +58,31 @@ def delete_checkpoint(path: Any) -> None:
     """
     loc = Location.parse(path)
     local = loc.local_path
+    if (step := _orbax_step_of(loc)) is not None:
+        raise ArgumentError(
+            f"{loc.url} is an item of a step an Orbax CheckpointManager saved ({step} holds its "
+            f"{ORBAX_STEP_METADATA}): deleted alone, it would leave a step Orbax lists but cannot "
+            "restore; delete the whole step with the manager (`mngr.delete(step)`), which "
+            "removes its items"
+        )
     if local is not None:
         _delete_local(loc, local.rstrip("/") or local)
     else:
         _delete_in_store(loc)
+
+
+def _orbax_step_of(loc: Location) -> str | None:
+    """The step folder holding `loc`, where Orbax's CheckpointManager saved it as an item."""
+    parent, _, _ = loc.kvstore["path"].rstrip("/").rpartition("/")
+    if not parent:
+        return None
+    spec = dict(loc.kvstore, path=parent + "/")
+    above = Location(spec, loc.context)
+    if above.local_path is not None:
+        found = os.path.isfile(os.path.join(above.local_path, ORBAX_STEP_METADATA))
+    else:
+        found = above.exists(ORBAX_STEP_METADATA)
+    return above.url if found else None
 
 
 def _delete_local(loc: Location, final: str) -> None:
