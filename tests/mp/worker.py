@@ -50,11 +50,10 @@ class _RecordingArray:
 def _instrument() -> None:
     """Record every region the save writes, wherever the array was opened or created, and every
     region written as raw shard values."""
-    from ucp_jax._src import save as save_mod
     from ucp_jax._src.format import encode as encode_mod
     from ucp_jax._src.format import store as store_mod
 
-    open_array, create = store_mod.open_array, save_mod._create
+    open_array, create = store_mod.open_array, store_mod.create_array
     raw_write = encode_mod.RawWriter.write
 
     def recording_raw(self: Any, info: Any, box: Any, data: Any) -> Any:
@@ -79,7 +78,7 @@ def _instrument() -> None:
         return _Future(create(loc, shape, info, txn), info.path)
 
     store_mod.open_array = recording_open
-    save_mod._create = recording_create
+    store_mod.create_array = recording_create
 
 
 def _owned(path: Any, mesh: jax.sharding.Mesh) -> dict[str, list[list[list[int]]]]:
