@@ -20,6 +20,7 @@ import ucp_jax as ucp
 from ucp_jax._src.cli import main as cli_main
 from ucp_jax._src.errors import ArgumentError
 from ucp_jax._src.format import index, store
+from ucp_jax._src.format.manifest import MANIFEST
 
 BUCKET = "ucp-listing"
 N = 12  # checkpoints
@@ -195,6 +196,26 @@ def test_ucp_index_drops_entries_of_checkpoints_deleted_by_other_tools(mem_root)
     assert ucp.list_checkpoints(root) == [f"{root}/a"]
     assert store.Location.parse(root).list_keys(".ucp-index/", ".ucp-index0") == [
         ".ucp-index/.complete", ".ucp-index/a"]  # fmt: skip
+
+
+def test_a_half_deleted_checkpoint_is_not_indexed_or_listed(mem_root, caplog):
+    """Another tool's deletion stopped with COMMIT left and manifest.json gone: as a local
+    listing does, an index build (`ucp index`) and the listing without an index skip it with a
+    warning (they took COMMIT alone, so the newest listed checkpoint did not open)."""
+    root = mem_root
+    for n in ("step_1", "step_2"):
+        ucp.save(f"{root}/{n}", _tree(1), step=1)
+    loc = store.Location.parse(root)
+    loc.delete(f"step_2/{MANIFEST}")
+    loc.delete(f"{index.INDEX}/step_2")  # the docs' advice for deletions by other tools
+    with caplog.at_level(logging.WARNING, logger="ucp_jax"):
+        assert cli_main(["index", root]) == 0
+        assert ucp.list_checkpoints(root) == [f"{root}/step_1"]
+        _unindex(root)  # and the listing of every key, with no index
+        assert ucp.list_checkpoints(root) == [f"{root}/step_1"]
+    assert f"{root}/step_2 holds COMMIT but no manifest.json" in caplog.text
+    assert f"ucp rm {root}/step_2" in caplog.text
+    ucp.open(ucp.list_checkpoints(root)[-1])
 
 
 def test_recovery_skips_a_listed_checkpoint_deleted_by_other_tools(mem_root, caplog):

@@ -115,8 +115,15 @@ def indexed(loc: Location) -> list[str] | None:
 def scanned(loc: Location) -> list[str]:
     """Names of the committed checkpoints under `loc` from a listing of every key there."""
     keys = loc.list_keys()
-    names = {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)}
-    return sorted((n for n in names if not n.startswith(".")), key=natural)
+    marked = {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT)}
+    sealed = {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + MANIFEST)}
+    for n in sorted(marked - sealed, key=natural):  # as `_whole` skips such a local folder
+        log.warning(
+            "%s/%s holds COMMIT but no %s (a deletion interrupted midway?): not listed as a "
+            "checkpoint; remove it with `ucp rm %s/%s`",
+            loc.url, n, MANIFEST, loc.url, n,
+        )  # fmt: skip
+    return sorted((n for n in marked & sealed if not n.startswith(".")), key=natural)
 
 
 def _usable(name: str, loc: Location) -> bool:
