@@ -389,3 +389,26 @@ def test_the_inflight_environment_variable_must_be_positive(monkeypatch, value):
         config.inflight_bytes()
     monkeypatch.setenv("UCP_SNAPSHOT_DEVICE_COPIES", "false")  # off, as every switch's
     assert config.snapshot_device_copies() is False
+
+
+def test_direct_reads_and_save_arguments_say_what_to_pass(tmp_path) -> None:
+    # a step beyond int64 was called "not an integer"; a circular extra was a bare ValueError;
+    # read(3) a bare TypeError; a direct read of a missing atom or slot gave a restore's advice
+    w = {"w": np.ones(2, np.float32)}
+    with pytest.raises(TypeError, match=r"step 1180591620717411303424 is beyond int64"):
+        ucp.save(tmp_path / "big", w, step=2**70)
+    loop: dict = {}
+    loop["self"] = loop
+    with pytest.raises(TypeError, match=r"extra must be JSON-serialisable \(Circular reference"):
+        ucp.save(tmp_path / "loop", w, extra=loop)
+    assert sorted(os.listdir(tmp_path)) == []
+    ucp.save(tmp_path / "ck", w, step=1)
+    ck = ucp.open(tmp_path / "ck")
+    with pytest.raises(TypeError, match=r"an atom name is a string, not a int \(3\).*'w'"):
+        ck.read(3)
+    with pytest.raises(ucp.MismatchError, match=r"atom 'x', which the checkpoint does not have; "
+                       r"pass one of its 1 atoms \(.atoms; `ucp inspect` lists them\)"):  # fmt: skip
+        ck.read("x")
+    with pytest.raises(ucp.MismatchError, match=r"wanted slot 'exp_avg' of atom 'w', but it has "
+                       r"slots \['fp32'\]; pass one of those as the slot"):  # fmt: skip
+        ck.read("w", "exp_avg")

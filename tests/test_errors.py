@@ -89,6 +89,10 @@ def test_wrong_dtype_needs_cast(saved):
         ),
         (np.array([1 + 1e300j, 1], np.complex128), np.complex64, "holds 1e+300, beyond complex64"),
         (np.array([1e300, 1.0], np.float64), np.complex64, "holds 1e+300, beyond complex64's"),
+        # bool: a mask, 0 and 1 only (anything else became True)
+        (np.array([2, 1], np.int32), np.bool_, "holds 2, which bool cannot hold (only 0 and 1"),
+        (np.array([0.5, 0.0], np.float32), np.bool_, "holds 0.5, which bool cannot hold"),
+        (np.array([np.nan, 1.0], np.float32), np.bool_, "holds nan, which bool cannot hold"),
     ],
 )
 def test_a_cast_that_loses_values_is_refused(tmp_path, stored, target, bad):

@@ -409,6 +409,57 @@ def test_pattern_sizes_and_templates_that_cannot_be(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "make, message",
+    [
+        # ints, not floats rounded down or strings split into digits or names into letters
+        (lambda: ucp.Fused(4, axis=1), "Fused: sizes=4 is a int; expected a tuple of integers"),
+        (lambda: ucp.Fused("22", axis=1), "Fused: sizes='22' is a str; expected a tuple"),
+        (lambda: ucp.Fused((2.7, 2.7), axis=1), "Fused: sizes=2.7 is a float; expected an integer"),
+        (lambda: ucp.Fused((2, 2), axis=1.0), "Fused: axis=1.0 is a float; expected an integer"),
+        (lambda: ucp.Fused((2, 2), 1, atoms="xy"), "Fused: atoms='xy'; expected a tuple of names"),
+        (
+            lambda: ucp.Fused((2, 2), 1, shard_axis=1),
+            "Fused: shard_axis=1 is a int; expected a str",
+        ),
+        (lambda: ucp.VocabPadded(6, axis="0"), "VocabPadded: axis='0' is a str; expected an int"),
+        (lambda: ucp.Transposed("ab"), "Transposed: perm='ab' is a str; expected a tuple"),
+        (lambda: ucp.Transposed(1), "Transposed: perm=1 is a int; expected a tuple of integers"),
+        (lambda: ucp.Transposed((1.7, 0.2)), "Transposed: perm=1.7 is a float; expected an int"),
+        (lambda: ucp.Partitioned(axis=0.5), "Partitioned: axis=0.5 is a float; expected an int"),
+        (lambda: ucp.Stacked(3, axes=0), "Stacked: atoms=3 is a int; expected a string"),
+        (lambda: ucp.Stacked("b.{i}", axes=(0.0,)), "Stacked: axes=0.0 is a float; expected"),
+    ],
+)
+def test_pattern_arguments_of_the_wrong_type_are_refused(make, message):
+    # they were coerced (Fused((2.7, 2.7)) saved as sizes (2, 2), atoms="xy" as ("x", "y")) or
+    # failed later with a bare TypeError from inside the library
+    with pytest.raises(ucp.PatternError, match=re.escape(message)):
+        make()
+    assert ucp.Fused(np.array([2, 2]), np.int64(1), atoms=["a", "b"]).sizes == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        ((r"a\.w", ucp.Replicated), "rule #0 ('a\\\\.w'): rule pattern <class"),
+        (
+            (r"a\.w", ucp.Replicated),
+            "is not a ucp pattern (a class: call it, e.g. ucp.Replicated())",
+        ),
+        ((r"a\.w", 7), "rule #0 ('a\\\\.w'): rule pattern 7 is not a ucp pattern"),
+        ((r"a\.w", "Replicated"), "rule pattern 'Replicated' is not a ucp pattern"),
+        ((7, ucp.Replicated()), "rule #0: its regex 7 is a int; expected a string"),
+        ((re.compile(r"a\.w"), ucp.Replicated()), "is a Pattern; expected a string"),
+    ],
+)
+def test_rules_of_the_wrong_type_name_the_rule(tmp_path, rule, message):
+    # a bare TypeError before ('type' object is not iterable; Pattern is not JSON serializable)
+    with pytest.raises(ucp.PatternError, match=re.escape(message)):
+        ucp.save(tmp_path / "ck", {"a": {"w": np.ones((2, 2), np.float32)}}, rules=[rule])
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize(
     "chain, past",
     [
         (ucp.Stacked(r"blocks.{i}.\1"), "blocks.2.qkv"),

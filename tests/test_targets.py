@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -98,3 +100,27 @@ def test_make_mesh_says_the_sizes_must_use_every_device():
     with pytest.raises(ValueError, match=f"choose sizes whose product is {n} .*devices= a subset"):
         ucp.make_mesh(data=2, tensor=n // 4)
     assert ucp.make_mesh(devices=jax.devices()[:2], data=2).size == 2
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda m: ucp.targets({"w": np.zeros((8, 2))}, "mesh"), TypeError,
+         "targets: mesh is a str ('mesh'); expected a jax.sharding.Mesh"),
+        (lambda m: ucp.targets({"w": np.zeros((8, 2))}, m, "data"), ValueError,
+         "the spec for leaf 'w' is a str ('data'); expected a PartitionSpec"),
+        (lambda m: ucp.targets({"w": np.zeros((8, 2))}, m, lambda n, x: None), ValueError,
+         "the spec for leaf 'w' is a NoneType"),
+        (lambda m: ucp.targets({"w": np.zeros((8, 2))}, m, P("data", "data")), ValueError,
+         "targets: leaf 'w' of shape (8, 2) cannot take P('data', 'data') on mesh"),
+        (lambda m: ucp.targets({"w": np.zeros(2), "s": "text"}, m), TypeError,
+         "targets: leaf 's' is a str ('text'); expected an array"),
+        (lambda m: ucp.targets({"w": np.zeros(2)}, m, opt_state={"mu": {"w": "x"}}), TypeError,
+         "targets: leaf 'opt_state.mu.w' is a str"),
+    ],
+)  # fmt: skip
+def test_targets_name_the_leaf_whatever_is_wrong(call, error, message):
+    # these were JAX's DuplicateSpecError, AttributeError ('str' object has no attribute
+    # 'partitions' / 'dtype' / 'size') or a pybind TypeError, naming no leaf
+    with pytest.raises(error, match=re.escape(message)):
+        call(ucp.make_mesh(data=-1))

@@ -124,12 +124,19 @@ class Checkpoint:
         """The AtomInfo of `name`, or a MismatchError naming close matches."""
         if name in self.atoms:
             return self.atoms[name]
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{self.path}: an atom name is a string, not a {type(name).__name__} ({name!r:.40})"
+                f"; the checkpoint's are in .atoms (e.g. {next(iter(self.atoms), None)!r})"
+            )
         close = difflib.get_close_matches(name, list(self.atoms), n=3)
         who = f"leaf {leaf!r} needs atom" if leaf else "atom"
+        fix = ("add a rule mapping the leaf to its atom, or restore a matching tree" if leaf else
+               f"pass one of its {len(self.atoms)} atoms (.atoms; `ucp inspect` lists them)")  # fmt: skip
         raise MismatchError(
             f"{self.path}: {who} {name!r}, which the checkpoint does not have"
             + (f" (close: {close})" if close else "")
-            + "; add a rule mapping the leaf to its atom, or restore a matching tree",
+            + f"; {fix}",
             leaf=leaf,
             kind="missing",
         )
@@ -183,9 +190,11 @@ class Checkpoint:
             info = self.atom(name, leaf=leaf)
             if slot not in info.slots:
                 who = f"leaf {leaf!r} needs" if leaf else "wanted"
+                fix = ("restore without that optimizer state or save it" if leaf else
+                       "pass one of those as the slot")  # fmt: skip
                 raise MismatchError(
                     f"{self.path}: {who} slot {slot!r} of atom {name!r}, but it has slots "
-                    f"{sorted(info.slots)}; restore without that optimizer state or save it",
+                    f"{sorted(info.slots)}; {fix}",
                     leaf=leaf,
                     kind="slot",
                 )

@@ -58,6 +58,8 @@ def _step_value(step: Any) -> int | None:
     ``TrainState.step``); a float or text is refused rather than rounded."""
     if step is None:
         return None
+    if isinstance(step, int) and not isinstance(step, bool) and not -(2**63) <= step < 2**63:
+        raise TypeError(f"save: step {step} is beyond int64; a step is an int64 counter")
     a = np.asarray(step)
     if a.size != 1 or a.dtype.kind not in "iu":
         raise TypeError(
@@ -122,7 +124,7 @@ class SaveJob:
         self.tag = f"ucp-save-{self.seq}"
         try:
             json.dumps(extra)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:  # (ValueError: a circular reference)
             raise TypeError(f"save: extra must be JSON-serialisable ({e}); pass plain data") from e
         step = _step_value(step)
         _check_leaves_live(params, opt_state)

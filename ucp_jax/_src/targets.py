@@ -124,14 +124,20 @@ def targets(
         devices JAX would narrow them), restored on the host.
 
     Raises:
-        ValueError: ``specs`` does not match ``params``, or a spec does not fit its leaf (the
-            leaf is named).
+        ValueError: ``specs`` does not match ``params``, or a spec is not a PartitionSpec or does
+            not fit its leaf (the leaf is named).
+        TypeError: ``mesh`` is not a Mesh, or a leaf is not an array, struct or number.
 
     >>> mesh = make_mesh(data=-1)
     >>> p, _ = targets({"w": np.zeros((8, 4))}, mesh, PartitionSpec("data"))
     >>> p["w"].sharding.spec == PartitionSpec("data")
     True
     """
+    if not isinstance(mesh, Mesh | jax.sharding.AbstractMesh):
+        raise TypeError(
+            f"targets: mesh is a {type(mesh).__name__} ({mesh!r:.40}); expected a "
+            "jax.sharding.Mesh (ucp.make_mesh(data=..., tensor=...) makes one)"
+        )
     specs = PartitionSpec() if specs is None else specs
     leaves = named_leaves(params)
     names = [n for n, _, _ in leaves]
@@ -147,11 +153,18 @@ def targets(
             by_name[name] = host
             out.append(host)
             continue
+        _check_leaf(x, name)
+        if not isinstance(spec, PartitionSpec):
+            raise ValueError(
+                f"targets: the spec for leaf {name!r} is a {type(spec).__name__} ({spec!r:.40}); "
+                "expected a PartitionSpec (P('data', None), ...): specs gives one per leaf, one "
+                "per subtree, one for all, or a callable (name, leaf) -> PartitionSpec"
+            )
         try:
             sharding = NamedSharding(mesh, spec)
             sharding.shard_shape(np.shape(x))
             t = jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-        except (ValueError, IndexError) as e:
+        except Exception as e:  # JAX's own errors of a spec (DuplicateSpecError is no ValueError)
             raise ValueError(
                 f"targets: leaf {name!r} of shape {np.shape(x)} cannot take {spec} on mesh "
                 f"{dict(mesh.shape)}: {str(e)[:200]}; give it a spec that fits its rank and "
@@ -172,7 +185,17 @@ def targets(
         if host is not None:
             opt.append(host)
             continue
+        _check_leaf(o.leaf, o.name)
         mirrored = getattr(by_name.get(o.param), "sharding", None) if o.param is not None else None
         opt.append(jax.ShapeDtypeStruct(np.shape(o.leaf), o.leaf.dtype,
                                         sharding=mirrored or NamedSharding(mesh, PartitionSpec())))  # fmt: skip
     return ptargets, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(opt_state), opt)
+
+
+def _check_leaf(x: Any, name: str) -> None:
+    """A target leaf has a shape and a dtype (Python numbers are taken before)."""
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(
+            f"targets: leaf {name!r} is a {type(x).__name__} ({x!r:.40}); expected an array, "
+            "a jax.ShapeDtypeStruct or a Python number"
+        )

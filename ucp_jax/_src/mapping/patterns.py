@@ -118,6 +118,31 @@ def _replace(t: tuple[Any, ...], i: int, v: Any) -> tuple[Any, ...]:
     return (*t[:i], v, *t[i + 1 :])
 
 
+def _int(value: Any, what: str) -> int:
+    """An integer argument of a pattern (`what`: where, for the message); bool and float refused."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise PatternError(
+            f"{what}={value!r} is a {type(value).__name__}; expected an integer (an array axis, "
+            "a size)"
+        )
+    return int(value)
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    """A sequence of integers (a tuple or list; a string or a single int refused)."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
+        raise PatternError(
+            f"{what}={values!r} is a {type(values).__name__}; expected a tuple of integers"
+        )
+    return tuple(_int(v, what) for v in values)
+
+
+def _name(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise PatternError(f"{what}={value!r} is a {type(value).__name__}; expected a string")
+    return value
+
+
 def expand_template(template: str, ctx: LeafContext, env: tuple[tuple[str, int], ...]) -> str:
     try:
         name = ctx.match.expand(template) if ctx.match and "\\" in template else template
@@ -176,6 +201,9 @@ class Partitioned(Pattern):
     axis: int = 0
     kind: ClassVar[str] = "Partitioned"
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axis", _int(self.axis, "Partitioned: axis"))
+
 
 @dataclasses.dataclass(frozen=True)
 class Transposed(Pattern):
@@ -189,7 +217,7 @@ class Transposed(Pattern):
     kind: ClassVar[str] = "Transposed"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "perm", tuple(int(p) for p in self.perm))
+        object.__setattr__(self, "perm", _ints(self.perm, "Transposed: perm"))
         if sorted(self.perm) != list(range(len(self.perm))):
             raise PatternError(f"Transposed: perm {self.perm} is not a permutation of 0..n-1")
 
@@ -234,6 +262,7 @@ class VocabPadded(Pattern):
                 "integer (a size of 0 would make every row padding, stored nowhere)"
             )
         object.__setattr__(self, "size", size)
+        object.__setattr__(self, "axis", _int(self.axis, "VocabPadded: axis"))
 
     def split(self, node: Node, ctx: LeafContext) -> list[Node]:
         ax = _axis(self.axis, node.shape, ctx, self)
@@ -272,11 +301,19 @@ class Fused(Pattern):
     kind: ClassVar[str] = "Fused"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        object.__setattr__(self, "sizes", _ints(self.sizes, "Fused: sizes"))
         if not self.sizes or min(self.sizes) < 1:
             raise PatternError(f"Fused: sizes {self.sizes}; expected positive sub-param sizes")
+        object.__setattr__(self, "axis", _int(self.axis, "Fused: axis"))
+        if self.shard_axis is not None:
+            _name(self.shard_axis, "Fused: shard_axis")
         if self.atoms is not None:
-            object.__setattr__(self, "atoms", tuple(self.atoms))
+            if isinstance(self.atoms, str) or not isinstance(self.atoms, Sequence):
+                raise PatternError(
+                    f"Fused: atoms={self.atoms!r}; expected a tuple of names, one per size "
+                    f"({len(self.sizes)})"
+                )
+            object.__setattr__(self, "atoms", tuple(_name(a, "Fused: atoms") for a in self.atoms))
             if len(self.atoms) != len(self.sizes):
                 raise PatternError(
                     f"Fused: {len(self.atoms)} atom names for {len(self.sizes)} sizes"
@@ -334,7 +371,13 @@ class Stacked(Pattern):
     kind: ClassVar[str] = "Stacked"
 
     def __post_init__(self) -> None:
-        axes = (self.axes,) if isinstance(self.axes, int) else tuple(int(a) for a in self.axes)
+        _name(self.atoms, "Stacked: atoms")
+        _name(self.index, "Stacked: index")
+        axes = (
+            _ints(self.axes, "Stacked: axes")
+            if isinstance(self.axes, Sequence | np.ndarray)
+            else (_int(self.axes, "Stacked: axes"),)
+        )
         object.__setattr__(self, "axes", axes)
         if len(set(axes)) != len(axes):
             raise PatternError(f"Stacked: repeated axes {axes}")
@@ -401,11 +444,21 @@ def as_chain(p: Pattern | Sequence[Pattern] | None) -> PatternChain:
         return ()
     if isinstance(p, Pattern):
         return (p,)
+    if not isinstance(p, Sequence) or isinstance(p, str):
+        raise PatternError(_not_a_pattern(p))
     chain = tuple(p)
     for q in chain:
         if not isinstance(q, Pattern):
-            raise PatternError(f"rule pattern {q!r} is not a ucp pattern")
+            raise PatternError(_not_a_pattern(q))
     return chain
+
+
+def _not_a_pattern(q: Any) -> str:
+    called = " (a class: call it, e.g. ucp.Replicated())" if isinstance(q, type) else ""
+    return (
+        f"rule pattern {q!r} is not a ucp pattern{called}; expected a pattern such as "
+        "ucp.Fused(...), a tuple of them, or None"
+    )
 
 
 def chain_pieces(

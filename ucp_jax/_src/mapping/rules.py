@@ -29,6 +29,11 @@ class CompiledRules:
                     f"rule #{i} {rule!r} is not a (regex, pattern) pair; write (r'name\\.regex', "
                     "ucp.Fused(...)) or (regex, (pattern, pattern, ...))"
                 ) from None
+            if not isinstance(regex, str):
+                raise PatternError(
+                    f"rule #{i}: its regex {regex!r} is a {type(regex).__name__}; expected a "
+                    "string (r'name\\.regex'; a compiled re.Pattern: pass its .pattern)"
+                )
             if untrusted:
                 compiled = compile_untrusted(regex, f"rule #{i}")
             else:
@@ -36,7 +41,11 @@ class CompiledRules:
                     compiled = re.compile(regex)
                 except re.error as e:
                     raise PatternError(f"rule #{i}: {regex!r} is not a valid regex ({e})") from e
-            self.rules.append((regex, compiled, as_chain(pat)))
+            try:
+                chain = as_chain(pat)
+            except PatternError as e:
+                raise PatternError(f"rule #{i} ({regex!r}): {e}") from None
+            self.rules.append((regex, compiled, chain))
         self.used = [False] * len(self.rules)
 
     def __bool__(self) -> bool:

@@ -40,7 +40,7 @@ def _integer(dtype: np.dtype) -> bool:
 
 def cast_loss(value: np.ndarray, dtype: Any) -> str | None:
     """What `value.astype(dtype)` would lose beyond rounding, or None: values outside an integer
-    type's range (or NaN / inf into one), finite values beyond a float type's range (to inf, to
+    type's range (or NaN / inf into one), into bool anything but 0 and 1, finite values beyond a float type's range (to inf, to
     NaN, or saturated to its largest value, as the float8 and float4 types without an infinity
     do), an infinity or NaN that becomes something else, or imaginary parts dropped. Rounding a
     float to a narrower one (its largest value included) or to an integer is the cast. A complex
@@ -58,11 +58,20 @@ def cast_loss(value: np.ndarray, dtype: Any) -> str | None:
     'holds inf, which float8_e4m3fn cannot hold (it would become nan)'
     >>> cast_loss(np.array([0.5, 3.0, 6.9], np.float32), ml_dtypes.float4_e2m1fn) is None
     True
+    >>> cast_loss(np.array([0, 1, 2], np.int32), bool)
+    'holds 2, which bool cannot hold (only 0 and 1; it would become True)'
     """
     src, dst = np.dtype(value.dtype), np_dtype(dtype)
-    if src == dst or dst == np.dtype(bool) or value.size == 0:
+    if src == dst or value.size == 0:
         return None
     v = value
+    if dst == np.dtype(bool):  # a mask: 0 and 1 only (2 or 0.5 would become True)
+        with np.errstate(invalid="ignore"):
+            bad = ~((v == 0) | (v == 1))
+        if bad.any():
+            x = v.flat[int(np.argmax(bad))]
+            return f"holds {x}, which bool cannot hold (only 0 and 1; it would become {bool(x)})"
+        return None
     if src.kind == "c" and dst.kind != "c":
         imag = np.imag(v) != 0
         if imag.any():
