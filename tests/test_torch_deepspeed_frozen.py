@@ -58,7 +58,9 @@ def test_zero3_without_a_ranks_model_states_is_refused(ds_ckpts, tmp_path):  # n
     assert not (tmp_path / "ck").exists()
 
 
-@pytest.mark.parametrize("damage", ["rank-1-optim-gone", "no-latest", "truncated", "empty"])
+@pytest.mark.parametrize(
+    "damage", ["rank-1-optim-gone", "rank-2-left-over", "no-latest", "truncated", "empty"]
+)
 def test_a_damaged_zero_folder_is_named_with_what_is_wrong(ds_ckpts, tmp_path, damage):  # noqa: F811
     src = tmp_path / "src"
     shutil.copytree(ds_ckpts.zero("z3_fp32_frozen"), src)
@@ -67,6 +69,12 @@ def test_a_damaged_zero_folder_is_named_with_what_is_wrong(ds_ckpts, tmp_path, d
     if damage == "rank-1-optim-gone":
         os.remove(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
         needle = r"saved 2 data-parallel ranks .* \['zero_pp_rank_1_mp_rank_00_optim_states\.pt'\]"
+    elif damage == "rank-2-left-over":  # a DP-3 save of the tag, then a DP-2 one over it:
+        for kind in ("optim", "model"):  # its values were cut into 3 slices (wrong, and verified)
+            shutil.copy(tag / f"zero_pp_rank_1_mp_rank_00_{kind}_states.pt",
+                        tag / f"zero_pp_rank_2_mp_rank_00_{kind}_states.pt")  # fmt: skip
+        needle = (r"saved 2 data-parallel ranks .* but 3 have optimizer files: "
+                  r"\['zero_pp_rank_2_mp_rank_00_optim_states\.pt'\] are left from another save")  # fmt: skip
     elif damage == "no-latest":
         os.remove(src / "latest")
         needle = rf"no 'latest' file naming one: pass tag= \(--tag {tag.name}\)"
