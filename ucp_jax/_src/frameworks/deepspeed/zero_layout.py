@@ -135,23 +135,18 @@ def scan_folder(folder: str) -> RankFiles:
     osd0["param_groups"] = param_groups(base.get("param_groups") if isinstance(base, dict) else [])
     dp = len({d for d, _ in optim})
     saved = meta.get("dp_world_size")
-    if isinstance(saved, int) and saved > dp:  # the last ranks' files are gone
-        gone = [f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
-                for d in range(dp, saved) for m in mps]  # fmt: skip
+    if isinstance(saved, int) and 0 < saved != dp:  # files gone, or left by a larger save
+        lo, hi = sorted((saved, dp))
+        files = [f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
+                 for d in range(lo, hi) for m in mps]  # fmt: skip
+        listed = f"{files[:3]}{'...' if len(files) > 3 else ''}"
+        what = (f"only {dp} have optimizer files: {listed} are missing" if saved > dp else
+                f"{dp} have optimizer files: {listed} are left from another save of this tag by "
+                "more ranks (DeepSpeed keeps the files a later save does not write); remove them, "
+                "or import a tag saved once")  # fmt: skip
         raise DeepSpeedFormatError(
             f"{folder}: the job saved {saved} data-parallel ranks (dp_world_size in "
-            f"{os.path.basename(model[min(model)])}) but only {dp} have optimizer files: "
-            f"{gone[:3]}{'...' if len(gone) > 3 else ''} are missing"
-        )
-    if isinstance(saved, int) and 0 < saved < dp:  # files of more ranks than the job had
-        extra = [f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
-                 for d in range(saved, dp) for m in mps]  # fmt: skip
-        raise DeepSpeedFormatError(
-            f"{folder}: the job saved {saved} data-parallel ranks (dp_world_size in "
-            f"{os.path.basename(model[min(model)])}) but {dp} have optimizer files: "
-            f"{extra[:3]}{'...' if len(extra) > 3 else ''} are left from another save of this "
-            "tag by more ranks (DeepSpeed keeps the files a later save does not write); remove "
-            "them, or import a tag saved once"
+            f"{os.path.basename(model[min(model)])}) but {what}"
         )
     experts = expert_groups(folder, names, meta, first, dp, stage, len(mps))
     return RankFiles(folder, None, stage, tp, pp, dp, meta, osd0, optim, model, experts)
