@@ -100,12 +100,12 @@ def target_trees(ref: str) -> tuple[Any, Any]:
 def _check_target_leaves(ref: str, trees: tuple[Any, Any]) -> None:
     """Every leaf of what `--target` returned is a target (a user error otherwise, exit 1)."""
     import jax
-    import numpy as np
 
-    ok = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, complex)
+    from ..mapping.binding import LEAF_TYPES
+
     for which, tree in zip(("params", "opt_state"), trees):
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-            if not isinstance(leaf, ok):
+            if not isinstance(leaf, LEAF_TYPES):
                 at = jax.tree_util.keystr(path) or "(the whole tree)"
                 raise CliError(
                     f"--target {ref!r} returned {which} targets whose leaf {at} is a "

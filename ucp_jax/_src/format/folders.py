@@ -19,7 +19,10 @@ PROCESS_PREFIX = "ocdbt.p"  # format version 3: each writing process's database,
 _OWN = frozenset({MANIFEST, COMMIT, "manifest.ocdbt", "d", "atoms", DIGEST_DIR})
 _PROCESS_DB = re.compile(re.escape(PROCESS_PREFIX) + r"\d+")  # not Orbax's `ocdbt.process_0`
 # Orbax's own files (its OCDBT `manifest.ocdbt` and `d/` are a version-3 checkpoint's names too)
-_ORBAX_MARKS = ("_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt")
+# A Checkpointer writes `ORBAX_CHECKPOINT_METADATA` into the folder it saves: a manager's step
+# folder, or an item saved alone (`ocp.Checkpointer(handler).save(path)`)
+ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+_ORBAX_MARKS = (ORBAX_CHECKPOINT_METADATA, "_METADATA", "commit_success.txt")
 MAX_ZARR_JSON_BYTES = 1 << 20  # an array's zarr.json (a few hundred bytes when ucp_jax writes it)
 MAX_OCDBT_MANIFEST_BYTES = 64 << 20  # the root of a version-3 checkpoint's database
 

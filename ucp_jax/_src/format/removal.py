@@ -25,10 +25,9 @@ from typing import Any
 from ..errors import ArgumentError, NotACheckpointError, UnsafePathError
 from . import index, writers
 from .durable import fsync_dir
+from .folders import ORBAX_CHECKPOINT_METADATA
 from .manifest import COMMIT
 from .store import Location
-
-ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"  # in the step folder of an Orbax manager
 
 LOCK_WAIT_S = 5.0  # a save's sweep of the folder holds other paths' locks for a moment
 
@@ -61,7 +60,7 @@ def delete_checkpoint(path: Any) -> None:
     if (step := _orbax_step_of(loc)) is not None:
         raise ArgumentError(
             f"{loc.url} is an item of a step an Orbax CheckpointManager saved ({step} holds its "
-            f"{ORBAX_STEP_METADATA}): deleted alone, it would leave a step Orbax lists but cannot "
+            f"{ORBAX_CHECKPOINT_METADATA}): deleted alone, it would leave a step Orbax lists but cannot "
             "restore; delete the whole step with the manager (`mngr.delete(step)`), which "
             "removes its items"
         )
@@ -76,13 +75,8 @@ def _orbax_step_of(loc: Location) -> str | None:
     parent, _, _ = loc.kvstore["path"].rstrip("/").rpartition("/")
     if not parent:
         return None
-    spec = dict(loc.kvstore, path=parent + "/")
-    above = Location(spec, loc.context)
-    if above.local_path is not None:
-        found = os.path.isfile(os.path.join(above.local_path, ORBAX_STEP_METADATA))
-    else:
-        found = above.exists(ORBAX_STEP_METADATA)
-    return above.url if found else None
+    above = Location(dict(loc.kvstore, path=parent + "/"), loc.context)
+    return above.url if above.exists(ORBAX_CHECKPOINT_METADATA) else None
 
 
 def _delete_local(loc: Location, final: str) -> None:

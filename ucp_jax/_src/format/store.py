@@ -401,16 +401,19 @@ def load_manifest(loc: Location) -> Manifest:
     if marker is None:
         hint = "no such checkpoint"
         names = listdir(local) if local is not None else []
-        below = committed_below(local, names) if local is not None else []
+        mark = orbax_mark(names)
+        bare = local is not None and os.path.isdir(local) and not any(map(checkpoint_entry, names))
+        # the checkpoints in it: a CheckpointManager's step (of ucp items) or its root
+        below = committed_below(local, names) if local is not None and (mark or bare) else []
         listed = ", ".join(below[:3]) + (f", ... ({len(below)})" if len(below) > 3 else "")
-        if (mark := orbax_mark(names)) and below:  # a CheckpointManager's step of ucp items
+        if mark and below:
             hint = f"an Orbax step ({mark}) whose items are universal checkpoints: {listed}"
         elif mark:
             hint = (f"an Orbax checkpoint ({mark}), not a universal one; import it with "
                     "`ucp convert orbax` (ucp.import_orbax)")  # fmt: skip
-        elif local is not None and os.path.isdir(local) and not any(map(checkpoint_entry, names)):
+        elif bare:
             hint = "a folder that holds no checkpoint (no manifest.json, no COMMIT)"
-            if below:  # an Orbax CheckpointManager's root
+            if below:
                 hint += f"; these folders in it are checkpoints: {listed}"
         elif loc.has_any():
             hint = "a save to it did not finish (no COMMIT marker); it is not a checkpoint"

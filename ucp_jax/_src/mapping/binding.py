@@ -85,6 +85,8 @@ def mesh_axes(sharding: Any) -> dict[str, int]:
 # the Python numbers a tree may hold as leaves (a Linen `TrainState.step`): targets keep them,
 # restores give them back as numbers of their type
 PYTHON_NUMBERS = (bool, int, float, complex)
+# what a leaf of a state or of its targets may be (`_leaf_meta`); anything else is refused
+LEAF_TYPES = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, *PYTHON_NUMBERS)
 
 
 def _leaf_meta(leaf: Any, where: str) -> tuple[tuple[int, ...], np.dtype, Any]:
@@ -95,7 +97,7 @@ def _leaf_meta(leaf: Any, where: str) -> tuple[tuple[int, ...], np.dtype, Any]:
             f"leaf {where!r} is a Python int of {leaf.bit_length()} bits, beyond what int64 or "
             "uint64 hold; store it as a float, a string of digits outside the state, or split"
         )
-    if isinstance(leaf, np.ndarray | np.generic | int | float | bool | complex):
+    if isinstance(leaf, LEAF_TYPES):
         arr = np.asarray(leaf)
         return tuple(arr.shape), arr.dtype, None
     raise TypeError(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -252,10 +251,7 @@ class VocabPadded(Pattern):
     kind: ClassVar[str] = "VocabPadded"
 
     def __post_init__(self) -> None:
-        try:
-            size = 0 if isinstance(self.size, bool) else operator.index(self.size)
-        except TypeError:
-            size = 0
+        size = _int(self.size, "VocabPadded: size")
         if size < 1:
             raise PatternError(
                 f"VocabPadded: size={self.size!r}; expected the true vocabulary, a positive "

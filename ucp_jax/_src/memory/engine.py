@@ -203,8 +203,8 @@ class SnapshotManager:
             )
         job = None
         if self.persist_every and step % (self.every * self.persist_every) == 0:
-            job = persist.make_job(self.directory, step, params, opt_state, self.rules, self._extra,
-                                   f"ucp-memory/{self.namespace}/{self.run}/persist-{snap}")  # fmt: skip
+            job = persist.make_job(self.directory, step, params, opt_state, self.rules,
+                                   self._extra, self._persist_tag(snap))  # fmt: skip
         if prep.host_memory and not self.donation_safe:
             # CPU devices, references held: the background thread waits for the step's outputs
             # and copies them while the next steps are dispatched and run.
@@ -353,8 +353,6 @@ class SnapshotManager:
                     persist.remove_steps(self.directory, abandoned)
         except BaseException as e:
             if entry is None:  # not committed: its peers and its persist learn it
-                with self._lock:
-                    self._pinned.discard(writer.path)
                 self._abandon(snap, step, prep, job, e)
             raise
         finally:
@@ -380,8 +378,12 @@ class SnapshotManager:
                 previous.result()
             except BaseException as e:  # raised by the next snapshot(), as in _reraise
                 self._error = self._error or e
-        tag = f"ucp-memory/{self.namespace}/{self.run}/persist-{snap}"
-        self._persisting = self._persister.submit(self._persist, job, entry, layout, tag, failed)
+        self._persisting = self._persister.submit(self._persist, job, entry, layout,
+                                                  self._persist_tag(snap), failed)  # fmt: skip
+
+    def _persist_tag(self, snap: str) -> str:
+        """The name of snapshot `snap`'s persist in the exchanges between processes."""
+        return f"ucp-memory/{self.namespace}/{self.run}/persist-{snap}"
 
     def _persist(self, job: Any, entry: Any, layout: SnapshotLayout, tag: str,
                  failed: str = "") -> None:  # fmt: skip

@@ -59,12 +59,12 @@ from ... import save as save_mod
 from ...checkpoint import Checkpoint
 from ...errors import NotACheckpointError
 from ...format import commit, store
+from ...format.folders import ORBAX_CHECKPOINT_METADATA
 from ...format.manifest import MANIFEST, Manifest
 from ...mapping.rules import Rule
 from ...restore import restore as ucp_restore
 
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
-CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's metadata of the folder a Checkpointer saves
 
 
 class UniversalState(NamedTuple):
@@ -118,10 +118,7 @@ def _saved_alone(directory: str) -> bool:
     an item of a CheckpointManager's step: a Checkpointer writes its `_CHECKPOINT_METADATA` into
     the folder it saves before the handler runs, where a manager writes it into the step folder,
     so the parent folder's name is no step (`/runs/exp_2024/final` is not step 2024)."""
-    loc = store.Location.parse(directory)
-    if loc.local_path is not None:
-        return os.path.exists(os.path.join(loc.local_path, CHECKPOINT_METADATA))
-    return loc.read(CHECKPOINT_METADATA) is not None
+    return store.Location.parse(directory).exists(ORBAX_CHECKPOINT_METADATA)
 
 
 def in_place_job(directory: Any, args: Any) -> save_mod.SaveJob:
